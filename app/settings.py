@@ -1,0 +1,242 @@
+"""The one typed Settings object for API, workers, CLI and pipeline.
+
+Every value can be set from the environment with the prefix ``ONNXFORGE_`` and ``__`` between a section and
+its field, e.g. ``ONNXFORGE_BROKER__URL=redis://127.0.0.1:6379/0``. With nothing set, the service runs on
+embedded defaults: SQLite for job state, a local directory for blobs and a filesystem message queue that
+``onnxforge serve`` feeds to worker processes it starts itself.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ApiSettings(_Section):
+    host: str = Field("127.0.0.1", description="Address uvicorn binds to.")
+    port: int = Field(8000, ge=0, le=65535, description="Port uvicorn binds to (0 picks a free one).")
+    max_upload_bytes: int = Field(
+        4 << 30, gt=0, description="Largest accepted upload (model or archive), in bytes; larger answers 413."
+    )
+    max_samples_bytes: int = Field(256 << 20, gt=0, description="Largest accepted samples.npz, in bytes.")
+    max_config_bytes: int = Field(64 << 10, gt=0, description="Largest accepted config JSON, in bytes.")
+    page_size_max: int = Field(200, gt=0, description="Largest page size accepted by GET /v1/jobs.")
+
+
+class DatabaseSettings(_Section):
+    url: str | None = Field(
+        None,
+        description="SQLAlchemy URL of the job store. Unset: SQLite at <storage.data_dir>/onnxforge.db. "
+        "PostgreSQL: postgresql+psycopg://user@host/db.",
+    )
+    schema_name: str | None = Field(
+        None, description="PostgreSQL schema holding the job table (created if missing). Unset: the default."
+    )
+
+
+class StorageSettings(_Section):
+    data_dir: Path = Field(
+        Path("var"),
+        description="Root of local state: blobs/, work/, queue/ and the SQLite file. Shared by API and "
+        "workers in distributed mode (a network volume).",
+    )
+
+    @property
+    def blobs_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+    @property
+    def work_dir(self) -> Path:
+        return self.data_dir / "work"
+
+    @property
+    def queue_dir(self) -> Path:
+        return self.data_dir / "queue"
+
+
+class BrokerSettings(_Section):
+    url: str | None = Field(
+        None,
+        description="Celery broker URL (redis://...). Unset: embedded mode, a filesystem queue under "
+        "<storage.data_dir>/queue consumed by workers that `onnxforge serve` starts.",
+    )
+    key_prefix: str = Field(
+        "onnxforge:",
+        description="Prefix of every Redis key Celery writes, so several deployments share one Redis.",
+    )
+    visibility_timeout: int = Field(
+        7200,
+        gt=0,
+        description="Seconds before Redis redelivers an unacknowledged task; above task_time_limit.",
+    )
+    connect_timeout: float = Field(2.0, gt=0, description="Seconds to wait for the broker when enqueueing.")
+
+
+class WorkerSettings(_Section):
+    queues: list[Literal["cpu", "gpu"]] = Field(["cpu"], description="Queues this worker consumes.")
+    concurrency: int = Field(
+        1, ge=1, description="Jobs run at once by one worker (one per GPU on GPU queues)."
+    )
+    embedded_workers: int = Field(
+        1, ge=0, description="Worker processes `onnxforge serve` starts in embedded mode (0: none)."
+    )
+    max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it fails with WORKER_LOST.")
+    lease_seconds: int = Field(120, ge=5, description="A running job whose lease is older is re-enqueued.")
+    reconcile_interval_seconds: int = Field(30, ge=1, description="How often stale jobs are looked for.")
+    task_time_limit: int = Field(3600, gt=0, description="Hard Celery time limit of one attempt, seconds.")
+    child_memory_mb: int = Field(
+        8192, ge=256, description="Address-space limit of the child process that runs one attempt, MiB."
+    )
+    child_cpu_seconds: int = Field(3000, ge=10, description="CPU-time limit of one attempt's child, seconds.")
+    child_wall_seconds: int = Field(
+        3300, ge=10, description="Wall-clock limit of one attempt's child, seconds."
+    )
+    child_file_mb: int = Field(8192, ge=16, description="Largest file the child may write, MiB.")
+
+
+class PipelineSettings(_Section):
+    default_preset: str = Field("safe", description="Preset used when a job names neither preset nor passes.")
+    intra_op_threads: int = Field(
+        0, ge=0, description="ONNX Runtime intra-op threads for verification and benchmarks (0: ORT decides)."
+    )
+    verify_shape_sets: int = Field(3, ge=1, description="Input shape sets generated to verify each model.")
+    benchmark_warmup: int = Field(5, ge=0, description="Untimed runs before the benchmark of each model.")
+    benchmark_min_runs: int = Field(30, ge=1, description="Least timed runs per model and shape.")
+    benchmark_max_seconds: float = Field(
+        10.0, gt=0, description="Benchmark time budget per model and shape, seconds (min_runs still apply)."
+    )
+    ledger_runs: int = Field(10, ge=1, description="Timed runs of the quick latency taken after each pass.")
+    rollback_slower: bool = Field(
+        True,
+        description="Roll back a pass whose quick latency is slower than the model before it, beyond noise.",
+    )
+    constant_fold_max_bytes: int = Field(
+        1 << 20, ge=0, description="Constant folding leaves any tensor larger than this many bytes unfolded."
+    )
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="ONNXFORGE_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    environment: Literal["development", "production"] = Field(
+        "development",
+        description="production refuses the single-host embedded defaults: it needs broker.url and database.url.",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    api: ApiSettings = ApiSettings()
+    database: DatabaseSettings = DatabaseSettings()
+    storage: StorageSettings = StorageSettings()
+    broker: BrokerSettings = BrokerSettings()
+    worker: WorkerSettings = WorkerSettings()
+    pipeline: PipelineSettings = PipelineSettings()
+
+    @field_validator("storage")
+    @classmethod
+    def _absolute_data_dir(cls, storage: StorageSettings) -> StorageSettings:
+        # API and workers run from different working directories; a relative path would split the store.
+        return storage.model_copy(update={"data_dir": storage.data_dir.expanduser().resolve()})
+
+    @model_validator(mode="after")
+    def _safe(self) -> Settings:
+        if self.broker.visibility_timeout <= self.worker.task_time_limit:
+            raise ValueError(
+                "broker.visibility_timeout must exceed worker.task_time_limit, or Redis redelivers "
+                "running tasks (security.md T18)"
+            )
+        if self.environment == "production" and (self.broker.url is None or self.database.url is None):
+            raise ValueError(
+                "environment=production needs ONNXFORGE_BROKER__URL and ONNXFORGE_DATABASE__URL: the "
+                "embedded filesystem queue and SQLite file do not work across hosts"
+            )
+        if self.worker.child_wall_seconds >= self.worker.task_time_limit:
+            raise ValueError("worker.child_wall_seconds must be below worker.task_time_limit")
+        return self
+
+    @property
+    def embedded(self) -> bool:
+        return self.broker.url is None
+
+    @property
+    def database_url(self) -> str:
+        return self.database.url or f"sqlite:///{self.storage.data_dir / 'onnxforge.db'}"
+
+    @property
+    def binds_loopback_only(self) -> bool:
+        if self.api.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.api.host).is_loopback
+        except ValueError:
+            return False
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
+
+
+def settings_catalogue() -> list[tuple[str, str, str]]:
+    """(environment variable, default, description) for every setting, in declaration order."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            for sub_name, sub_field in annotation.model_fields.items():
+                default = sub_field.get_default(call_default_factory=True)
+                rows.append(
+                    (
+                        f"ONNXFORGE_{name.upper()}__{sub_name.upper()}",
+                        _env_value(default),
+                        sub_field.description or "",
+                    )
+                )
+        else:
+            rows.append((f"ONNXFORGE_{name.upper()}", _env_value(field.default), field.description or ""))
+    return rows
+
+
+def _env_value(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        import json
+
+        return json.dumps(value)
+    return str(value)
+
+
+def render_env_example() -> str:
+    lines = ["# Every onnxforge setting, with its default. Generated by `python -m app.settings --env`."]
+    for env, default, description in settings_catalogue():
+        lines += [f"# {description}", f"{env}={default}"]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown_table() -> str:
+    lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
+    for env, default, description in settings_catalogue():
+        lines.append(
+            f"| `{env}` | `{default}` | {description.replace('|', '/')} |"
+            if default
+            else f"| `{env}` | | {description.replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(render_markdown_table() if "--markdown" in sys.argv else render_env_example(), end="")

@@ -1,0 +1,96 @@
+"""The job configuration: what a client sends in the ``config`` field, and what ``onnxforge optimize`` reads.
+
+The same JSON serves the API, the CLI (``--config FILE.json``) and the pipeline, so a job submitted over
+HTTP and a local run with the same file produce the same artifact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from onnxforge.errors import InvalidConfigError
+
+Target = Literal["cpu", "cuda", "tensorrt"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PassSpec(_Strict):
+    name: str = Field(description="A pass name from GET /v1/passes.")
+    options: dict[str, Any] = Field(default_factory=dict, description="The pass's options (see its schema).")
+
+
+class Tolerance(_Strict):
+    """An element passes when |got - ref| <= atol + rtol * |ref| (numpy.isclose)."""
+
+    atol: float = Field(1e-4, ge=0, description="Absolute tolerance.")
+    rtol: float = Field(1e-3, ge=0, description="Relative tolerance.")
+    min_cosine: float = Field(0.999, ge=-1, le=1, description="Least cosine similarity per output.")
+    max_mismatch_ratio: float = Field(
+        0.0, ge=0, le=1, description="Share of elements allowed outside atol/rtol (0: none)."
+    )
+
+
+# Tight for exact presets: float reassociation in fused kernels stays far inside these.
+EXACT_TOLERANCE = Tolerance()
+
+
+class JobConfig(_Strict):
+    preset: str | None = Field(None, description="A preset name (GET /v1/passes lists them).")
+    passes: list[str | PassSpec] | None = Field(
+        None, description="Explicit pass list; each entry a name or {name, options}. Overrides preset."
+    )
+    target: Target = Field("cpu", description="Device the model is optimized, verified and benchmarked for.")
+    tolerance: Tolerance | None = Field(None, description="Verification tolerance. Unset: the preset's.")
+    fail_on_regression: bool = Field(
+        False,
+        description="If the optimized model is slower or out of tolerance, fail the job (code "
+        "PERFORMANCE_REGRESSION / VERIFICATION_FAILED) instead of returning the original model.",
+    )
+    rollback_slower: bool | None = Field(
+        None, description="Roll back passes that make the model slower. Unset: the server's setting."
+    )
+    benchmark: bool = Field(True, description="Benchmark original and optimized models.")
+    shapes: list[dict[str, list[int]]] | None = Field(
+        None,
+        description="Input shapes to verify and benchmark, e.g. [{\"input_ids\": [1, 128]}]. "
+        "Unset: from samples, else generated from the graph's symbolic dims.",
+    )
+    seed: int = Field(0, description="Seed of generated verification inputs.")
+
+    @field_validator("passes")
+    @classmethod
+    def _not_empty(cls, passes: list[str | PassSpec] | None) -> list[str | PassSpec] | None:
+        if passes is not None and not passes:
+            raise ValueError("passes must name at least one pass, or be omitted")
+        return passes
+
+    @model_validator(mode="after")
+    def _one_of(self) -> JobConfig:
+        if self.preset is not None and self.passes is not None:
+            raise ValueError("give either preset or passes, not both")
+        return self
+
+    def pass_specs(self) -> list[PassSpec] | None:
+        if self.passes is None:
+            return None
+        return [PassSpec(name=p) if isinstance(p, str) else p for p in self.passes]
+
+    @classmethod
+    def parse(cls, data: str | bytes | dict[str, Any] | None) -> JobConfig:
+        """Parse and validate, raising InvalidConfigError that names the offending field."""
+        try:
+            if data is None or data in ("", b""):
+                return cls()
+            if isinstance(data, (str, bytes)):
+                return cls.model_validate_json(data)
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '(config)'}: {err['msg']}" for err in exc.errors()
+            )
+            raise InvalidConfigError(f"invalid config: {problems}") from exc

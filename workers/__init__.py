@@ -1,0 +1,1 @@
+"""Job execution: Celery app and tasks (thin), and the framework-free pipeline they call."""
