@@ -1,0 +1,52 @@
+"""Graph helpers shared by the passes: naming a node in a report, and walking every graph of a model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import onnx_ir as ir
+
+
+def node_label(node: ir.Node) -> str:
+    """A name a person can find in Netron: the node name, else its first output's name, else the op."""
+    if node.name:
+        return node.name
+    for output in node.outputs:
+        if output.name:
+            return f"<{node.op_type} -> {output.name}>"
+    return f"<{node.op_type}>"
+
+
+def subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
+    """The graphs held in the node's attributes (If branches, Loop and Scan bodies), in attribute order."""
+    for attr in node.attributes.values():
+        if attr.is_ref():
+            continue
+        if attr.type == ir.AttributeType.GRAPH:
+            yield attr.as_graph()
+        elif attr.type == ir.AttributeType.GRAPHS:
+            yield from attr.as_graphs()
+
+
+def graphs_of(graph: ir.Graph | ir.Function) -> Iterator[ir.Graph | ir.Function]:
+    """The graph and, depth first, every subgraph nested in its nodes."""
+    yield graph
+    for node in graph:
+        for sub in subgraphs(node):
+            yield from graphs_of(sub)
+
+
+def all_graphs(model: ir.Model) -> Iterator[ir.Graph | ir.Function]:
+    """The main graph, its subgraphs, then each model-local function and its subgraphs."""
+    yield from graphs_of(model.graph)
+    for function in model.functions.values():
+        yield from graphs_of(function)
+
+
+def is_output_of(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
+    """Whether ``value`` is an output of ``graph`` itself (``Value.is_graph_output`` says: of any graph)."""
+    return any(out is value for out in graph.outputs)
+
+
+def is_input_of(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
+    return any(inp is value for inp in graph.inputs)
