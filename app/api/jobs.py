@@ -1,0 +1,132 @@
+"""``/v1/jobs``: submit a model, follow the job, cancel it, download the optimized model and reports."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Annotated
+from urllib.parse import urlencode
+
+import anyio
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import FileResponse
+
+from app.deps import JobServiceDep, SettingsDep, TenantDep
+from app.schemas import MULTIPART_JOB_BODY, JobList, JobOut, JobState, problem_responses
+from app.services.jobs import Download
+from app.services.uploads import UploadLimits, receive_upload
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+# Served reports are generated from hostile models' names and metadata: nothing may execute or load.
+REPORT_HTML_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    openapi_extra=MULTIPART_JOB_BODY,
+    responses=problem_responses(404, 413, 422, 503),
+    summary="Submit a model for optimization",
+)
+async def create_job(
+    request: Request, response: Response, service: JobServiceDep, settings: SettingsDep, tenant: TenantDep
+) -> JobOut:
+    """Upload an ONNX model (multipart field ``model``), optional ``samples`` (.npz) and ``config`` (JSON).
+
+    The body is streamed to disk and hashed; the job is queued and this answers 202 with the job and its
+    ``Location``. Poll that URL until the job is ``succeeded``, ``failed`` or ``canceled``.
+    """
+    upload = await receive_upload(
+        service.blobs,
+        content_type=request.headers.get("content-type"),
+        content_length=request.headers.get("content-length"),
+        chunks=request.stream(),
+        limits=UploadLimits.from_settings(settings.api),
+    )
+    with upload:  # deletes the temp files if anything below fails before they are committed
+        job = await anyio.to_thread.run_sync(partial(service.submit, tenant, upload))
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return JobOut.from_job(job)
+
+
+@router.get("", response_model=JobList, responses=problem_responses(422), summary="List jobs, newest first")
+def list_jobs(
+    service: JobServiceDep,
+    tenant: TenantDep,
+    limit: Annotated[int, Query(ge=1, description="Page size (at most api.page_size_max).")] = 20,
+    offset: Annotated[int, Query(ge=0, description="Jobs to skip.")] = 0,
+    state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
+) -> JobList:
+    jobs, total = service.list(tenant, limit=limit, offset=offset, state=state)
+    next_link = None
+    if offset + len(jobs) < total:
+        query = {"limit": limit, "offset": offset + limit, **({"state": state} if state else {})}
+        next_link = f"/v1/jobs?{urlencode(query)}"
+    return JobList(
+        jobs=[JobOut.from_job(j) for j in jobs], total=total, limit=limit, offset=offset, next=next_link
+    )
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=problem_responses(404), summary="Get a job")
+def get_job(job_id: str, service: JobServiceDep, tenant: TenantDep) -> JobOut:
+    return JobOut.from_job(service.get(tenant, job_id))
+
+
+@router.delete(
+    "/{job_id}",
+    status_code=202,
+    response_model=JobOut,
+    responses=problem_responses(404, 409),
+    summary="Cancel a job",
+)
+def cancel_job(job_id: str, service: JobServiceDep, tenant: TenantDep) -> JobOut:
+    """A queued job is canceled at once; a running one stops at its worker's next heartbeat."""
+    return JobOut.from_job(service.cancel(tenant, job_id))
+
+
+def _file(download: Download, headers: dict[str, str] | None = None, *, inline: bool = False) -> FileResponse:
+    return FileResponse(
+        download.path,
+        media_type=download.media_type,
+        filename=download.filename,
+        content_disposition_type="inline" if inline else "attachment",
+        headers=headers,
+    )
+
+
+_FILE_RESPONSES = problem_responses(404, 409)
+
+
+@router.get(
+    "/{job_id}/artifact",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}, "application/zip": {}}}, **_FILE_RESPONSES},
+    summary="Download the optimized model",
+)
+def get_artifact(job_id: str, service: JobServiceDep, tenant: TenantDep) -> FileResponse:
+    """``<name>.optimized.onnx``, or ``.zip`` when the model has external data."""
+    return _file(service.artifact(tenant, job_id))
+
+
+@router.get(
+    "/{job_id}/report",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/json": {}}}, **_FILE_RESPONSES},
+    summary="The job's JSON report",
+)
+def get_report(job_id: str, service: JobServiceDep, tenant: TenantDep) -> FileResponse:
+    return _file(service.report(tenant, job_id, html=False), inline=True)
+
+
+@router.get(
+    "/{job_id}/report.html",
+    response_class=FileResponse,
+    responses={200: {"content": {"text/html": {}}}, **_FILE_RESPONSES},
+    summary="The job's report as a self-contained HTML page",
+)
+def get_report_html(job_id: str, service: JobServiceDep, tenant: TenantDep) -> FileResponse:
+    return _file(service.report(tenant, job_id, html=True), REPORT_HTML_HEADERS, inline=True)

@@ -1,0 +1,104 @@
+"""The FastAPI application factory: ``uvicorn app.main:create_app --factory``.
+
+The lifespan builds the job store (creating its table), the blob store and the dispatcher, and wires them
+into one ``JobService`` on ``app.state``; routes reach them through app/deps.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import anyio
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from app.api import router
+from app.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
+from app.schemas import Problem
+from app.services.jobs import Dispatcher, JobService
+from app.settings import Settings, get_settings
+from app.storage import BlobStore
+from app.store import JobStore
+
+log = logging.getLogger("onnxforge.api")
+
+# Temp files older than this in blobs/tmp belong to writers that died; a live upload is never this old.
+_STALE_TMP_SECONDS = 24 * 3600
+
+
+def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
+    """Build the API. ``dispatcher`` overrides workers.dispatch.Dispatcher (tests pass a recorder)."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = JobStore(settings.database_url, settings.database.schema_name)
+        owned: Any = None
+        try:
+            await anyio.to_thread.run_sync(store.create_schema)
+            blobs = BlobStore(settings.storage.blobs_dir)
+            blobs.sweep_tmp(_STALE_TMP_SECONDS)
+            active = dispatcher
+            if active is None:
+                from workers.dispatch import Dispatcher as CeleryDispatcher  # deferred: pulls in Celery
+
+                active = owned = CeleryDispatcher(settings)
+            app.state.settings = settings
+            app.state.store = store
+            app.state.blobs = blobs
+            app.state.jobs = JobService(store, blobs, active, settings)
+            log.info(
+                "onnxforge API ready (database %s, data %s)",
+                store.url.get_backend_name(),
+                settings.storage.data_dir,
+            )
+            yield
+        finally:
+            if owned is not None:
+                owned.close()
+            store.close()
+
+    app = FastAPI(
+        title="onnxforge",
+        version="0.1.0",
+        summary="Optimize ONNX models with verified, measured graph passes.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.include_router(router)
+    app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with every error response documented as what it is: a problem document."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title,
+        version=app.version,
+        summary=app.summary,
+        description=app.description,
+        routes=app.routes,
+    )
+    problem_ref = {"$ref": "#/components/schemas/Problem"}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            for status, response in operation.get("responses", {}).items():
+                if status.isdigit() and int(status) >= 400:
+                    response["content"] = {PROBLEM_MEDIA_TYPE: {"schema": problem_ref}}
+                    response["description"] = response.get("description") or "Problem"
+    components = schema.get("components", {}).get("schemas", {})
+    if "Problem" not in components:
+        components["Problem"] = Problem.model_json_schema(
+            by_alias=True, ref_template="#/components/schemas/{model}"
+        )
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    app.openapi_schema = schema
+    return schema

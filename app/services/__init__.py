@@ -1,0 +1,1 @@
+"""Use cases behind the HTTP routes. Nothing here imports FastAPI or Starlette."""

@@ -1,0 +1,174 @@
+"""Job use cases behind the routes: submit (validate, store, enqueue), read, list, cancel, downloads.
+
+No FastAPI here: routes translate HTTP to these calls, and errors are ``OnnxforgeError`` subclasses that
+app/errors.py maps to status codes. Every call takes the caller's ``tenant``; another tenant's job is
+reported as not found (security.md T13).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol
+
+from app.services.uploads import Upload
+from app.settings import Settings
+from app.storage import BlobStore
+from app.store import STATES, Job, JobStore
+from onnxforge.config import JobConfig
+from onnxforge.errors import ConflictError, InvalidInputError, OnnxforgeError, UnavailableError
+
+log = logging.getLogger("onnxforge.api")
+
+GPU_TARGETS = frozenset({"cuda", "tensorrt"})
+_SAFE_STEM = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class Dispatcher(Protocol):
+    """What the API needs of workers/dispatch.py's Dispatcher."""
+
+    def enqueue(self, job_id: str, queue: str) -> None: ...
+
+    def ping(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Download:
+    path: Path
+    filename: str
+    media_type: str
+
+
+def validate_config(raw: bytes | str | None) -> JobConfig:
+    """Parse the config and check every preset, pass name and pass option against the registry.
+
+    Unknown names raise UnknownPassError (422) naming close matches; bad options raise
+    InvalidPassOptionsError, so nothing wrong reaches a worker.
+    """
+    config = JobConfig.parse(raw)
+    from passes import registry  # deferred: pulls in onnx-ir, which the API needs only here
+
+    if config.preset is not None:
+        registry.get_preset(config.preset)
+    specs = config.pass_specs()
+    if specs:
+        registry.build_passes(specs)
+    return config
+
+
+def artifact_filename(model_filename: str, artifact_format: str) -> str:
+    """``<stem>.optimized.onnx`` (or ``.zip``) from the client's name, reduced to safe characters."""
+    stem = PurePosixPath(model_filename.replace("\\", "/")).name
+    for suffix in (".onnx", ".zip", ".tar"):
+        if stem.lower().endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    stem = _SAFE_STEM.sub("_", stem).strip("._") or "model"
+    return f"{stem[:100]}.optimized.{'zip' if artifact_format == 'zip' else 'onnx'}"
+
+
+class JobService:
+    def __init__(self, store: JobStore, blobs: BlobStore, dispatcher: Dispatcher, settings: Settings) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.dispatcher = dispatcher
+        self.settings = settings
+
+    def submit(self, tenant: str, upload: Upload) -> Job:
+        """Validate the config, commit the upload's blobs, record the job and enqueue it.
+
+        When the broker refuses the job, the row is deleted again and BROKER_UNAVAILABLE raised, so a
+        client that gets an error never has a job it does not know about.
+        """
+        with upload:
+            config = validate_config(upload.config)
+            upload.commit()
+        queue = "gpu" if config.target in GPU_TARGETS else "cpu"
+        job = self.store.create(
+            tenant=tenant,
+            model_sha256=upload.model.sha256,
+            model_filename=upload.model.filename,
+            model_format=upload.model.format,
+            model_size=upload.model.size,
+            samples_sha256=upload.samples.sha256 if upload.samples else None,
+            config=config.model_dump(mode="json"),
+            queue=queue,
+        )
+        try:
+            self.dispatcher.enqueue(job.id, queue)
+        except BaseException as exc:
+            self.store.delete(job.id)
+            if isinstance(exc, UnavailableError):
+                raise UnavailableError(
+                    f"the job queue is unavailable, nothing was submitted; retry later ({exc.message})",
+                    code="BROKER_UNAVAILABLE",
+                ) from exc
+            raise
+        log.info("job %s queued on %s (tenant %s, model %s)", job.id, queue, tenant, job.model_sha256[:12])
+        return job
+
+    def get(self, tenant: str, job_id: str) -> Job:
+        return self.store.get(job_id, tenant)
+
+    def list(self, tenant: str, *, limit: int, offset: int, state: str | None) -> tuple[list[Job], int]:
+        page_max = self.settings.api.page_size_max
+        if not 1 <= limit <= page_max:
+            raise InvalidInputError(f"limit must be between 1 and {page_max}", code="PAGINATION_INVALID")
+        if offset < 0:
+            raise InvalidInputError("offset must not be negative", code="PAGINATION_INVALID")
+        if state is not None and state not in STATES:
+            raise InvalidInputError(f"state must be one of {', '.join(STATES)}", code="PAGINATION_INVALID")
+        return self.store.list(tenant, limit=limit, offset=offset, state=state)
+
+    def cancel(self, tenant: str, job_id: str) -> Job:
+        return self.store.request_cancel(job_id, tenant)
+
+    def _succeeded(self, tenant: str, job_id: str) -> Job:
+        job = self.store.get(job_id, tenant)
+        if job.state != "succeeded":
+            raise ConflictError(
+                f"job {job_id} is {job.state}; results exist only once it has succeeded",
+                code="JOB_NOT_SUCCEEDED",
+                detail={"state": job.state},
+            )
+        return job
+
+    def artifact(self, tenant: str, job_id: str) -> Download:
+        job = self._succeeded(tenant, job_id)
+        assert job.artifact_sha256 is not None and job.artifact_format is not None
+        return Download(
+            path=self.blobs.path(job.artifact_sha256),
+            filename=artifact_filename(job.model_filename, job.artifact_format),
+            media_type="application/zip" if job.artifact_format == "zip" else "application/octet-stream",
+        )
+
+    def report(self, tenant: str, job_id: str, *, html: bool) -> Download:
+        job = self._succeeded(tenant, job_id)
+        sha = job.report_html_sha256 if html else job.report_sha256
+        assert sha is not None
+        return Download(
+            path=self.blobs.path(sha),
+            filename="report.html" if html else "report.json",
+            media_type="text/html; charset=utf-8" if html else "application/json",
+        )
+
+    def readiness(self) -> dict[str, str]:
+        """Each dependency and ``ok`` or why it failed; never raises."""
+        checks: dict[str, str] = {}
+        probes: dict[str, Any] = {
+            "database": self.store.ping,
+            "broker": self.dispatcher.ping,
+            "storage": self.blobs.ping,
+        }
+        for name, probe in probes.items():
+            try:
+                probe()
+                checks[name] = "ok"
+            except OnnxforgeError as exc:
+                checks[name] = f"{exc.code}: {exc.message}"
+            except Exception as exc:
+                log.warning("readiness probe %s failed", name, exc_info=exc)
+                checks[name] = f"error: {type(exc).__name__}"
+        return checks

@@ -1,0 +1,330 @@
+"""Receive ``POST /v1/jobs``: a multipart body streamed to disk, never held whole in memory.
+
+Starlette's ``request.form()`` spools parts itself; we feed ``request.stream()`` to python-multipart's
+streaming ``MultipartParser`` instead, so each part goes straight into a size-capped ``BlobWriter``
+(hashed as it is written) and a rejected upload leaves no file behind (security.md T12):
+
+* at most the fields ``model``, ``samples`` and ``config``, each once; anything else is refused at its
+  headers, before its data is read (UNKNOWN_FIELD / DUPLICATE_FIELD);
+* per-field caps (``max_upload_bytes``, ``max_samples_bytes``, ``max_config_bytes``) counted while
+  streaming, plus a cap on the whole body that a ``Content-Length`` is checked against up front;
+* parsing runs in a worker thread in batches of ``_FLUSH_BYTES`` so disk writes and hashing never block
+  the event loop.
+
+The blobs stay uncommitted (temp files) until the job service has validated the config and calls
+``Upload.commit()``; leaving the ``Upload`` context without committing deletes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from pathlib import PurePosixPath
+from typing import Literal
+
+import anyio
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from app.settings import ApiSettings
+from app.storage import BlobStore, BlobWriter
+from onnxforge.errors import InvalidInputError, InvalidModelError, OnnxforgeError, TooLargeError
+
+ModelFormat = Literal["onnx", "zip", "tar"]
+
+FIELDS = ("model", "samples", "config")
+# Boundaries, part headers and the like, on top of the three fields' caps.
+MULTIPART_OVERHEAD = 64 << 10
+_FLUSH_BYTES = 128 << 10
+_HEAD_BYTES = 512
+_MAX_FILENAME = 255
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_GZIP_MAGIC = b"\x1f\x8b"
+# After refusing a body we read on a little, discarding, so the client is not reset mid-send and gets to
+# read our answer; beyond this the connection is closed instead.
+_DRAIN_BYTES = 8 << 20
+_DRAIN_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadLimits:
+    model_bytes: int
+    samples_bytes: int
+    config_bytes: int
+
+    @classmethod
+    def from_settings(cls, api: ApiSettings) -> UploadLimits:
+        return cls(api.max_upload_bytes, api.max_samples_bytes, api.max_config_bytes)
+
+    @property
+    def body_bytes(self) -> int:
+        return self.model_bytes + self.samples_bytes + self.config_bytes + MULTIPART_OVERHEAD
+
+
+@dataclasses.dataclass
+class ReceivedFile:
+    field: str
+    filename: str
+    size: int
+    sha256: str
+    format: str
+    writer: BlobWriter
+
+
+class Upload:
+    """The parsed body. Blobs are temp files until ``commit()``; closing without it deletes them."""
+
+    def __init__(
+        self,
+        model: ReceivedFile,
+        samples: ReceivedFile | None,
+        config: bytes | None,
+        stack: contextlib.ExitStack,
+    ) -> None:
+        self.model = model
+        self.samples = samples
+        self.config = config
+        self._stack = stack
+
+    def commit(self) -> None:
+        self.model.writer.commit()
+        if self.samples is not None:
+            self.samples.writer.commit()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Upload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def detect_model_format(filename: str, head: bytes) -> ModelFormat:
+    """Archive or plain model, from the magic bytes; a known suffix must agree with them."""
+    if head.startswith(_GZIP_MAGIC):
+        raise InvalidModelError(
+            "compressed uploads are not accepted; send an .onnx, a .zip or an uncompressed .tar",
+            code="MODEL_FORMAT_UNSUPPORTED",
+        )
+    if head.startswith(_ZIP_MAGIC):
+        sniffed: ModelFormat = "zip"
+    elif head[257:262] == b"ustar":
+        sniffed = "tar"
+    else:
+        sniffed = "onnx"
+    claimed = {".onnx": "onnx", ".zip": "zip", ".tar": "tar"}.get(PurePosixPath(filename).suffix.lower())
+    if claimed is not None and claimed != sniffed:
+        raise InvalidModelError(
+            f"the file name says {claimed} but the content is {sniffed}", code="MODEL_FORMAT_MISMATCH"
+        )
+    return sniffed
+
+
+def _client_filename(raw: bytes | None, default: str) -> str:
+    """The client's name, reduced to a base name without control characters: metadata only."""
+    if not raw:
+        return default
+    name = raw.decode("utf-8", errors="replace").replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(ch for ch in name if ch.isprintable()).strip()
+    return name[:_MAX_FILENAME] or default
+
+
+class _Sink:
+    """The parser callbacks: route each part to a blob writer or a small buffer, enforcing the rules."""
+
+    def __init__(self, blobs: BlobStore, limits: UploadLimits, stack: contextlib.ExitStack) -> None:
+        self._blobs = blobs
+        self._limits = limits
+        self._stack = stack
+        self._header_name = bytearray()
+        self._header_value = bytearray()
+        self._headers: dict[bytes, bytes] = {}
+        self._field: str | None = None
+        self._filename = ""
+        self._writer: BlobWriter | None = None
+        self._head = bytearray()
+        self._config = bytearray()
+        self.seen: set[str] = set()
+        self.files: dict[str, ReceivedFile] = {}
+        self.config: bytes | None = None
+        self.ended = False
+
+    def callbacks(self) -> dict[str, Callable[..., None]]:
+        return {
+            "on_part_begin": self._part_begin,
+            "on_header_field": lambda d, s, e: self._header_name.extend(d[s:e]),
+            "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+            "on_end": self._end,
+        }
+
+    def _part_begin(self) -> None:
+        self._headers.clear()
+        self._field = None
+        self._writer = None
+        self._head.clear()
+
+    def _header_end(self) -> None:
+        self._headers[bytes(self._header_name).strip().lower()] = bytes(self._header_value).strip()
+        self._header_name.clear()
+        self._header_value.clear()
+
+    def _headers_finished(self) -> None:
+        disposition, params = parse_options_header(self._headers.get(b"content-disposition", b""))
+        if disposition != b"form-data":
+            raise InvalidInputError(
+                "each part needs Content-Disposition: form-data", code="MULTIPART_INVALID"
+            )
+        field = params.get(b"name", b"").decode("utf-8", errors="replace")
+        if field not in FIELDS:
+            raise InvalidInputError(
+                f"unknown field {field[:64]!r}; accepted fields: {', '.join(FIELDS)}",
+                code="UNKNOWN_FIELD",
+                detail={"field": field[:64], "accepted": list(FIELDS)},
+            )
+        if field in self.seen:
+            raise InvalidInputError(f"field {field!r} given twice", code="DUPLICATE_FIELD")
+        self.seen.add(field)
+        self._field = field
+        if field == "config":
+            return
+        self._filename = _client_filename(params.get(b"filename"), default=field)
+        cap = self._limits.model_bytes if field == "model" else self._limits.samples_bytes
+        self._writer = self._stack.enter_context(self._blobs.writer(cap))
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        chunk = memoryview(data)[start:end]
+        if self._field == "config":
+            if len(self._config) + len(chunk) > self._limits.config_bytes:
+                raise TooLargeError(
+                    f"config exceeds the limit of {self._limits.config_bytes} bytes",
+                    code="PAYLOAD_TOO_LARGE",
+                    detail={"field": "config", "limit_bytes": self._limits.config_bytes},
+                )
+            self._config.extend(chunk)
+            return
+        if self._writer is None:  # data before headers finished cannot happen; guard anyway
+            raise InvalidInputError("malformed multipart body", code="MULTIPART_INVALID")
+        if len(self._head) < _HEAD_BYTES:
+            self._head.extend(chunk[: _HEAD_BYTES - len(self._head)])
+        try:
+            self._writer.write(chunk)
+        except TooLargeError as exc:
+            exc.detail = {"field": self._field, **exc.detail}
+            exc.message = f"{self._field} {exc.message}"
+            raise
+
+    def _part_end(self) -> None:
+        field, writer = self._field, self._writer
+        if field == "config":
+            self.config = bytes(self._config) or None
+        elif field is not None and writer is not None and writer.size > 0:
+            if field == "model":
+                fmt: str = detect_model_format(self._filename, bytes(self._head))
+            else:
+                if not bytes(self._head).startswith(_ZIP_MAGIC):
+                    raise InvalidInputError(
+                        "samples must be an .npz file (a zip of .npy arrays)", code="SAMPLES_INVALID"
+                    )
+                fmt = "npz"
+            self.files[field] = ReceivedFile(field, self._filename, writer.size, writer.sha256, fmt, writer)
+        self._field = None
+        self._writer = None
+
+    def _end(self) -> None:
+        self.ended = True
+
+
+def _boundary(content_type: str | None) -> bytes:
+    media, params = parse_options_header(content_type or "")
+    boundary = params.get(b"boundary")
+    if media != b"multipart/form-data" or not boundary:
+        raise InvalidInputError(
+            "the body must be multipart/form-data with a boundary (fields model, samples, config)",
+            code="MULTIPART_REQUIRED",
+        )
+    return boundary
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    received = 0
+    with anyio.move_on_after(_DRAIN_SECONDS):
+        async for chunk in chunks:
+            received += len(chunk)
+            if received > _DRAIN_BYTES:
+                break
+
+
+async def receive_upload(
+    blobs: BlobStore,
+    *,
+    content_type: str | None,
+    content_length: str | None,
+    chunks: AsyncIterator[bytes],
+    limits: UploadLimits,
+) -> Upload:
+    """Parse the body into uncommitted blobs and the raw config; raise OnnxforgeError when refused."""
+    stack = contextlib.ExitStack()
+    try:
+        boundary = _boundary(content_type)
+        expected: int | None = None
+        if content_length is not None:
+            try:
+                expected = int(content_length)
+            except ValueError:
+                raise InvalidInputError("Content-Length is not a number", code="REQUEST_INVALID") from None
+            if expected > limits.body_bytes:
+                raise TooLargeError(
+                    f"request body of {expected} bytes exceeds the limit of {limits.body_bytes} bytes",
+                    code="PAYLOAD_TOO_LARGE",
+                    detail={"limit_bytes": limits.body_bytes},
+                )
+        if expected is not None:
+            blobs.check_free_space(expected)
+        sink = _Sink(blobs, limits, stack)
+        parser = MultipartParser(boundary, callbacks=sink.callbacks())  # type: ignore[arg-type]
+        received = 0
+        pending: list[bytes] = []
+        pending_bytes = 0
+        async for chunk in chunks:
+            received += len(chunk)
+            if received > limits.body_bytes:
+                raise TooLargeError(
+                    f"request body exceeds the limit of {limits.body_bytes} bytes",
+                    code="PAYLOAD_TOO_LARGE",
+                    detail={"limit_bytes": limits.body_bytes},
+                )
+            pending.append(chunk)
+            pending_bytes += len(chunk)
+            if pending_bytes >= _FLUSH_BYTES:
+                await anyio.to_thread.run_sync(parser.write, b"".join(pending))
+                pending.clear()
+                pending_bytes = 0
+        if pending:
+            await anyio.to_thread.run_sync(parser.write, b"".join(pending))
+        parser.finalize()
+        if not sink.ended:
+            raise InvalidInputError(
+                "the multipart body ended before its closing boundary", code="MULTIPART_INVALID"
+            )
+        model = sink.files.get("model")
+        if model is None:
+            raise InvalidInputError(
+                "no model: send the .onnx (or .zip/.tar) file in the multipart field 'model'",
+                code="MODEL_MISSING",
+            )
+        return Upload(model, sink.files.get("samples"), sink.config, stack)
+    except BaseException as exc:
+        stack.close()
+        if isinstance(exc, FormParserError):
+            await _drain(chunks)
+            raise InvalidInputError(f"malformed multipart body: {exc}", code="MULTIPART_INVALID") from None
+        if isinstance(exc, OnnxforgeError):
+            await _drain(chunks)
+        raise
