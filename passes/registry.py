@@ -17,6 +17,8 @@ from passes.common_subexpression_elimination import CommonSubexpressionEliminati
 from passes.constant_folding import ConstantFolding
 from passes.dead_node_elimination import DeadNodeElimination
 from passes.identity_elimination import IdentityElimination
+from passes.label_sparsity import LabelSparsity
+from passes.padding_elimination import PaddingElimination
 from passes.shape_inference import ShapeInference
 
 PASSES: tuple[type[Pass], ...] = (
@@ -25,6 +27,8 @@ PASSES: tuple[type[Pass], ...] = (
     ConstantFolding,
     CommonSubexpressionElimination,
     DeadNodeElimination,
+    LabelSparsity,
+    PaddingElimination,
 )
 
 _BY_NAME: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
