@@ -245,6 +245,8 @@ class _Run:
         self.confirm = dataclasses.replace(self.quick, min_runs=runs, max_runs=runs)
         self.records: list[report_mod.PassRecord] = []
         self.kept: list[tuple[int, Pass]] = []  # (index into records, pass) of applied passes
+        # Outputs whose pad positions an applied pass left undefined, and the input marking the valid ones.
+        self.valid_positions: dict[str, dict[str, Any]] = {}
 
     # The stages ------------------------------------------------------------------------------------
 
@@ -305,7 +307,7 @@ class _Run:
             used_original = decision["used_original"]
             final_path, external = self._write_artifact(decision, artifact, source_external)
             if used_original:
-                verification = self.verifier.check(final_path)
+                verification = self.verifier.check(final_path)  # the upload defines every position
             report = self._report(
                 source_sha=source_sha,
                 source_external=source_external,
@@ -426,7 +428,8 @@ class _Run:
                 f"produced an invalid model: {type(exc).__name__}: {exc}",
             )
             return None
-        verification = self.verifier.check(path)
+        positions = {**self.valid_positions, **result.notes.get("valid_positions", {})}
+        verification = self.verifier.check(path, positions)
         record.verification = verification.worst()
         if not verification.ok:
             record.status, record.reason = "rolled_back", f"broke tolerance: {verification.reason}"
@@ -449,6 +452,7 @@ class _Run:
             record.status, record.reason = "rolled_back", f"slower beyond noise: {speed}"
             return None
         record.status = "applied"
+        self.valid_positions = positions
         record.reason = f"verified within tolerance; {speed}" + (
             "; slower beyond noise but kept (rollback_slower is off)" if comparison.slower else ""
         )
@@ -484,7 +488,7 @@ class _Run:
         model = _load_ir(accepted)
         self._stamp(model, [p for _, p in self.kept], source_sha)
         _save_ir(model, artifact)
-        verification = self.verifier.check(artifact)
+        verification = self.verifier.check(artifact, self.valid_positions)
         bisection: dict[str, Any] | None = None
         while not verification.ok and self.kept:
             # Each stage passed on its own, so this is an interaction (or the stamped artifact differs).
@@ -492,7 +496,7 @@ class _Run:
             probe = work / "bisect.onnx"
 
             def fails(k: int, passes: list[Pass] = passes, probe: Path = probe) -> bool:
-                return not self.verifier.check(self._replay(passes[:k], probe)).ok
+                return not self.verifier.check(self._replay(passes[:k], probe), self.valid_positions).ok
 
             try:
                 guilty = bisect_first_failing(len(passes), fails)
@@ -516,7 +520,7 @@ class _Run:
             model = _load_ir(self._replay([p for _, p in self.kept], work / "replayed.onnx"))
             self._stamp(model, [p for _, p in self.kept], source_sha)
             _save_ir(model, artifact)
-            verification = self.verifier.check(artifact)
+            verification = self.verifier.check(artifact, self.valid_positions)
         return artifact, verification, bisection
 
     def _gate(self, artifact: Path, verification: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:

@@ -406,6 +406,9 @@ class OutputStats:
     nan_got: int = 0
     inf_ref: int = 0
     inf_got: int = 0
+    # "all", or "valid" when a pass (padding_elimination) left pad positions undefined and only the
+    # positions the mask marks valid were compared.
+    positions: str = "all"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -501,6 +504,15 @@ def compare_output(input_set: str, name: str, ref: np.ndarray, got: np.ndarray, 
     return stats
 
 
+def _valid_mask(spec: Mapping[str, Any], feeds: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """Boolean mask over an output's leading axes: True where the position is defined."""
+    if "mask_input" in spec and spec["mask_input"] in feeds:
+        return np.asarray(feeds[spec["mask_input"]]) != 0
+    if "ids_input" in spec and spec["ids_input"] in feeds:
+        return np.asarray(feeds[spec["ids_input"]]) != spec.get("pad_token_id")
+    return None
+
+
 class Verifier:
     """Reference outputs of the original, computed once; ``check`` compares any candidate with them."""
 
@@ -538,7 +550,13 @@ class Verifier:
                     code="MODEL_RUN_FAILED",
                 ) from exc
 
-    def check(self, candidate_path: Path) -> VerificationResult:
+    def check(
+        self, candidate_path: Path, valid_positions: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> VerificationResult:
+        """Compare a candidate with the reference. ``valid_positions`` maps an output name to the input that
+        says which positions are defined (``{"mask_input": name, "axes": [0, 1]}`` or ``{"ids_input": name,
+        "pad_token_id": id, "axes": [0, 1]}``): those outputs are compared at valid positions only."""
+        valid_positions = valid_positions or {}
         try:
             session = make_session(candidate_path, target=self.target, intra_op_threads=self.intra_op_threads)
         except UnavailableError:
@@ -557,7 +575,18 @@ class Verifier:
                     False, outputs, f"the candidate fails on {input_set.name!r}: {type(exc).__name__}: {exc}"
                 )
             for name, ref, value in zip(self.output_names, reference, got, strict=True):
-                outputs.append(compare_output(input_set.name, name, ref, value, self.tolerance))
+                spec = valid_positions.get(name)
+                if spec is None:
+                    outputs.append(compare_output(input_set.name, name, ref, value, self.tolerance))
+                    continue
+                mask = _valid_mask(spec, input_set.feeds)
+                if mask is None or ref.shape != value.shape or ref.shape[: mask.ndim] != mask.shape:
+                    stats = compare_output(input_set.name, name, ref, value, self.tolerance)
+                else:
+                    stats = compare_output(input_set.name, name, ref[mask], value[mask], self.tolerance)
+                    stats.shape_ref, stats.shape_got = list(ref.shape), list(value.shape)
+                    stats.positions = "valid"
+                outputs.append(stats)
         bad = [o for o in outputs if not o.ok]
         if bad:
             first = bad[0]
