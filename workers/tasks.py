@@ -1,0 +1,107 @@
+"""The Celery task: thin. A job id in, ``runner.run_job`` does the rest.
+
+``register_tasks(app, settings)`` is called by ``create_celery``; it registers ``onnxforge.optimize`` on
+that app (explicitly, no ``current_app``/``shared_task``) and, in a worker's main process, starts the
+reconciler thread once the worker is ready. The message carries only the job UUID (security.md T15);
+everything else is read from the job table, so a duplicate delivery is a no-op (``claim`` is a CAS).
+
+Error mapping: model faults end inside ``run_job`` as a failed job (never retried). Infrastructure
+faults (database, storage) propagate; the task fails, its message is acknowledged, and the job keeps a
+lease that expires, after which the reconciler re-enqueues it (bounded by ``worker.max_attempts``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery import signals
+
+from workers.celery_app import TASK_NAME
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from app.settings import Settings
+    from app.storage import BlobStore
+    from app.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerContext:
+    """Per-process handles. Built lazily after the prefork fork, so no DB connection crosses it."""
+
+    pid: int
+    store: JobStore
+    blobs: BlobStore
+
+
+_contexts: dict[tuple[int, str, str | None, str], WorkerContext] = {}
+_lock = threading.Lock()
+
+
+def worker_context(settings: Settings) -> WorkerContext:
+    pid = os.getpid()
+    key = (pid, settings.database_url, settings.database.schema_name, str(settings.storage.blobs_dir))
+    with _lock:
+        ctx = _contexts.get(key)
+        if ctx is None:
+            from app.storage import BlobStore
+            from app.store import JobStore
+
+            store = JobStore(settings.database_url, schema=settings.database.schema_name)
+            ctx = WorkerContext(pid, store, BlobStore(settings.storage.blobs_dir))
+            # A forked child keeps its parent's entry untouched: collecting it would close the parent's
+            # pooled DB connections over the shared sockets.
+            _contexts[key] = ctx
+        return ctx
+
+
+def optimize(job_id: str, settings: Settings, worker_name: str | None = None) -> None:
+    """The task body, callable without Celery."""
+    from workers.runner import run_job
+
+    ctx = worker_context(settings)
+    run_job(job_id, settings, ctx.store, ctx.blobs, worker_name=worker_name)
+
+
+def register_tasks(app: Celery, settings: Settings) -> None:
+    # shared=False: a shared task is added to every Celery app finalized later in this process, closing
+    # over *this* app's settings; each app must run with its own.
+    @app.task(
+        name=TASK_NAME,
+        bind=True,
+        shared=False,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        ignore_result=True,
+    )
+    def optimize_task(self: Any, job_id: str) -> None:
+        # The broker is untrusted (T15): accept nothing but a UUID string.
+        if not isinstance(job_id, str):
+            log.error("dropping %s message with a non-string job id", TASK_NAME)
+            return
+        try:
+            job_id = str(uuid.UUID(job_id))
+        except ValueError:
+            log.error("dropping %s message with an invalid job id %r", TASK_NAME, job_id[:64])
+            return
+        optimize(job_id, settings, worker_name=self.request.hostname)
+
+    def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        from workers.dispatch import Dispatcher
+        from workers.reconciler import start_reconciler_thread
+
+        ctx = worker_context(settings)
+        start_reconciler_thread(ctx.store, Dispatcher(settings, app=app), settings)
+
+    # weak=False: the closure has no other reference and would be collected at once.
+    signals.worker_ready.connect(_on_worker_ready, weak=False)
