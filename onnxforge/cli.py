@@ -1,0 +1,350 @@
+"""The ``onnxforge`` command: serve, worker, optimize (local), passes, submit (remote).
+
+Exit codes: 0 success, 2 bad input (unknown pass, invalid config or model, bad arguments), 1 any other
+failure. Errors print as ``error: CODE: message (pass NAME)`` on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from onnxforge.errors import ErrorKind, InvalidInputError, OnnxforgeError
+
+if TYPE_CHECKING:
+    from app.settings import Settings
+
+_INPUT_KINDS = {ErrorKind.INVALID_INPUT, ErrorKind.NOT_FOUND, ErrorKind.TOO_LARGE}
+
+DESCRIPTION = """\
+onnxforge: verified, measured ONNX graph optimization.
+
+Run the service with `onnxforge serve` (embedded: API plus worker processes, nothing else needed), or
+optimize a model locally with `onnxforge optimize model.onnx -o model.opt.onnx`. Settings come from
+ONNXFORGE_<SECTION>__<FIELD> environment variables (see deploy/env.example).
+"""
+
+
+def _settings() -> Settings:
+    from app.settings import get_settings
+
+    return get_settings()
+
+
+def _fail(exc: OnnxforgeError) -> int:
+    where = f" (pass {exc.pass_name})" if exc.pass_name else ""
+    print(f"error: {exc.code}: {exc.message}{where}", file=sys.stderr)
+    return 2 if exc.kind in _INPUT_KINDS else 1
+
+
+# -------------------------------------------------------------------------------------------- config
+
+
+def build_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The job config from --config FILE, overridden by --preset / --passes / --target."""
+    config: dict[str, Any] = {}
+    if args.config:
+        try:
+            loaded = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidInputError(f"cannot read config {args.config}: {exc}", code="INVALID_CONFIG") from exc
+        if not isinstance(loaded, dict):
+            raise InvalidInputError("the config file must hold a JSON object", code="INVALID_CONFIG")
+        config.update(loaded)
+    if args.preset:
+        config.pop("passes", None)
+        config["preset"] = args.preset
+    if args.passes:
+        config.pop("preset", None)
+        config["passes"] = [p.strip() for p in args.passes.split(",") if p.strip()]
+    if getattr(args, "target", None):
+        config["target"] = args.target
+    return config
+
+
+def _check_names(config: dict[str, Any]) -> Any:
+    """Parse the config and resolve every pass and preset name before anything runs."""
+    from onnxforge.config import JobConfig
+    from passes.registry import build_passes, get_preset
+
+    job_config = JobConfig.parse(config)
+    specs = job_config.pass_specs()
+    if specs is not None:
+        build_passes(specs)
+    elif job_config.preset is not None:
+        get_preset(job_config.preset)
+    return job_config
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("job configuration (same JSON as the API's config field)")
+    group.add_argument("--config", metavar="FILE.json", help="job config file (JSON)")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument("--preset", metavar="NAME", help="a preset (see `onnxforge passes`)")
+    choice.add_argument("--passes", metavar="A,B", help="comma-separated pass names, run in this order")
+    group.add_argument("--samples", metavar="F.npz", help="real inputs (npz, one array per graph input)")
+    group.add_argument("--target", choices=["cpu", "cuda", "tensorrt"], help="device to optimize for")
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from onnxforge.server import serve
+
+    return serve(_settings(), host=args.host, port=args.port)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from onnxforge.server import run_worker
+
+    queues = [q.strip() for q in args.queues.split(",") if q.strip()] if args.queues else None
+    return run_worker(_settings(), queues=queues, concurrency=args.concurrency, loglevel=args.loglevel)
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from passes.registry import PRESETS, catalogue
+
+    passes = catalogue()
+    presets = [p.to_dict() for p in PRESETS.values()]
+    if args.json:
+        print(json.dumps({"passes": passes, "presets": presets}, indent=2, sort_keys=True))
+        return 0
+    width = max(len(p["name"]) for p in passes)
+    print("passes:")
+    for p in passes:
+        print(f"  {p['name']:<{width}}  {'exact ' if p['exact'] else 'approx'}  {p['summary']}")
+    print("presets:")
+    for preset in presets:
+        print(f"  {preset['name']}: {', '.join(preset['passes'])}")
+        print(f"      {preset['summary']}")
+    return 0
+
+
+def _archive_format(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(".zip"):
+        return "zip"
+    if name.endswith((".tar", ".tar.gz", ".tgz")):
+        return "tar"
+    return "onnx"
+
+
+def _fmt_ms(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    rows = [("pass", "status", "nodes", "p50 ms before->after")]
+    for p in report.get("passes") or []:
+        rows.append(
+            (
+                str(p.get("name")),
+                str(p.get("status")),
+                f"{p.get('nodes_before')}->{p.get('nodes_after')}",
+                f"{_fmt_ms(p.get('latency_ms_p50_before'))}->{_fmt_ms(p.get('latency_ms_p50_after'))}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    s = report.get("summary") or {}
+    decision = report.get("decision") or {}
+    speedup = s.get("speedup")
+    print(
+        f"nodes {s.get('nodes_before')}->{s.get('nodes_after')}, "
+        f"p50 {_fmt_ms(s.get('p50_ms_before'))} -> {_fmt_ms(s.get('p50_ms_after'))} ms"
+        + (f" (x{speedup:.2f})" if isinstance(speedup, (int, float)) else "")
+        + (", original model kept" if decision.get("used_original") else "")
+    )
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from onnxforge.config import JobConfig
+
+    model = Path(args.model)
+    if not model.is_file():
+        raise InvalidInputError(f"no such model file: {model}", code="INVALID_MODEL")
+    config: JobConfig = _check_names(build_config(args))  # before the heavy imports: bad names fail fast
+
+    from workers.archive import extract_archive
+    from workers.pipeline import PipelineRequest, run_pipeline
+    from workers.runner import deterministic_zip
+
+    settings = _settings()
+    out = Path(args.output)
+    with tempfile.TemporaryDirectory(prefix="onnxforge-") as tmp:
+        work = Path(tmp)
+        fmt = _archive_format(model)
+        if fmt != "onnx":
+            (work / "input").mkdir()
+            model = extract_archive(model, work / "input", fmt, max_total_bytes=settings.api.max_upload_bytes)
+        output_dir = work / "output"
+        output_dir.mkdir()
+        last_stage: list[str] = []
+
+        def progress(stage: str | None = None, *_: Any, **__: Any) -> None:
+            if stage and (not last_stage or last_stage[-1] != stage):
+                last_stage.append(stage)
+                print(f"... {stage}", file=sys.stderr)
+
+        result = run_pipeline(
+            PipelineRequest(
+                model_path=model,
+                output_dir=output_dir,
+                config=config,
+                settings=settings.pipeline,
+                samples_path=Path(args.samples) if args.samples else None,
+                progress=progress,
+            )
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        data = [Path(p) for p in result.external_data]
+        if out.name.endswith(".zip"):
+            deterministic_zip(out, [Path(result.model_path), *data])
+        else:
+            shutil.copyfile(result.model_path, out)
+            for path in data:
+                shutil.copyfile(path, out.parent / path.name)
+        if args.report:
+            shutil.copyfile(result.report_json_path, args.report)
+        if args.html:
+            shutil.copyfile(result.report_html_path, args.html)
+        print_summary(result.report)
+    print(f"wrote {out}" + (f" (+{len(data)} external data file(s))" if data and not out.name.endswith(".zip") else ""))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from onnxforge.client import Client
+
+    config = build_config(args)
+
+    def show(job: dict[str, Any]) -> None:
+        percent = round(100 * float(job.get("progress") or 0))
+        print(f"[{job.get('state')}] {job.get('stage') or ''} {percent}%".rstrip(), file=sys.stderr)
+
+    with Client(args.server, token=args.token) as client:
+        job = client.submit(args.model, config=config or None, samples=args.samples)
+        print(job["id"])
+        if not (args.wait or args.output or args.report):
+            return 0
+        job = client.wait(job["id"], progress=show, timeout=args.timeout)
+        if job["state"] != "succeeded":
+            error = job.get("error") or {}
+            where = f" (pass {error['pass']})" if error.get("pass") else ""
+            print(
+                f"error: {error.get('code', job['state'].upper())}: {error.get('message', '')}{where}",
+                file=sys.stderr,
+            )
+            return 1
+        if args.output:
+            client.download_artifact(job["id"], args.output)
+            print(f"wrote {args.output}", file=sys.stderr)
+        if args.report:
+            client.download_report(job["id"], args.report)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onnxforge", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    from onnxforge import __version__
+
+    parser.add_argument("--version", action="version", version=f"onnxforge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "serve",
+        help="run the HTTP API (embedded mode also starts worker processes)",
+        description="Run the HTTP API with uvicorn. Without ONNXFORGE_BROKER__URL (embedded mode) it also "
+        "starts ONNXFORGE_WORKER__EMBEDDED_WORKERS worker processes fed by a filesystem queue under the "
+        "data directory; with a broker URL it serves the API only.",
+    )
+    p.add_argument("--host", help="address to bind (default: api.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default: api.port, 8000)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "worker",
+        help="run a Celery worker that executes optimization jobs",
+        description="Run a Celery worker (prefork pool) consuming the given queues. Each job attempt runs in "
+        "a separate, resource-limited child process.",
+    )
+    p.add_argument("--queues", metavar="cpu,gpu", help="queues to consume (default: worker.queues)")
+    p.add_argument("--concurrency", type=int, metavar="N", help="jobs at once (default: worker.concurrency)")
+    p.add_argument("--loglevel", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser(
+        "optimize",
+        help="optimize a model locally (same pipeline as the service)",
+        description="Optimize MODEL (.onnx, or .zip/.tar holding a model and its external data) in this "
+        "process with the service's pipeline: passes, verification, benchmark, report. Prints a per-pass "
+        "summary. Exit status 0 on success, 2 on bad input, 1 on failure.",
+    )
+    p.add_argument("model", metavar="MODEL", help="the model: .onnx, .zip or .tar")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="optimized model path; external data files go next to it (OUT.zip bundles them)",
+    )
+    _add_config_options(p)
+    p.add_argument("--report", metavar="R.json", help="write the JSON report here")
+    p.add_argument("--html", metavar="R.html", help="write the HTML report here")
+    p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser(
+        "passes",
+        help="list passes and presets",
+        description="List the registered passes (with option schemas in --json) and presets.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON: {passes: [...], presets: [...]}")
+    p.set_defaults(func=cmd_passes)
+
+    p = sub.add_parser(
+        "submit",
+        help="submit a model to a running onnxforge server",
+        description="Upload MODEL to the server as a new job. Prints the job id; with --wait (implied by -o "
+        "and --report) follows its progress on stderr and downloads the results.",
+    )
+    p.add_argument("model", metavar="MODEL", help="the model: .onnx, .zip or .tar")
+    p.add_argument("--server", required=True, metavar="URL", help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--token", help="bearer token, if the server requires one")
+    _add_config_options(p)
+    p.add_argument("--wait", action="store_true", help="wait until the job finishes")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="give up waiting after this long")
+    p.add_argument("-o", "--output", metavar="OUT", help="download the optimized model here")
+    p.add_argument("--report", metavar="R.json", help="download the JSON report here")
+    p.set_defaults(func=cmd_submit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, usage errors
+        return int(exit_.code or 0)
+    try:
+        return int(args.func(args))
+    except OnnxforgeError as exc:
+        return _fail(exc)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

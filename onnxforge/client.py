@@ -1,0 +1,161 @@
+"""A small HTTP client of the onnxforge API (used by ``onnxforge submit`` and the service tests).
+
+    with Client("http://127.0.0.1:8000") as client:
+        job = client.submit("model.onnx", config={"preset": "safe"})
+        job = client.wait(job["id"], progress=print)
+        client.download_artifact(job["id"], "model.optimized.onnx")
+
+Uploads stream from the file (httpx reads it in chunks); downloads stream to a temp file that is renamed
+into place, so a failed download never leaves a truncated model behind. Server errors (RFC 9457 problem
+documents) raise ``ApiError`` carrying the stable ``code``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from onnxforge.errors import OnnxforgeError
+
+TERMINAL = frozenset({"succeeded", "failed", "canceled"})
+
+
+class ApiError(OnnxforgeError):
+    """The server answered with an error (or could not be reached: status 0)."""
+
+    def __init__(self, status: int, code: str, message: str, pass_name: str | None = None) -> None:
+        super().__init__(message, code=code, pass_name=pass_name)
+        self.status = status
+
+
+class Client:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --------------------------------------------------------------------------------------------- calls
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ApiError(0, "CONNECTION_FAILED", f"cannot reach {self.base_url}: {exc}") from exc
+        _raise_for_problem(response)
+        return response
+
+    def submit(
+        self,
+        model: str | Path,
+        *,
+        config: dict[str, Any] | None = None,
+        samples: str | Path | None = None,
+    ) -> dict[str, Any]:
+        """Upload a model (.onnx, or .zip/.tar with external data) and queue a job; returns the job."""
+        model = Path(model)
+        with ExitStack() as stack:
+            files: dict[str, Any] = {
+                "model": (model.name, stack.enter_context(model.open("rb")), "application/octet-stream")
+            }
+            if samples is not None:
+                samples = Path(samples)
+                files["samples"] = (
+                    samples.name,
+                    stack.enter_context(samples.open("rb")),
+                    "application/octet-stream",
+                )
+            if config is not None:
+                files["config"] = (None, json.dumps(config), "application/json")
+            response = self._request("POST", "/v1/jobs", files=files, timeout=None)
+        return dict(response.json())
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return dict(self._request("GET", f"/v1/jobs/{job_id}").json())
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return dict(self._request("DELETE", f"/v1/jobs/{job_id}").json())
+
+    def passes(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/v1/passes").json())
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None = None,
+        interval: float = 0.5,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Poll until the job is terminal; ``progress(job)`` is called on every change of state/stage."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last: tuple[Any, ...] | None = None
+        while True:
+            job = self.get(job_id)
+            seen = (job.get("state"), job.get("stage"), round(float(job.get("progress") or 0), 2))
+            if progress is not None and seen != last:
+                progress(job)
+            last = seen
+            if job.get("state") in TERMINAL:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job.get('state')} after {timeout} s")
+            time.sleep(interval)
+
+    def download_artifact(self, job_id: str, dest: str | Path) -> Path:
+        return self._download(f"/v1/jobs/{job_id}/artifact", Path(dest))
+
+    def download_report(self, job_id: str, dest: str | Path, *, html: bool = False) -> Path:
+        return self._download(f"/v1/jobs/{job_id}/report{'.html' if html else ''}", Path(dest))
+
+    def report(self, job_id: str) -> dict[str, Any]:
+        return dict(self._request("GET", f"/v1/jobs/{job_id}/report").json())
+
+    def _download(self, url: str, dest: Path) -> Path:
+        tmp = dest.with_name(f".{dest.name}.part")
+        try:
+            with self._http.stream("GET", url, timeout=None) as response:
+                if response.is_error:
+                    response.read()
+                    _raise_for_problem(response)
+                with tmp.open("wb") as out:
+                    for chunk in response.iter_bytes(1 << 20):
+                        out.write(chunk)
+            os.replace(tmp, dest)
+        except httpx.HTTPError as exc:
+            raise ApiError(0, "CONNECTION_FAILED", f"download from {self.base_url} failed: {exc}") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        return dest
+
+
+def _raise_for_problem(response: httpx.Response) -> None:
+    if not response.is_error:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    raise ApiError(
+        response.status_code,
+        str(body.get("code") or f"HTTP_{response.status_code}"),
+        str(body.get("detail") or response.reason_phrase or "request failed"),
+        body.get("pass"),
+    )

@@ -1,0 +1,267 @@
+"""Shared service fixtures: real Redis (own db and key prefix), PostgreSQL, uvicorn and Celery workers.
+
+Nothing here mocks a service. Redis: the one on 127.0.0.1:6379 when it answers PING, else a private
+``redis-server`` started from the system binary; tests use db 11 and a key prefix unique to the session,
+and cleanup deletes only keys under that prefix. PostgreSQL: 127.0.0.1:5432 db ``test`` user ``postgres``,
+in a schema unique to the session that is dropped afterwards.
+
+Subprocesses (``onnxforge serve``, ``onnxforge worker``) get their settings as ``ONNXFORGE_*`` environment
+variables built by ``service_env``; every one started through ``Services`` is terminated at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "tests" / "models"
+REDIS_DB = 11
+POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+ONNXFORGE = [sys.executable, "-m", "onnxforge.cli"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------- Redis
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``redis://127.0.0.1:<port>`` of a Redis that answers PING (the shared one, or a private one)."""
+    if _redis_answers(6379):
+        yield "redis://127.0.0.1:6379"
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("no Redis answers on 127.0.0.1:6379 and redis-server is not installed: install redis-server")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while not _redis_answers(port):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.fail(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_prefix() -> str:
+    return f"onnxforge-test-{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: str, redis_prefix: str) -> Iterator[str]:
+    """The broker URL for tests (db 11). Every key under this session's prefix is deleted afterwards."""
+    import redis
+
+    url = f"{redis_server}/{REDIS_DB}"
+    yield url
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{redis_prefix}*", count=500))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_broker(redis_url: str, redis_prefix: str) -> dict[str, str]:
+    """``service_env`` keyword arguments for the test Redis broker (db 11, this session's key prefix)."""
+    return {"broker_url": redis_url, "key_prefix": redis_prefix}
+
+
+# -------------------------------------------------------------------------------------------- PostgreSQL
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[tuple[str, str]]:
+    """(SQLAlchemy URL, schema name) of PostgreSQL on 127.0.0.1:5432; the schema is dropped afterwards."""
+    import sqlalchemy
+
+    schema = f"onnxforge_test_{uuid.uuid4().hex[:10]}"
+    engine = sqlalchemy.create_engine(POSTGRES_URL, connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT 1"))
+    except Exception as exc:
+        engine.dispose()
+        pytest.fail(f"PostgreSQL does not answer at {POSTGRES_URL} ({type(exc).__name__}): install postgresql")
+    try:
+        yield POSTGRES_URL, schema
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sqlalchemy.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def service_env(
+    data_dir: Path,
+    *,
+    broker_url: str | None = None,
+    key_prefix: str | None = None,
+    database_url: str | None = None,
+    schema: str | None = None,
+    **extra: Any,
+) -> dict[str, str]:
+    """The environment of a service subprocess: this one minus ONNXFORGE_*, plus the given settings.
+
+    ``extra`` keys are ``section__field`` (``worker__lease_seconds=10``).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONNXFORGE_")}
+    env["ONNXFORGE_STORAGE__DATA_DIR"] = str(data_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    if broker_url:
+        env["ONNXFORGE_BROKER__URL"] = broker_url
+    if key_prefix:
+        env["ONNXFORGE_BROKER__KEY_PREFIX"] = key_prefix
+    if database_url:
+        env["ONNXFORGE_DATABASE__URL"] = database_url
+    if schema:
+        env["ONNXFORGE_DATABASE__SCHEMA_NAME"] = schema
+    for key, value in extra.items():
+        env[f"ONNXFORGE_{key.upper()}"] = str(value)
+    return env
+
+
+# A fast pipeline for service tests: few benchmark runs, short budgets.
+FAST_PIPELINE = {
+    "pipeline__benchmark_warmup": 1,
+    "pipeline__benchmark_min_runs": 3,
+    "pipeline__benchmark_max_seconds": 0.5,
+    "pipeline__ledger_runs": 2,
+    "pipeline__verify_shape_sets": 2,
+}
+
+
+# ------------------------------------------------------------------------------------------ subprocesses
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str | None = None
+
+    def log_tail(self, size: int = 6000) -> str:
+        try:
+            return self.log.read_bytes()[-size:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class Services:
+    """Starts service subprocesses and terminates them (SIGTERM, then SIGKILL) at teardown."""
+
+    logs: Path
+    started: list[Service] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], url: str | None = None) -> Service:
+        log = self.logs / f"{name}-{len(self.started)}.log"
+        handle = log.open("wb")
+        proc = subprocess.Popen(
+            argv, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        handle.close()
+        service = Service(name, proc, log, url)
+        self.started.append(service)
+        return service
+
+    def serve(self, env: dict[str, str], *, embedded: bool) -> Service:
+        """``onnxforge serve`` on a free loopback port; returns once /healthz answers."""
+        port = free_port()
+        env = {**env, "ONNXFORGE_API__HOST": "127.0.0.1", "ONNXFORGE_API__PORT": str(port)}
+        service = self.start("serve" if embedded else "api", [*ONNXFORGE, "serve"], env, f"http://127.0.0.1:{port}")
+        wait_healthy(service)
+        return service
+
+    def worker(self, env: dict[str, str], queues: str = "cpu,gpu") -> Service:
+        """``onnxforge worker``; returns once Celery logged that it is ready."""
+        service = self.start("worker", [*ONNXFORGE, "worker", "--queues", queues, "--concurrency", "1"], env)
+        deadline = time.monotonic() + 60
+        while "ready." not in service.log_tail(20000):
+            if service.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"worker did not start:\n{service.log_tail()}")
+            time.sleep(0.1)
+        return service
+
+    def stop(self, service: Service, grace: float = 15.0) -> None:
+        if service.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.proc.pid, signal.SIGTERM)
+            try:
+                service.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(service.proc.pid, signal.SIGKILL)
+                service.proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for service in reversed(self.started):
+            self.stop(service)
+
+
+def wait_healthy(service: Service, timeout: float = 60.0) -> None:
+    assert service.url
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service.proc.poll() is not None:
+            pytest.fail(f"{service.name} exited with {service.proc.returncode}:\n{service.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{service.url}/healthz", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    pytest.fail(f"{service.name} did not answer /healthz within {timeout} s:\n{service.log_tail()}")
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[Services]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    running = Services(logs)
+    try:
+        yield running
+    finally:
+        running.stop_all()

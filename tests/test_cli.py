@@ -1,0 +1,95 @@
+"""The ``onnxforge`` command line: help texts, ``passes --json``, and a local ``optimize`` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnxforge.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "tests" / "models" / "mlp_cleanup.onnx"
+FAST_ENV = {
+    "ONNXFORGE_PIPELINE__BENCHMARK_WARMUP": "1",
+    "ONNXFORGE_PIPELINE__BENCHMARK_MIN_RUNS": "3",
+    "ONNXFORGE_PIPELINE__BENCHMARK_MAX_SECONDS": "0.3",
+    "ONNXFORGE_PIPELINE__LEDGER_RUNS": "2",
+}
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ONNXFORGE_")} | (env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "onnxforge.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_help_lists_every_command_when_run_without_arguments(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("serve", "worker", "optimize", "passes", "submit"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "optimize", "passes", "submit"])
+def test_cli_command_help_describes_options_when_asked(capsys, command):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: onnxforge" in out
+    assert len(out.splitlines()) > 4
+
+
+def test_cli_passes_json_lists_passes_and_presets_when_asked(capsys):
+    assert main(["passes", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = {p["name"] for p in data["passes"]}
+    assert {"identity_elimination", "dead_node_elimination"} <= names
+    assert "safe" in {p["name"] for p in data["presets"]}
+    assert all("options_schema" in p for p in data["passes"])
+
+
+def test_cli_optimize_writes_equivalent_model_and_report_when_model_is_valid(tmp_path):
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+
+    result = _cli("optimize", str(MODEL), "-o", str(out), "--preset", "safe", "--report", str(report), env=FAST_ENV)
+
+    assert result.returncode == 0, result.stderr
+    assert "identity_elimination" in result.stdout and "->" in result.stdout
+    optimized = onnx.load(str(out))
+    assert len(optimized.graph.node) < len(onnx.load(str(MODEL)).graph.node)
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    ref = ort.InferenceSession(str(MODEL), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert [p["name"] for p in json.loads(report.read_text())["passes"]]
+
+
+def test_cli_optimize_exits_2_with_close_match_when_pass_name_is_misspelled(tmp_path):
+    result = _cli("optimize", str(MODEL), "-o", str(tmp_path / "o.onnx"), "--passes", "identity_elimnation")
+
+    assert result.returncode == 2
+    assert "error: UNKNOWN_PASS" in result.stderr
+    assert "did you mean identity_elimination" in result.stderr
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_cli_optimize_exits_2_when_model_file_is_missing(tmp_path):
+    assert main(["optimize", str(tmp_path / "nope.onnx"), "-o", str(tmp_path / "o.onnx")]) == 2
+
+
+def test_cli_exits_2_when_arguments_are_invalid():
+    assert main(["optimize"]) == 2
