@@ -1,0 +1,91 @@
+"""docker-compose.yml is checked by parsing it (no Docker engine here), and every command it runs that
+exists on this machine is run for real: the redis and postgres healthchecks against the local servers."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy._cli import assert_cli_accepts, assert_settings_accept_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_defines_the_stack_services(compose):
+    assert set(compose["services"]) == {"redis", "postgres", "api", "worker-cpu", "worker-gpu"}
+
+
+def test_compose_redis_keeps_an_append_only_file_and_never_evicts(compose):
+    command = compose["services"]["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+
+
+def test_compose_every_service_has_a_healthcheck_and_restart_policy(compose):
+    for name, service in compose["services"].items():
+        assert "healthcheck" in service, f"{name} has no healthcheck"
+        assert service.get("restart") == "unless-stopped", f"{name} has no restart policy"
+
+
+@pytest.mark.parametrize("name", ["api", "worker-cpu", "worker-gpu"])
+def test_compose_onnxforge_commands_are_accepted_by_the_cli(compose, name):
+    assert_cli_accepts(compose["services"][name]["command"])
+
+
+@pytest.mark.parametrize("name", ["api", "worker-cpu", "worker-gpu"])
+def test_compose_environment_names_only_real_settings(compose, name):
+    env = compose["services"][name]["environment"]
+    assert env and all(k.startswith("ONNXFORGE_") for k in env)
+    assert_settings_accept_env({k: str(v) for k, v in env.items()})
+
+
+def test_compose_gpu_worker_is_a_profile_with_an_nvidia_reservation_on_the_gpu_queue(compose):
+    service = compose["services"]["worker-gpu"]
+    assert service["profiles"] == ["gpu"]
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    command = service["command"]
+    assert command[command.index("--queues") + 1] == "gpu"
+
+
+def test_compose_api_and_workers_share_the_blob_volume(compose):
+    mounts = {name: compose["services"][name]["volumes"] for name in ("api", "worker-cpu", "worker-gpu")}
+    assert all("blobs:/data" in m for m in mounts.values())
+    assert "blobs" in compose["volumes"]
+
+
+def test_compose_api_healthcheck_module_accepts_its_arguments(compose):
+    from onnxforge import healthcheck
+
+    for name in ("api", "worker-cpu", "worker-gpu"):
+        test = compose["services"][name]["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "onnxforge.healthcheck"]
+        healthcheck.build_parser().parse_args(test[4:])
+
+
+@pytest.mark.parametrize(
+    ("service", "binary", "local_args"),
+    [
+        ("redis", "redis-cli", ["-h", "127.0.0.1", "-p", "6379"]),
+        ("postgres", "pg_isready", ["-h", "127.0.0.1", "-p", "5432"]),
+    ],
+)
+def test_compose_dependency_healthcheck_commands_succeed_against_local_servers(compose, service, binary, local_args):
+    test = compose["services"][service]["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == binary
+    if shutil.which(binary) is None:
+        pytest.fail(f"{binary} is not installed: apt-get install {'redis-tools' if binary == 'redis-cli' else 'postgresql-client'}")
+    argv = [binary, *local_args, *test[2:]]
+    if service == "postgres":  # the compose user exists only in the compose database; check the server answers
+        argv = [binary, *local_args]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    assert result.returncode == 0, f"{' '.join(argv)} failed: {result.stdout}{result.stderr}"
