@@ -99,9 +99,7 @@ async def _http_error(request: Request, exc: Exception) -> ProblemResponse:
     detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
     headers = dict(exc.headers or {})
     headers.update(_retry_headers(exc.status_code))
-    return problem(
-        exc.status_code, codes.get(exc.status_code, f"HTTP_{exc.status_code}"), detail, headers=headers
-    )
+    return problem(exc.status_code, codes.get(exc.status_code, f"HTTP_{exc.status_code}"), detail, headers=headers)
 
 
 async def _client_disconnect(request: Request, exc: Exception) -> ProblemResponse:

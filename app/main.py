@@ -95,9 +95,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                     response["description"] = response.get("description") or "Problem"
     components = schema.get("components", {}).get("schemas", {})
     if "Problem" not in components:
-        components["Problem"] = Problem.model_json_schema(
-            by_alias=True, ref_template="#/components/schemas/{model}"
-        )
+        components["Problem"] = Problem.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
     app.openapi_schema = schema

@@ -38,8 +38,7 @@ class Problem(_Out):
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries documenting problem documents for the given statuses."""
     return {
-        status: {"model": Problem, "description": "Problem document (application/problem+json)"}
-        for status in statuses
+        status: {"model": Problem, "description": "Problem document (application/problem+json)"} for status in statuses
     }
 
 
@@ -57,9 +56,7 @@ class JobError(_Out):
 
 
 class Durations(_Out):
-    queued_seconds: float | None = Field(
-        None, description="From submission to the start of the last attempt."
-    )
+    queued_seconds: float | None = Field(None, description="From submission to the start of the last attempt.")
     run_seconds: float | None = Field(None, description="From the start of the last attempt to the end.")
     total_seconds: float | None = Field(None, description="From submission to the end.")
 

@@ -83,9 +83,7 @@ class BrokerSettings(_Section):
 
 class WorkerSettings(_Section):
     queues: list[Literal["cpu", "gpu"]] = Field(["cpu"], description="Queues this worker consumes.")
-    concurrency: int = Field(
-        1, ge=1, description="Jobs run at once by one worker (one per GPU on GPU queues)."
-    )
+    concurrency: int = Field(1, ge=1, description="Jobs run at once by one worker (one per GPU on GPU queues).")
     embedded_workers: int = Field(
         1, ge=0, description="Worker processes `onnxforge serve` starts in embedded mode (0: none)."
     )
@@ -97,9 +95,7 @@ class WorkerSettings(_Section):
         8192, ge=256, description="Address-space limit of the child process that runs one attempt, MiB."
     )
     child_cpu_seconds: int = Field(3000, ge=10, description="CPU-time limit of one attempt's child, seconds.")
-    child_wall_seconds: int = Field(
-        3300, ge=10, description="Wall-clock limit of one attempt's child, seconds."
-    )
+    child_wall_seconds: int = Field(3300, ge=10, description="Wall-clock limit of one attempt's child, seconds.")
     child_file_mb: int = Field(8192, ge=16, description="Largest file the child may write, MiB.")
 
 

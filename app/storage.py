@@ -114,9 +114,7 @@ class BlobStore:
         return self.root / sha256[:2] / sha256
 
     @contextlib.contextmanager
-    def writer(
-        self, max_bytes: int | None = None, *, expected_size: int | None = None
-    ) -> Iterator[BlobWriter]:
+    def writer(self, max_bytes: int | None = None, *, expected_size: int | None = None) -> Iterator[BlobWriter]:
         """Stream a blob in; call ``commit()`` inside the block. Uncommitted bytes are deleted on exit.
 
         ``expected_size`` (e.g. from Content-Length) is checked against free disk space up front.
@@ -135,9 +133,7 @@ class BlobStore:
         try:
             fd = os.open(path, flags)
         except OSError as exc:
-            raise InvalidInputError(
-                f"cannot open {Path(path).name!r}: {exc.strerror}", code="FILE_INVALID"
-            ) from exc
+            raise InvalidInputError(f"cannot open {Path(path).name!r}: {exc.strerror}", code="FILE_INVALID") from exc
         with os.fdopen(fd, "rb") as src:
             if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
                 raise InvalidInputError(f"{Path(path).name!r} is not a regular file", code="FILE_INVALID")
@@ -184,9 +180,7 @@ class BlobStore:
                 os.close(fd)
                 probe.unlink(missing_ok=True)
         except OSError as exc:
-            raise UnavailableError(
-                f"blob storage is not writable: {exc.strerror}", code="STORAGE_UNAVAILABLE"
-            ) from exc
+            raise UnavailableError(f"blob storage is not writable: {exc.strerror}", code="STORAGE_UNAVAILABLE") from exc
 
     def sweep_tmp(self, older_than_seconds: float) -> int:
         """Delete temp files left by crashed writers; returns how many went."""
@@ -194,10 +188,7 @@ class BlobStore:
         removed = 0
         for entry in os.scandir(self.tmp_dir):
             try:
-                if (
-                    entry.is_file(follow_symlinks=False)
-                    and entry.stat(follow_symlinks=False).st_mtime < cutoff
-                ):
+                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(entry.path)
                     removed += 1
             except OSError:
@@ -207,6 +198,4 @@ class BlobStore:
     def check_free_space(self, needed: int) -> None:
         free = shutil.disk_usage(self.tmp_dir).free
         if needed > free:
-            raise UnavailableError(
-                f"not enough free disk space for {needed} bytes", code="INSUFFICIENT_STORAGE"
-            )
+            raise UnavailableError(f"not enough free disk space for {needed} bytes", code="INSUFFICIENT_STORAGE")

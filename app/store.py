@@ -182,9 +182,7 @@ def _valid_id(job_id: str) -> bool:
 class JobStore:
     """The job table. Thread-safe: every method takes a pooled connection for one transaction."""
 
-    def __init__(
-        self, url: str, schema: str | None = None, *, clock: Callable[[], datetime] | None = None
-    ) -> None:
+    def __init__(self, url: str, schema: str | None = None, *, clock: Callable[[], datetime] | None = None) -> None:
         self.url = make_url(url)
         self._clock = clock or (lambda: datetime.now(UTC))
         self._sqlite = self.url.get_backend_name() == "sqlite"
@@ -306,9 +304,7 @@ class JobStore:
                 return Job._from_row(row)
         raise NotFoundError(f"no job {job_id!r}", code="JOB_NOT_FOUND")
 
-    def list(
-        self, tenant: str | None, *, limit: int, offset: int, state: str | None = None
-    ) -> tuple[list[Job], int]:
+    def list(self, tenant: str | None, *, limit: int, offset: int, state: str | None = None) -> tuple[list[Job], int]:
         """A page of jobs, newest first, and the total matching (tenant None: every tenant)."""
         where = []
         if tenant is not None:

@@ -57,7 +57,7 @@ class JobConfig(_Strict):
     benchmark: bool = Field(True, description="Benchmark original and optimized models.")
     shapes: list[dict[str, list[int]]] | None = Field(
         None,
-        description="Input shapes to verify and benchmark, e.g. [{\"input_ids\": [1, 128]}]. "
+        description='Input shapes to verify and benchmark, e.g. [{"input_ids": [1, 128]}]. '
         "Unset: from samples, else generated from the graph's symbolic dims.",
     )
     seed: int = Field(0, description="Seed of generated verification inputs.")

@@ -34,9 +34,7 @@ from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import all_graphs, is_input_of, is_output_of, node_label
 
 _ONNX_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml"})
-_RANDOM_OPS = frozenset(
-    {"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"}
-)
+_RANDOM_OPS = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
 
 
 class CommonSubexpressionEliminationOptions(PassOptions):
@@ -76,9 +74,7 @@ def _attribute_key(attr: ir.Attr, max_elements: int) -> Hashable:
 
 
 def _node_key(node: ir.Node, max_elements: int) -> Hashable:
-    attributes = tuple(
-        sorted((name, _attribute_key(attr, max_elements)) for name, attr in node.attributes.items())
-    )
+    attributes = tuple(sorted((name, _attribute_key(attr, max_elements)) for name, attr in node.attributes.items()))
     inputs = tuple(id(v) if v is not None else None for v in node.inputs)
     return (node.op_identifier(), len(node.outputs), inputs, attributes)
 

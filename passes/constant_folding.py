@@ -94,9 +94,7 @@ class _SizeGuard:
             if tensor.size <= self.max_input_elements:
                 data[value.name] = ir.serde.serialize_tensor(tensor)
         try:
-            inferred = onnx.shape_inference.infer_node_outputs(
-                schema, ir.serde.serialize_node(node), types, data
-            )
+            inferred = onnx.shape_inference.infer_node_outputs(schema, ir.serde.serialize_node(node), types, data)
         except Exception as exc:  # onnx raises several unrelated types for an inconsistent node
             return f"shape inference failed on constant inputs ({type(exc).__name__}); output size unknown"
         total = 0
@@ -129,9 +127,7 @@ class ConstantFolding(Pass):
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options = self.options
         assert isinstance(options, ConstantFoldingOptions)
-        max_bytes = (
-            ctx.constant_fold_max_bytes if options.max_output_bytes is None else options.max_output_bytes
-        )
+        max_bytes = ctx.constant_fold_max_bytes if options.max_output_bytes is None else options.max_output_bytes
         guard = _SizeGuard(model, max_bytes, options.max_input_elements)
         ops_before = op_histogram(model)
         initializers_before = set(_initializers(model))

@@ -61,9 +61,7 @@ class LabelSparsityOptions(PassOptions):
 class _Site:
     """One loss node that can take the filter: the tensors to gather and the node consuming them."""
 
-    def __init__(
-        self, loss: ir.Node, logits_consumer: ir.Node, logits: ir.Value, labels: ir.Value, ignore: int
-    ):
+    def __init__(self, loss: ir.Node, logits_consumer: ir.Node, logits: ir.Value, labels: ir.Value, ignore: int):
         self.loss = loss
         self.logits_consumer = logits_consumer  # the loss itself, or the LogSoftmax before an NLL loss
         self.logits = logits
@@ -95,9 +93,7 @@ class LabelSparsity(Pass):
             if options.force:
                 chosen.append(site)
             elif density is None:
-                non_matches.append(
-                    _nm(site.loss, "no samples to measure the label density of (give samples or force)")
-                )
+                non_matches.append(_nm(site.loss, "no samples to measure the label density of (give samples or force)"))
             elif density >= options.density_threshold:
                 non_matches.append(
                     _nm(
@@ -183,12 +179,8 @@ def _rewrite(graph: ir.Graph, site: _Site) -> None:
     nonzero = ir.node("NonZero", [keep.outputs[0]], name=f"{prefix}/nonzero")
     axes = ir.node("Constant", [], {"value": ir.tensor(np.array([0], np.int64))}, name=f"{prefix}/axes")
     idx = ir.node("Squeeze", [nonzero.outputs[0], axes.outputs[0]], name=f"{prefix}/indices")
-    gather_logits = ir.node(
-        "Gather", [site.logits, idx.outputs[0]], {"axis": 0}, name=f"{prefix}/gather_logits"
-    )
-    gather_labels = ir.node(
-        "Gather", [site.labels, idx.outputs[0]], {"axis": 0}, name=f"{prefix}/gather_labels"
-    )
+    gather_logits = ir.node("Gather", [site.logits, idx.outputs[0]], {"axis": 0}, name=f"{prefix}/gather_logits")
+    gather_labels = ir.node("Gather", [site.labels, idx.outputs[0]], {"axis": 0}, name=f"{prefix}/gather_labels")
     for value, name in (
         (idx.outputs[0], "indices"),
         (gather_logits.outputs[0], "logits"),

@@ -33,9 +33,7 @@ _INLINE_LIMIT_BYTES = 1024
 
 
 class ShapeInferenceOptions(PassOptions):
-    data_prop: bool = Field(
-        True, description="Propagate constant values through shape ops (Shape, Gather, Concat...)."
-    )
+    data_prop: bool = Field(True, description="Propagate constant values through shape ops (Shape, Gather, Concat...).")
     strict: bool = Field(
         False,
         description="Stop at the first node ONNX cannot infer and leave the whole model unannotated, "
@@ -131,6 +129,4 @@ class ShapeInference(Pass):
             for value in ir.convenience.create_value_mapping(graph, include_subgraphs=False).values()
             if value.type is None or value.shape is None
         )
-        return PassResult(
-            model, modified=typed > 0, counts={"values_typed": typed, "values_untyped": untyped}
-        )
+        return PassResult(model, modified=typed > 0, counts={"values_typed": typed, "values_untyped": untyped})

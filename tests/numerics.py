@@ -53,9 +53,7 @@ def _input_dims(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
         if value.name in initializers:
             continue  # an overridable initializer: ORT uses the stored value
         shape = value.type.tensor_type.shape
-        dims[value.name] = [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in shape.dim
-        ]
+        dims[value.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in shape.dim]
     return dims
 
 
@@ -64,9 +62,7 @@ def example_shapes(model: ModelLike, n: int = 3) -> list[dict[str, tuple[int, ..
     dims = _input_dims(to_proto(model))
     shapes = []
     for size in itertools.islice(itertools.cycle(_DIM_SIZES), n):
-        shapes.append(
-            {name: tuple(d if isinstance(d, int) else size for d in ds) for name, ds in dims.items()}
-        )
+        shapes.append({name: tuple(d if isinstance(d, int) else size for d in ds) for name, ds in dims.items()})
     return shapes
 
 

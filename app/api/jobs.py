@@ -66,9 +66,7 @@ def list_jobs(
     if offset + len(jobs) < total:
         query = {"limit": limit, "offset": offset + limit, **({"state": state} if state else {})}
         next_link = f"/v1/jobs?{urlencode(query)}"
-    return JobList(
-        jobs=[JobOut.from_job(j) for j in jobs], total=total, limit=limit, offset=offset, next=next_link
-    )
+    return JobList(jobs=[JobOut.from_job(j) for j in jobs], total=total, limit=limit, offset=offset, next=next_link)
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=problem_responses(404), summary="Get a job")

@@ -178,9 +178,7 @@ class _Sink:
     def _headers_finished(self) -> None:
         disposition, params = parse_options_header(self._headers.get(b"content-disposition", b""))
         if disposition != b"form-data":
-            raise InvalidInputError(
-                "each part needs Content-Disposition: form-data", code="MULTIPART_INVALID"
-            )
+            raise InvalidInputError("each part needs Content-Disposition: form-data", code="MULTIPART_INVALID")
         field = params.get(b"name", b"").decode("utf-8", errors="replace")
         if field not in FIELDS:
             raise InvalidInputError(
@@ -310,9 +308,7 @@ async def receive_upload(
             await anyio.to_thread.run_sync(parser.write, b"".join(pending))
         parser.finalize()
         if not sink.ended:
-            raise InvalidInputError(
-                "the multipart body ended before its closing boundary", code="MULTIPART_INVALID"
-            )
+            raise InvalidInputError("the multipart body ended before its closing boundary", code="MULTIPART_INVALID")
         model = sink.files.get("model")
         if model is None:
             raise InvalidInputError(

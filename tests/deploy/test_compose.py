@@ -83,7 +83,8 @@ def test_compose_dependency_healthcheck_commands_succeed_against_local_servers(c
     test = compose["services"][service]["healthcheck"]["test"]
     assert test[0] == "CMD" and test[1] == binary
     if shutil.which(binary) is None:
-        pytest.fail(f"{binary} is not installed: apt-get install {'redis-tools' if binary == 'redis-cli' else 'postgresql-client'}")
+        package = "redis-tools" if binary == "redis-cli" else "postgresql-client"
+        pytest.fail(f"{binary} is not installed: apt-get install {package}")
     argv = [binary, *local_args, *test[2:]]
     if service == "postgres":  # the compose user exists only in the compose database; check the server answers
         argv = [binary, *local_args]

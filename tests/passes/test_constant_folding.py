@@ -80,9 +80,7 @@ def test_constant_folding_leaves_graph_unmodified_when_every_node_reads_a_graph_
         ),
     ],
 )
-def test_constant_folding_declines_node_without_evaluating_when_output_would_be_terabytes(
-    op: str, body: str
-) -> None:
+def test_constant_folding_declines_node_without_evaluating_when_output_would_be_terabytes(op: str, body: str) -> None:
     original = parse(f"""
         <ir_version: 8, opset_import: ["" : 17]>
         g (float[N] x) => (float[N] y) {{

@@ -38,17 +38,13 @@ def build_loss_model(
     outputs = [helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)]
     if form == "sce":
         loss_outputs = ["loss", "log_prob"] if log_prob_used else ["loss"]
-        nodes.append(
-            helper.make_node("SoftmaxCrossEntropyLoss", loss_inputs, loss_outputs, name="sce", **attrs)
-        )
+        nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", loss_inputs, loss_outputs, name="sce", **attrs))
         if log_prob_used:
             outputs.append(helper.make_tensor_value_info("log_prob", TensorProto.FLOAT, None))
     else:
         nodes.append(helper.make_node("LogSoftmax", ["logits"], ["log_probs"], name="log_softmax", axis=1))
         loss_inputs[0] = "log_probs"
-        nodes.append(
-            helper.make_node("NegativeLogLikelihoodLoss", loss_inputs, ["loss"], name="nll", **attrs)
-        )
+        nodes.append(helper.make_node("NegativeLogLikelihoodLoss", loss_inputs, ["loss"], name="nll", **attrs))
     graph = helper.make_graph(
         nodes,
         "loss_head",
@@ -76,9 +72,7 @@ def run_pass(model: onnx.ModelProto, samples=None, **options):
     return result, optimized
 
 
-def assert_same_loss(
-    original: onnx.ModelProto, optimized: onnx.ModelProto, label_sets: list[np.ndarray]
-) -> None:
+def assert_same_loss(original: onnx.ModelProto, optimized: onnx.ModelProto, label_sets: list[np.ndarray]) -> None:
     reference_options = ort.SessionOptions()
     reference_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     reference = ort.InferenceSession(
@@ -119,15 +113,11 @@ def test_label_sparsity_filters_rows_and_keeps_the_loss_when_density_is_low(form
     ops = Counter(n.op_type for n in optimized.graph.node)
     assert ops["NonZero"] == 1 and ops["Gather"] == 2, ops
     loss = next(
-        n
-        for n in optimized.graph.node
-        if n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+        n for n in optimized.graph.node if n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
     )
     assert loss.input[1].endswith("label_sparsity/labels")
     logits_consumer = next(
-        n
-        for n in optimized.graph.node
-        if n.op_type == ("SoftmaxCrossEntropyLoss" if form == "sce" else "LogSoftmax")
+        n for n in optimized.graph.node if n.op_type == ("SoftmaxCrossEntropyLoss" if form == "sce" else "LogSoftmax")
     )
     assert logits_consumer.input[0].endswith("label_sparsity/logits")
     assert 0.1 < next(iter(result.notes["label_density"].values())) < 0.25
@@ -179,9 +169,7 @@ def test_label_sparsity_refuses_with_reason_when_rows_cannot_be_dropped(kwargs, 
 def test_label_sparsity_refuses_nll_when_its_input_is_not_log_softmax():
     model = build_loss_model("nll")
     log_softmax = next(n for n in model.graph.node if n.op_type == "LogSoftmax")
-    log_softmax.op_type = (
-        "Identity"  # NLL of raw logits: rows could still be dropped, but it is not the pattern
-    )
+    log_softmax.op_type = "Identity"  # NLL of raw logits: rows could still be dropped, but it is not the pattern
     del log_softmax.attribute[:]
 
     result, _ = run_pass(model, force=True)
