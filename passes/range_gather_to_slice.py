@@ -1,0 +1,250 @@
+"""Turn ``Gather(data, Range(start, limit, delta))`` into one ``Slice``, only where that is exact.
+
+Re-implements ORT's ``GatherToSliceFusion`` (``onnxruntime/core/optimizer/gather_fusion.cc``, PR #13599;
+spec ``seed-passes.md`` section 5)::
+
+    start  limit  delta                         start   limit   delta
+       \\     |     /                              |       |       |
+        \\    |    /                              [s]   Max(.,0)   [d]      (constants stay initializers;
+         Range (int32|int64)         ==>           |    Reshape[1]  |        Max only for a dynamic limit)
+           |  (its only use)                       |       |       |
+    data --Gather(axis) --> y              data --Slice(starts, ends, axes=[axis], steps) --> y
+
+Fixes over ORT, which checks only "one output edge, into Gather's indices":
+
+* The index sequence must not cross zero and ``ends`` must avoid Slice's special values. Range's negative
+  indices count from the end one by one, while Slice maps a negative start or end once; Range's ``-1``
+  means "before index 0" when counting down but Slice's ``-1`` is the last element. Stock ORT 1.20-1.32
+  therefore returns 0 rows for ``Range(-3, 1, 1)`` (4 rows) and for ``Range(7, -1, -1)`` (8 rows)
+  whenever the Range is not constant-folded first (e.g. the limit is a graph input).
+  The accepted cases (start and delta constant, delta != 0):
+
+  ======================  ==========================  ===============================================
+  case                    limit                       emitted ``ends``
+  ======================  ==========================  ===============================================
+  delta > 0, start >= 0   constant or dynamic         ``Max(limit, 0)``: a negative limit is empty
+  delta < 0, start >= 0   constant >= -1              ``limit``; -1 becomes INT64_MIN (INT32_MIN)
+  start < 0               constant < 0                ``limit`` as is (both ends wrap once)
+  ======================  ==========================  ===============================================
+
+* **The guard.** Every Range->Gather pair refused above still matches ORT's pattern, and ORT applies its
+  fusion at the default level (``ORT_ENABLE_ALL``) whenever an input of the Range is not constant-folded
+  first. With a dynamic ``limit``, ORT 1.32 gets 600 of the 1,728 branches of the test sweep (start
+  -8..7, limit -9..8, delta +-1..3, n=8) wrong: 492 cross zero (refused here) and 108 have a negative
+  limit that Slice misreads (fused here with ``Max(limit, 0)`` or INT_MIN). So a refused
+  pair gets ``Reshape(range, [-1])`` between Range and Gather, a no-op ORT does not remove (Identity, a
+  same-type Cast and ``Add(x, 0)`` are all removed first, re-exposing the pattern; checked on ORT 1.32).
+  After the pass the sweep has 0 mismatches with graph optimizations off and at ``ORT_ENABLE_ALL``, with
+  constant and dynamic limits, int64 and int32 (``tests/passes/test_range_gather_to_slice.py``).
+
+A Range whose output is a graph output or has several uses is left alone and needs no guard: ORT
+requires exactly one output edge and no graph output, too. Functions are not visited (they cannot hold
+the initializers this pass adds); subgraphs are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+import onnx_ir as ir
+
+from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._match import graphs_of, node_label
+
+_ONNX_DOMAINS = ("", "ai.onnx")
+_INT_TYPES = {ir.DataType.INT32: np.int32, ir.DataType.INT64: np.int64}
+GUARD_REASON = (
+    "ORT's GatherToSliceFusion would miscompile this Range (its indices may cross zero or end at -1, "
+    "which Slice reads differently), so a Reshape(-1) now separates it from the Gather"
+)
+
+
+class RangeGatherToSliceOptions(PassOptions):
+    """The pass has no options; the model exists so unknown keys are refused like for every pass."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fuse:
+    range_node: ir.Node
+    gather: ir.Node
+    dtype: ir.DataType
+    start: int
+    delta: int
+    ends: int | None  # None: dynamic limit, emit Max(limit, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refuse:
+    reason: str
+    guard: bool  # the pair still matches ORT's fusion, which would miscompile it
+
+
+def _scalar(value: ir.Value | None) -> int | None:
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    if tensor is None or tensor.size != 1 or tensor.dtype not in _INT_TYPES:
+        return None
+    return int(tensor.numpy().reshape(()))
+
+
+def _decide(node: ir.Node, graph: ir.Graph, opset: int) -> _Fuse | _Refuse:
+    """Classify one Range on the unmodified graph. Never edits anything."""
+    out = node.outputs[0]
+    uses = list(out.uses())
+    if out.is_graph_output():
+        return _Refuse(f"Range output {out.name!r} is a graph output", guard=False)
+    if len(uses) != 1:
+        return _Refuse(f"Range output {out.name!r} has {len(uses)} uses, expected 1", guard=False)
+    gather, idx = uses[0].node, uses[0].idx
+    if gather.op_type != "Gather" or gather.domain not in _ONNX_DOMAINS or idx != 1:
+        where = f"{gather.op_type} input {idx}"
+        return _Refuse(f"Range output feeds {where}, not a Gather's indices", guard=False)
+    # From here on the pair is exactly what ORT's fusion matches: every refusal needs the guard.
+    dtype = out.dtype or (node.inputs[0].dtype if node.inputs[0] is not None else None)
+    if dtype not in _INT_TYPES:
+        return _Refuse(f"Range type is {dtype}, not int32/int64", guard=True)
+    start, delta = _scalar(node.inputs[0]), _scalar(node.inputs[2])
+    limit_value = node.inputs[1]
+    limit = _scalar(limit_value)
+    if start is None or delta is None:
+        return _Refuse("start or delta is not a constant, so the sign of the indices is unknown", guard=True)
+    if delta == 0:
+        return _Refuse("delta is 0 (Range fails at run time)", guard=True)
+    if start >= 0 and delta > 0:
+        if limit is None and opset < 12:
+            return _Refuse(f"dynamic limit needs Max on integers (opset 12), model has {opset}", guard=True)
+        return _Fuse(node, gather, dtype, start, delta, None if limit is None else max(limit, 0))
+    if start >= 0:  # delta < 0
+        if limit is None:
+            return _Refuse(
+                "delta < 0 with a dynamic limit: Range's -1 ends before index 0, Slice's -1 is the last "
+                "element, and a limit below -1 crosses zero",
+                guard=True,
+            )
+        if limit < -1:
+            return _Refuse(f"delta < 0 from start {start} to limit {limit} crosses zero", guard=True)
+        ends = limit if limit >= 0 else int(np.iinfo(_INT_TYPES[dtype]).min)
+        return _Fuse(node, gather, dtype, start, delta, ends)
+    if limit is None or limit >= 0:
+        shown = "dynamic" if limit is None else str(limit)
+        return _Refuse(f"start {start} < 0 with limit {shown} may cross zero", guard=True)
+    return _Fuse(node, gather, dtype, start, delta, limit)
+
+
+class _Names:
+    """Fresh value and node names for one graph, never clashing with the existing ones."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.taken = {v.name for v in graph.inputs} | set(graph.initializers)
+        for n in graph:
+            self.taken.add(n.name)
+            self.taken.update(o.name for o in n.outputs)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+
+def _const(graph: ir.Graph, names: _Names, base: str, array: np.ndarray) -> ir.Value:
+    value = ir.val(names(base), const_value=ir.tensor(array))
+    value.dtype = ir.DataType.from_numpy(array.dtype)
+    value.shape = ir.Shape(array.shape)
+    graph.register_initializer(value)
+    return value
+
+
+def _fuse(plan: _Fuse, graph: ir.Graph, names: _Names) -> None:
+    np_type = _INT_TYPES[plan.dtype]
+    gather, y = plan.gather, plan.gather.outputs[0]
+    base = y.name or "range_gather"
+    axis = gather.attributes.get_int("axis", 0)
+    new_nodes: list[ir.Node] = []
+    if plan.ends is None:
+        zero = _const(graph, names, f"{base}_zero", np.array(0, np_type))
+        one_d = _const(graph, names, f"{base}_one_d", np.array([1], np.int64))
+        limit = plan.range_node.inputs[1]
+        clamp = ir.node("Max", [limit, zero], name=names(f"{base}_ends_max"))
+        clamp.outputs[0].name = names(f"{base}_ends_scalar")
+        reshape = ir.node("Reshape", [clamp.outputs[0], one_d], name=names(f"{base}_ends_1d"))
+        ends = reshape.outputs[0]
+        ends.name, ends.dtype, ends.shape = names(f"{base}_ends"), plan.dtype, ir.Shape([1])
+        new_nodes += [clamp, reshape]
+    else:
+        ends = _const(graph, names, f"{base}_ends", np.array([plan.ends], np_type))
+    inputs = [
+        gather.inputs[0],
+        _const(graph, names, f"{base}_starts", np.array([plan.start], np_type)),
+        ends,
+        _const(graph, names, f"{base}_axes", np.array([axis], np_type)),
+        _const(graph, names, f"{base}_steps", np.array([plan.delta], np_type)),
+    ]
+    slice_node = ir.node("Slice", inputs, name=names(f"{gather.name or base}_slice"))
+    out = slice_node.outputs[0]
+    out.dtype, out.shape = y.dtype, y.shape
+    new_nodes.append(slice_node)
+    graph.insert_before(gather, new_nodes)
+    old_name = y.name
+    ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
+    orphans = [v for v in plan.range_node.inputs if v is not None and v.is_initializer()]
+    graph.remove([gather, plan.range_node], safe=True)
+    for value in orphans:  # start/delta (and a constant limit) that nothing else reads
+        if not list(value.uses()) and not value.is_graph_input() and not value.is_graph_output():
+            graph.initializers.pop(value.name, None)
+    # The Slice takes over the Gather's output name, so graph outputs and downstream names are unchanged.
+    out.name = old_name or names(f"{base}_sliced")
+
+
+def _guard(range_node: ir.Node, gather: ir.Node, graph: ir.Graph, names: _Names) -> None:
+    r = range_node.outputs[0]
+    shape = _const(graph, names, f"{r.name}_guard_shape", np.array([-1], np.int64))
+    guard = ir.node("Reshape", [r, shape], name=names(f"{range_node.name or r.name}_ort_fusion_guard"))
+    guard.outputs[0].name = names(f"{r.name}_guarded")
+    guard.outputs[0].dtype, guard.outputs[0].shape = r.dtype, r.shape
+    graph.insert_after(range_node, guard)
+    gather.replace_input_with(1, guard.outputs[0])
+
+
+class RangeGatherToSlice(Pass):
+    name = "range_gather_to_slice"
+    summary = "Gather(Range) -> Slice where exact; guard the rest against ORT's unsound fusion."
+    exact = True
+    in_place = True
+    Options: ClassVar[type[PassOptions]] = RangeGatherToSliceOptions
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+        fused = guarded = 0
+        non_matches: list[NonMatch] = []
+        guarded_names: list[str] = []
+        for graph in list(graphs_of(model.graph)):
+            assert isinstance(graph, ir.Graph)
+            # Match on the unmodified graph, then rewrite: plans hold node references only.
+            ranges = [n for n in graph if n.op_type == "Range" and n.domain in _ONNX_DOMAINS]
+            plans = [(node, _decide(node, graph, opset)) for node in ranges]
+            names = _Names(graph)
+            for node, plan in plans:
+                if isinstance(plan, _Fuse):
+                    _fuse(plan, graph, names)
+                    fused += 1
+                    continue
+                reason = plan.reason
+                if plan.guard:
+                    gather = next(iter(node.outputs[0].uses())).node
+                    _guard(node, gather, graph, names)
+                    guarded += 1
+                    guarded_names.append(node_label(node))
+                    reason = f"{reason}; guarded: {GUARD_REASON}"
+                label = node_label(node)
+                non_matches.append(NonMatch(f"Range {label!r} kept: {reason}", label, "Range"))
+        notes = {"guarded_ranges": guarded_names, "guard_reason": GUARD_REASON} if guarded else {}
+        return PassResult(
+            model,
+            modified=bool(fused or guarded),
+            counts={"ranges_fused": fused, "guarded": guarded},
+            non_matches=non_matches,
+            notes=notes,
+        )

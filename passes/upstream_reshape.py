@@ -1,0 +1,211 @@
+"""Move a ``[B,S,H] -> [B*S,H]`` Reshape above the ops that produce its input.
+
+Re-implements ORT's training-only ``UpStreamReshapeGraphTransformer`` (``onnxruntime/core/optimizer/
+compute_optimizer/upstream_reshape.cc`` and ``upstream_reshape_actors.cc``; spec ``seed-passes.md`` 1.5).
+An LM head ends in ``logits.view(-1, V)`` for the loss; moving the flatten up makes the head 2-D, so a
+row filter on axis 0 (``label_sparsity``'s Gather, moved by ``upstream_slice``) can then climb the head::
+
+    before:  h[B,S,H] --LayerNorm(-1)--> MatMul(W[H,V]) --> Add(b[V]) --> Reshape([-1,V]) --> [B*S,V] --> loss
+    after:   h[B,S,H] --Reshape([-1,H])--> LayerNorm(axis 1) --> MatMul(W) --> Add(b) --> [B*S,V] --> loss
+
+Entry: any Reshape whose input is rank 3 and output rank 2 with the same, known, last dim. That is
+exactly "flatten the two leading dims", whatever the shape input (constant ``[-1,H]``, ``[B*S,H]`` or
+computed from ``Shape``). Each move puts ``Reshape(x, [-1, d2])`` on the inputs of P that carry the
+leading dims and enqueues those Reshapes.
+
+Rules (input ``x`` of P, output ``O = [B,S,H]``):
+
+* element-wise ops (``upstream_slice``'s list, which is longer than ORT's Add/Cast/Dropout/BiasGelu):
+  ``x`` rank 3 with both leading dims equal to O's, or both 1, gets the Reshape; rank <= 1 or a rank-2
+  ``[1, d]`` broadcasts the same way against ``[B*S,H]`` and is left alone; anything else refuses.
+  Its last dim must equal H or be 1.
+* LayerNormalization, Softmax, LogSoftmax: axis 2 (or -1) only, which becomes 1; only ``X`` is reshaped.
+* MatMul: lhs rank 3 and rhs rank 2; only lhs is reshaped.
+
+Fixes over ORT: a rank-2 ``[1,H]`` or ``[B,S,1]`` input is accepted (ORT refuses every broadcast but the
+rank-1 one); a P output that is a graph output refuses; a branch reaching a graph input ends only that
+branch; the copy's shape constant is ``[-1, d2]`` with d2 a positive known value, so -1 is inferable
+even for an empty batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import ClassVar
+
+import numpy as np
+import onnx_ir as ir
+from pydantic import Field
+
+from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._match import node_label
+from passes._upstream_rules import POINTWISE, Dim, FreshNames, drop_orphans, same_dim
+
+_ONNX = ("", "ai.onnx")
+_NORMS = ("LayerNormalization", "Softmax", "LogSoftmax")
+
+
+class UpstreamReshapeOptions(PassOptions):
+    max_rounds: int = Field(
+        16, ge=1, le=1000, description="Sweeps over the graph before stopping even if Reshapes still move."
+    )
+
+
+def _dims(value: ir.Value | None) -> list[Dim] | None:
+    return None if value is None or value.shape is None else list(value.shape)
+
+
+def _positive(d: Dim) -> bool:
+    return isinstance(d, int) and d > 0
+
+
+def _entry(node: ir.Node) -> str | None:
+    """Why this Reshape is not a leading-dims flatten, or None when it is."""
+    src, out = _dims(node.inputs[0]), _dims(node.outputs[0])
+    if src is None or out is None or len(src) != 3 or len(out) != 2:
+        return "not a rank-3 -> rank-2 Reshape of known ranks"
+    if not (_positive(src[2]) and same_dim(src[2], out[1])):
+        return f"last dim {src[2]} -> {out[1]} is not the same known value"
+    if node.outputs[0].is_graph_output():
+        return "output is a graph output"
+    return None
+
+
+def _plan(p: ir.Node, out: list[Dim]) -> dict[int, Dim] | str:
+    """P's inputs to flatten, each with its new leading dim; or why not. ``out`` is P's [B,S,H] output."""
+    domain = "" if p.domain == "ai.onnx" else p.domain
+    if (domain, p.op_type) in POINTWISE:
+        flat: dict[int, Dim] = {}
+        for i, value in enumerate(p.inputs):
+            dims = _dims(value)
+            if value is None:
+                continue
+            if dims is None:
+                return f"input {i} has no shape"
+            if dims and not (same_dim(dims[-1], out[2]) or dims[-1] == 1):
+                return f"input {i} last dim {dims[-1]} is neither {out[2]} nor 1"
+            if len(dims) <= 1 or (len(dims) == 2 and dims[0] == 1):
+                continue  # broadcasts against [B*S, H] exactly as against [B, S, H]
+            if len(dims) == 3 and same_dim(dims[0], out[0]) and same_dim(dims[1], out[1]):
+                flat[i] = None  # the flattened count, like the entry's
+            elif len(dims) == 3 and dims[0] == 1 and dims[1] == 1:
+                flat[i] = 1
+            else:
+                return f"input {i} shape {dims} does not carry both leading dims of {out}"
+        return flat
+    if domain == "" and p.op_type in _NORMS:
+        # Softmax before opset 13 defaults to axis 1 (and coerces to 2-D there; axis 2 is still the last).
+        default = -1 if p.op_type == "LayerNormalization" or _opset(p) >= 13 else 1
+        axis = p.attributes.get_int("axis", default)
+        if axis % 3 != 2:
+            return f"{p.op_type} axis {axis} is not the last of 3"
+        return {0: None}
+    if domain == "" and p.op_type == "MatMul":
+        lhs, rhs = _dims(p.inputs[0]), _dims(p.inputs[1])
+        if lhs is None or rhs is None or len(lhs) != 3 or len(rhs) != 2:
+            return "MatMul needs a rank-3 lhs and a rank-2 rhs"
+        return {0: None}
+    return f"{p.op_type} is not in the allow-list"
+
+
+def _opset(node: ir.Node) -> int:
+    graph = node.graph
+    return 1 if graph is None else graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1))
+
+
+def _step(reshape: ir.Node) -> tuple[ir.Node, dict[int, Dim]] | str:
+    data = reshape.inputs[0]
+    assert data is not None
+    p = data.producer()
+    if p is None:
+        return f"{'initializer' if data.is_initializer() else 'graph input'} {data.name!r}"
+    label = repr(node_label(p))
+    if any(o.is_graph_output() for o in p.outputs):
+        return f"{label} (an output is a graph output)"
+    edges = sum(len(list(o.uses())) for o in p.outputs)
+    if edges != 1:
+        return f"{label} ({edges} consumers)"
+    plan = _plan(p, list(data.shape))
+    if isinstance(plan, str):
+        return f"{label} ({plan})"
+    if not plan:
+        return f"{label} (no input carries the leading dims)"
+    for i in plan:
+        if not _positive(p.inputs[i].shape[-1]):
+            return f"{label} (input {i} last dim {p.inputs[i].shape[-1]} is not a known positive value)"
+    return p, plan
+
+
+def _apply(graph: ir.Graph, names: FreshNames, entry: ir.Node, p: ir.Node, plan: dict[int, Dim]) -> list[ir.Node]:
+    flat = entry.outputs[0].shape[0]  # B*S as the entry's output knows it (a value, a symbol or unknown)
+    origin = (entry.name or "reshape").split("@")[0]
+    copies = []
+    for i, lead in plan.items():
+        value = p.inputs[i]
+        last = value.shape[-1]
+        shape = ir.val(names(f"{origin}@{p.name}_in{i}_shape"), const_value=ir.tensor(np.array([-1, last], np.int64)))
+        shape.dtype, shape.shape = ir.DataType.INT64, ir.Shape([2])
+        graph.register_initializer(shape)
+        copy = ir.node("Reshape", [value, shape], name=names(f"{origin}@{p.name}_in{i}"))
+        copy.outputs[0].name = names(f"{origin}@{p.name}_in{i}_out")
+        copy.outputs[0].dtype = value.dtype
+        copy.outputs[0].shape = ir.Shape([flat if lead is None else lead, last])
+        graph.insert_before(p, copy)
+        p.replace_input_with(i, copy.outputs[0])
+        copies.append(copy)
+    if p.op_type in _NORMS:
+        p.attributes["axis"] = ir.AttrInt64("axis", 1)
+    for o in p.outputs:  # Y, and LN's Mean/InvStdDev or Dropout's mask: [B,S,d] -> [B*S,d]
+        if o.shape is not None and len(o.shape) == 3:
+            o.shape = ir.Shape([flat, o.shape[2]])
+    ir.convenience.replace_all_uses_with(entry.outputs[0], p.outputs[entry.inputs[0].index()])
+    inputs = list(entry.inputs)
+    graph.remove(entry, safe=True)
+    drop_orphans(graph, inputs)  # the shape constant of the entry or of an earlier copy
+    return copies
+
+
+class UpstreamReshape(Pass):
+    name = "upstream_reshape"
+    summary = "Move [B,S,H]->[B*S,H] Reshapes above element-wise ops, LayerNorm, Softmax and MatMul."
+    exact = True
+    in_place = True
+    Options: ClassVar[type[PassOptions]] = UpstreamReshapeOptions
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        graph = model.graph
+        notes = {}
+        if any(o.shape is None for n in graph for o in n.outputs):
+            from passes.shape_inference import ShapeInference
+
+            ShapeInference()(model, ctx)
+            notes["shape_inference"] = "ran first: some values had no shape"
+        names = FreshNames(graph)
+        moved_entries: set[str] = set()
+        crossed = 0
+        non_matches: list[NonMatch] = []
+        for _ in range(self.options.max_rounds):
+            non_matches, moved = [], 0  # only the last sweep's stops are the final state
+            for node in list(graph):
+                if node.graph is not graph or node.op_type != "Reshape" or node.domain not in _ONNX:
+                    continue
+                label = node_label(node)
+                if (why := _entry(node)) is not None:
+                    non_matches.append(NonMatch(f"Reshape {label!r} is no flatten to move: {why}", label, "Reshape"))
+                    continue
+                queue = deque([node])
+                while queue:
+                    reshape = queue.popleft()
+                    step = _step(reshape)
+                    if isinstance(step, str):
+                        where = node_label(reshape)
+                        non_matches.append(NonMatch(f"Reshape {where!r} stops at {step}", where, "Reshape"))
+                        continue
+                    queue.extend(_apply(graph, names, reshape, *step))
+                    moved += 1
+                    moved_entries.add(label.split("@")[0])
+            crossed += moved
+            if not moved:
+                break
+        counts = {"reshapes_moved": len(moved_entries), "ops_crossed": crossed}
+        return PassResult(model, modified=crossed > 0, counts=counts, non_matches=non_matches, notes=notes)

@@ -1,0 +1,171 @@
+"""Tests of passes/upstream_reshape.py on ORT's Reshape cases (``compute_optimizer_test.cc``, spec 1.6) and on
+the LM-head chain it exists for: flatten moved up, then ``upstream_slice`` carries a row filter up the head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from passes._infra import PassResult
+from passes.upstream_reshape import UpstreamReshape
+from passes.upstream_slice import UpstreamSlice
+from tests.numerics import assert_equivalent
+from tests.passes._ort_cases import BOOL, I64, F, build, node, weights
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _optimize(proto: onnx.ModelProto) -> tuple[ir.Model, PassResult]:
+    model = ir.serde.deserialize_model(proto)
+    result = UpstreamReshape()(model)
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    unread = [name for name, v in model.graph.initializers.items() if not list(v.uses())]
+    assert not unread, f"initializers left behind: {unread}"
+    return model, result
+
+
+def _flatten_after(op_node: onnx.NodeProto, inputs: dict, inits: dict | None = None, opset: int = 14, width: int = 16):
+    """op -> Reshape([-1, width]) -> Identity (ORT's Reshape_* graphs)."""
+    nodes = [
+        op_node,
+        node("Reshape", [op_node.output[0], "flat"], "r", "reshape"),
+        node("Identity", ["r"], "y", "identity"),
+    ]
+    inits = {"flat": np.array([-1, width], np.int64), **(inits or {})}
+    return build(nodes, inputs, {"y": F}, inits, opset)
+
+
+def _reshaped_inputs(model: ir.Model, name: str) -> list[str]:
+    """Names of the original inputs of node ``name`` that now come through a moved Reshape."""
+    (target,) = [n for n in model.graph if n.name == name]
+    found = []
+    for value in target.inputs:
+        producer = value.producer() if value is not None else None
+        if producer is not None and producer.op_type == "Reshape":
+            assert producer.inputs[1].const_value.numpy().tolist()[0] == -1
+            found.append(producer.inputs[0].name)
+    return found
+
+
+@pytest.mark.parametrize("opset", [12, 13, 14])
+def test_reshape_goes_to_both_inputs_when_add_inputs_are_full_rank(opset):
+    """Add(a[4,32,16], b[4,32,16]) -> Reshape[-1,16]: each input gets Reshape([-1,16]) (ORT's Reshape test)."""
+    proto = _flatten_after(
+        node("Add", ["a", "b"], "s", "add"), {"a": (F, [4, 32, 16]), "b": (F, [4, 32, 16])}, opset=opset
+    )
+    model, result = _optimize(proto)
+    assert _reshaped_inputs(model, "add") == ["a", "b"]
+    assert [n.op_type for n in model.graph].count("Reshape") == 2
+    assert result.counts == {"reshapes_moved": 1, "ops_crossed": 1}
+    assert_equivalent(proto, model)
+
+
+@pytest.mark.parametrize("other", [[16], [], [1, 16], [4, 32, 1]], ids=["rank1", "scalar", "rank2-broadcast", "last-1"])
+def test_reshape_goes_to_the_3d_input_only_when_other_input_broadcasts(other):
+    """Add(a[4,32,16], b): b of [16] or a scalar stays (ORT too); [1,16] stays, [4,32,1] is flattened too."""
+    proto = _flatten_after(node("Add", ["a", "b"], "s", "add"), {"a": (F, [4, 32, 16]), "b": (F, other)})
+    model, _ = _optimize(proto)
+    assert _reshaped_inputs(model, "add") == (["a", "b"] if len(other) == 3 else ["a"])
+    assert_equivalent(proto, model)
+
+
+def test_reshape_stays_when_an_input_carries_only_one_leading_dim():
+    """Add(a[4,1,16], b[32,16]) -> [4,32,16]: neither input has both leading dims (ORT: no change)."""
+    proto = _flatten_after(node("Add", ["a", "b"], "s", "add"), {"a": (F, [4, 1, 16]), "b": (F, [32, 16])})
+    _, result = _optimize(proto)
+    assert not result.modified
+    assert "does not carry both leading dims" in result.non_matches[0].reason
+
+
+def test_reshape_is_no_entry_when_it_does_not_flatten_the_leading_dims():
+    """Cast([128,4,32]) -> Reshape([-1,128]): the last dim changes, so it is not [B,S,H]->[B*S,H]."""
+    proto = _flatten_after(node("Cast", ["a"], "c", "cast", to=F), {"a": (F, [128, 4, 32])}, width=128)
+    _, result = _optimize(proto)
+    assert not result.modified
+    assert "is no flatten" in result.non_matches[0].reason
+
+
+def test_reshape_goes_to_lhs_only_when_matmul_has_2d_weights():
+    """MatMul(a[4,32,16], w[16,16]) -> Reshape[-1,16]: only the lhs is flattened."""
+    proto = _flatten_after(node("MatMul", ["a", "w"], "m", "matmul"), {"a": (F, [4, 32, 16])}, {"w": weights(16, 16)})
+    model, _ = _optimize(proto)
+    assert _reshaped_inputs(model, "matmul") == ["a"]
+    assert_equivalent(proto, model, **TOL)
+
+
+@pytest.mark.parametrize(("axis", "moves"), [(-1, True), (2, True), (1, False)])
+def test_reshape_crosses_layer_norm_when_it_normalizes_the_last_axis(axis, moves):
+    """LayerNormalization(axis) on [4,32,16]: axis -1/2 moves and becomes 1; axis 1 would normalize over S."""
+    scale_shape = [16] if axis % 3 == 2 else [32, 16]
+    ln = node("LayerNormalization", ["a", "g"], "n", "ln", axis=axis)
+    proto = _flatten_after(ln, {"a": (F, [4, 32, 16])}, {"g": weights(*scale_shape) + 1}, opset=17)
+    model, result = _optimize(proto)
+    assert result.modified == moves
+    if moves:
+        (ln_node,) = [n for n in model.graph if n.name == "ln"]
+        assert ln_node.attributes.get_int("axis") == 1
+    assert_equivalent(proto, model, **TOL)
+
+
+def test_reshape_stops_when_producer_output_is_a_graph_output():
+    nodes = [
+        node("Relu", ["a"], "r0", "relu"),
+        node("Reshape", ["r0", "flat"], "r", "reshape"),
+        node("Identity", ["r"], "y", "identity"),
+    ]
+    proto = build(nodes, {"a": (F, [2, 3, 4])}, {"y": F, "r0": F}, {"flat": np.array([-1, 4], np.int64)})
+    _, result = _optimize(proto)
+    assert not result.modified
+    assert "graph output" in result.non_matches[0].reason
+
+
+def test_lm_head_row_filter_reaches_the_encoder_when_reshape_moves_first():
+    """h[B,S,H] -> LN -> MatMul(W[H,V]) -> Add(b) -> Reshape[-1,V] -> Gather(axis 0, Squeeze(NonZero(keep))).
+
+    upstream_reshape moves the flatten to h; upstream_slice then carries the row filter up the whole head,
+    so LayerNorm, the [N,H]x[H,V] MatMul and the bias run only on the kept rows.
+    """
+    hidden, vocab = 16, 40
+    nodes = [
+        node("LayerNormalization", ["h", "g", "beta"], "n", "ln", axis=-1),
+        node("MatMul", ["n", "w"], "m", "decoder"),
+        node("Add", ["m", "bias"], "logits3d", "decoder_bias"),
+        node("Reshape", ["logits3d", "flat"], "logits", "view"),
+        node("Reshape", ["keep", "flat1"], "keep1", "keep_view"),
+        node("NonZero", ["keep1"], "nz", "nonzero"),
+        node("Squeeze", ["nz", "zero"], "idx", "squeeze"),
+        node("Gather", ["logits", "idx"], "kept", "filter", axis=0),
+        node("Identity", ["kept"], "y", "identity"),
+    ]
+    inits = {
+        "g": weights(hidden, seed=1) + 1,
+        "beta": weights(hidden, seed=2),
+        "w": weights(hidden, vocab, seed=3),
+        "bias": weights(vocab, seed=4),
+        "flat": np.array([-1, vocab], np.int64),
+        "flat1": np.array([-1], np.int64),
+        "zero": np.array([0], np.int64),
+    }
+    proto = build(nodes, {"h": (F, ["batch", "seq", hidden]), "keep": (BOOL, ["batch", "seq"])}, {"y": F}, inits, 17)
+    model = ir.serde.deserialize_model(proto)
+    assert UpstreamReshape()(model).counts == {"reshapes_moved": 1, "ops_crossed": 3}
+    assert UpstreamSlice()(model).counts["ops_crossed"] == 3
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    order = [n.op_type for n in model.graph if n.op_type in ("Reshape", "Gather", "LayerNormalization", "MatMul")]
+    assert order[-4:] == ["Reshape", "Gather", "LayerNormalization", "MatMul"]
+    (ln,) = [n for n in model.graph if n.name == "ln"]
+    assert ln.inputs[0].producer().op_type == "Gather"
+    assert ln.inputs[0].producer().inputs[0].producer().inputs[0].name == "h"
+    assert_equivalent(proto, model, **TOL)
+
+
+def test_reshape_is_no_entry_when_its_rank_is_unknown():
+    """A Reshape with a data-dependent target shape is left alone."""
+    nodes = [node("Relu", ["a"], "r0", "relu"), node("Reshape", ["r0", "s"], "r", "reshape")]
+    nodes.append(node("Identity", ["r"], "y", "identity"))
+    proto = build(nodes, {"a": (F, [2, 3, 4]), "s": (I64, [2])}, {"y": F})
+    _, result = _optimize(proto)
+    assert not result.modified
