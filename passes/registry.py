@@ -19,7 +19,10 @@ from passes.dead_node_elimination import DeadNodeElimination
 from passes.identity_elimination import IdentityElimination
 from passes.label_sparsity import LabelSparsity
 from passes.padding_elimination import PaddingElimination
+from passes.range_gather_to_slice import RangeGatherToSlice
 from passes.shape_inference import ShapeInference
+from passes.upstream_reshape import UpstreamReshape
+from passes.upstream_slice import UpstreamSlice
 
 PASSES: tuple[type[Pass], ...] = (
     ShapeInference,
@@ -29,6 +32,9 @@ PASSES: tuple[type[Pass], ...] = (
     DeadNodeElimination,
     LabelSparsity,
     PaddingElimination,
+    UpstreamReshape,
+    UpstreamSlice,
+    RangeGatherToSlice,
 )
 
 _BY_NAME: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
@@ -55,23 +61,39 @@ _CLEANUP = [
     "shape_inference",
     "identity_elimination",
     "constant_folding",
+]
+# Order matters. label_sparsity inserts a row filter that upstream_reshape and upstream_slice carry up
+# through the LM head; CSE merges the copies a slice leaves on shared values, after which upstream_slice
+# can move further (a second run crosses more ops on RoBERTa); constant_folding then folds the Reshape
+# shapes upstream_slice made constant; dead_node_elimination comes last because moved slices and
+# replaced shapes leave dead nodes behind.
+_COMPUTE_ORDER = ["label_sparsity", "upstream_reshape", "upstream_slice"]
+_AFTER = [
     "common_subexpression_elimination",
+    "upstream_slice",
+    "constant_folding",
+    "range_gather_to_slice",
     "dead_node_elimination",
 ]
+_SAFE = [*_CLEANUP, *_COMPUTE_ORDER, *_AFTER]
+# padding_elimination is exact on valid positions only (pad positions of token-aligned outputs become
+# zeros), so it is in `fast`, not `safe`.
+_FAST = [*_CLEANUP, *_COMPUTE_ORDER, "padding_elimination", *_AFTER]
 
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
         Preset(
             "safe",
-            "Exact graph cleanups only; the result computes the same function.",
-            _CLEANUP,
+            "Exact passes only: every output computes the same values at every position.",
+            _SAFE,
             EXACT_TOLERANCE,
         ),
         Preset(
             "fast",
-            "Every pass that is exact within tolerance and expected to pay on the target.",
-            _CLEANUP,
+            "Every pass that is exact within tolerance on the positions the model defines, kept only where "
+            "it pays on the target.",
+            _FAST,
             EXACT_TOLERANCE,
         ),
     )
