@@ -1,18 +1,29 @@
 """Dependencies of the routes, as ``Annotated`` aliases. Everything comes from ``app.state`` (set up by
-the lifespan in app/main.py), so a test's ``create_app(settings, dispatcher=...)`` is honoured."""
+create_app and its lifespan in app/main.py), so a test's ``create_app(settings, dispatcher=...)`` is honoured.
+
+``TenantDep`` authenticates: the bearer token's tenant, or ``default`` in open mode (app/auth.py). Every
+/v1 router depends on it (app/api/__init__.py), so no /v1 route can be reached without it."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from app.auth import Authenticator
 from app.services.jobs import JobService
 from app.settings import Settings
 from app.storage import BlobStore
 from app.store import JobStore
 
-DEFAULT_TENANT = "default"
+# Documents the scheme in OpenAPI (the Authorize button of /docs); app/auth.py decides, not FastAPI.
+_bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="ApiKey",
+    description="An API key issued by the operator, sent as `Authorization: Bearer <key>`. Not needed in "
+    "open mode (no keys configured, loopback only).",
+)
 
 
 def get_app_settings(request: Request) -> Settings:
@@ -35,9 +46,14 @@ def get_blobs(request: Request) -> BlobStore:
     return blobs
 
 
-def get_tenant() -> str:
-    """The caller's tenant. Single-tenant for now; bearer tokens will resolve it here (security.md T13)."""
-    return DEFAULT_TENANT
+def get_tenant(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+    """The caller's tenant, from the bearer token; raises AuthenticationError (401) without a valid one."""
+    auth: Authenticator = request.app.state.auth
+    server = request.scope.get("server")
+    return auth.authenticate(
+        credentials.credentials if credentials is not None else None,
+        local_host=server[0] if server else None,
+    )
 
 
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]

@@ -3,7 +3,8 @@
 Domain code raises ``OnnxforgeError`` subclasses that know nothing of HTTP; ``ErrorKind`` maps to a status
 here. Every body has ``type``, ``title``, ``status``, ``detail`` and the stable ``code`` clients switch
 on, plus ``pass`` when the error happened in a pass. Unexpected exceptions become a bare 500 with code
-INTERNAL_ERROR: logged in full here, never leaked to the client.
+INTERNAL_ERROR: logged in full here, never leaked to the client. A missing or invalid API key is 401
+UNAUTHENTICATED with ``WWW-Authenticate: Bearer``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from app.auth import AuthenticationError
 from onnxforge.errors import ErrorKind, OnnxforgeError
 
 log = logging.getLogger("onnxforge.api")
@@ -85,6 +87,13 @@ async def _onnxforge_error(request: Request, exc: Exception) -> ProblemResponse:
     )
 
 
+async def _authentication_error(request: Request, exc: Exception) -> ProblemResponse:
+    assert isinstance(exc, AuthenticationError)
+    client = request.client.host if request.client else "?"
+    log.info("401 %s %s from %s: %s", request.method, request.url.path, client, exc.message)  # never the token
+    return problem(401, exc.code, exc.message, headers={"WWW-Authenticate": exc.challenge})
+
+
 async def _validation_error(request: Request, exc: Exception) -> ProblemResponse:
     assert isinstance(exc, RequestValidationError)
     # Echo where and what, never the offending input itself.
@@ -95,7 +104,7 @@ async def _validation_error(request: Request, exc: Exception) -> ProblemResponse
 
 async def _http_error(request: Request, exc: Exception) -> ProblemResponse:
     assert isinstance(exc, StarletteHTTPException)
-    codes = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+    codes = {401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
     detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
     headers = dict(exc.headers or {})
     headers.update(_retry_headers(exc.status_code))
@@ -114,6 +123,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> ProblemResponse
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(AuthenticationError, _authentication_error)  # found before OnnxforgeError (MRO)
     app.add_exception_handler(OnnxforgeError, _onnxforge_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -1,7 +1,8 @@
 """The FastAPI application factory: ``uvicorn app.main:create_app --factory``.
 
 The lifespan builds the job store (creating its table), the blob store and the dispatcher, and wires them
-into one ``JobService`` on ``app.state``; routes reach them through app/deps.py.
+into one ``JobService`` on ``app.state``; routes reach them through app/deps.py. The API keys are loaded
+here, before the server starts, so a bad keys file or a production server without keys fails at once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from app.api import router
+from app.auth import Authenticator
 from app.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from app.schemas import Problem
 from app.services.jobs import Dispatcher, JobService
@@ -31,8 +33,12 @@ _STALE_TMP_SECONDS = 24 * 3600
 
 
 def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
-    """Build the API. ``dispatcher`` overrides workers.dispatch.Dispatcher (tests pass a recorder)."""
+    """Build the API. ``dispatcher`` overrides workers.dispatch.Dispatcher (tests pass a recorder).
+
+    Raises InvalidConfigError when the API keys cannot be loaded or are required and missing (app/auth.py).
+    """
     settings = settings or get_settings()
+    auth = Authenticator.from_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,8 +73,12 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         version="0.1.0",
         summary="Optimize ONNX models with verified, measured graph passes.",
         lifespan=lifespan,
+        # No 307 from /v1/jobs/x/ to /v1/jobs/x: an id that decodes to "../" would be redirected instead
+        # of refused, and a redirected POST re-sends the whole upload. The documented paths are exact.
+        redirect_slashes=False,
     )
     app.state.settings = settings
+    app.state.auth = auth
     install_error_handlers(app)
     app.include_router(router)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]

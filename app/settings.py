@@ -30,6 +30,47 @@ class ApiSettings(_Section):
     max_samples_bytes: int = Field(256 << 20, gt=0, description="Largest accepted samples.npz, in bytes.")
     max_config_bytes: int = Field(64 << 10, gt=0, description="Largest accepted config JSON, in bytes.")
     page_size_max: int = Field(200, gt=0, description="Largest page size accepted by GET /v1/jobs.")
+    max_concurrent_uploads_per_tenant: int = Field(
+        2,
+        ge=1,
+        description="Uploads one tenant may have in flight at once, counted per API process; more answer "
+        "429 TOO_MANY_UPLOADS with Retry-After.",
+    )
+
+
+class AuthSettings(_Section):
+    keys_file: Path | None = Field(
+        None,
+        description="JSON or TOML file mapping each tenant to a list of SHA-256 hashes of its API keys "
+        '({"team-a": ["HASH", ...]}); read by the API at startup. `onnxforge keys new` makes a key and its hash.',
+    )
+    keys: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='The same tenant -> key-hash mapping as JSON, e.g. {"team-a": ["HASH"]}; merged with keys_file. '
+        "Hashes only, never keys.",
+    )
+    open_mode: bool | None = Field(
+        None,
+        description="Serve /v1 without a token, every caller as tenant `default`. Unset: open only when no keys "
+        "are configured and api.host is loopback. true is refused with a non-loopback host or with keys.",
+    )
+
+    @field_validator("keys_file", "open_mode", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # deploy/env.example writes unset values as `NAME=`; an empty keys_file must not become Path(".").
+        return None if value == "" else value
+
+    @field_validator("keys")
+    @classmethod
+    def _hashes_only(cls, keys: dict[str, list[str]]) -> dict[str, list[str]]:
+        from app.auth import check_key_mapping
+
+        return check_key_mapping(keys, "auth.keys")
+
+    @property
+    def configured(self) -> bool:
+        return self.keys_file is not None or any(self.keys.values())
 
 
 class DatabaseSettings(_Section):
@@ -131,6 +172,7 @@ class Settings(BaseSettings):
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     api: ApiSettings = ApiSettings()
+    auth: AuthSettings = AuthSettings()
     database: DatabaseSettings = DatabaseSettings()
     storage: StorageSettings = StorageSettings()
     broker: BrokerSettings = BrokerSettings()
@@ -155,6 +197,15 @@ class Settings(BaseSettings):
                 "environment=production needs ONNXFORGE_BROKER__URL and ONNXFORGE_DATABASE__URL: the "
                 "embedded filesystem queue and SQLite file do not work across hosts"
             )
+        if self.auth.open_mode and not self.binds_loopback_only:
+            raise ValueError(
+                f"auth.open_mode=true serves every caller without a token; refused with api.host={self.api.host}, "
+                "which is not a loopback address: configure API keys instead (security.md T13)"
+            )
+        if self.auth.open_mode and self.auth.configured:
+            raise ValueError("auth.open_mode=true contradicts the API keys configured; unset one of them")
+        if self.auth.open_mode and self.environment == "production":
+            raise ValueError("environment=production needs API keys; auth.open_mode=true is refused")
         if self.worker.child_wall_seconds >= self.worker.task_time_limit:
             raise ValueError("worker.child_wall_seconds must be below worker.task_time_limit")
         return self
@@ -207,7 +258,7 @@ def _env_value(value: object) -> str:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, list):
+    if isinstance(value, list | dict):
         import json
 
         return json.dumps(value)

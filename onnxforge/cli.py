@@ -1,4 +1,4 @@
-"""The ``onnxforge`` command: serve, worker, optimize (local), passes, submit (remote).
+"""The ``onnxforge`` command: serve, worker, optimize (local), passes, submit (remote), keys (API keys).
 
 Exit codes: 0 success, 2 bad input (unknown pass, invalid config or model, bad arguments), 1 any other
 failure. Errors print as ``error: CODE: message (pass NAME)`` on stderr.
@@ -252,6 +252,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    import getpass
+
+    from app.auth import hash_key, new_key  # no FastAPI: app/auth.py is plain Python
+
+    if args.action == "new":
+        key = new_key()
+        print(f"key     {key}\nsha256  {hash_key(key)}")
+        print("Give the key to the team once; configure only the sha256 (auth.keys_file).", file=sys.stderr)
+        return 0
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        raise InvalidInputError("no key given on standard input", code="KEY_MISSING")
+    print(hash_key(key))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------- parser
 
 
@@ -329,6 +346,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="OUT", help="download the optimized model here")
     p.add_argument("--report", metavar="R.json", help="download the JSON report here")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser(
+        "keys",
+        help="make an API key, or hash one, for auth.keys_file",
+        description="`keys new` prints a fresh random API key and its SHA-256; `keys hash` reads a key from "
+        "standard input (never from the command line, which other users can see) and prints its SHA-256. The "
+        "server is configured with hashes only (auth.keys_file or ONNXFORGE_AUTH__KEYS).",
+    )
+    p.add_argument("action", choices=["new", "hash"], help="new: make a key; hash: hash the key on stdin")
+    p.set_defaults(func=cmd_keys)
     return parser
 
 

@@ -29,7 +29,7 @@ REPORT_HTML_HEADERS = {
     status_code=202,
     response_model=JobOut,
     openapi_extra=MULTIPART_JOB_BODY,
-    responses=problem_responses(404, 413, 422, 503),
+    responses=problem_responses(404, 413, 422, 429, 503),
     summary="Submit a model for optimization",
 )
 async def create_job(
@@ -38,7 +38,8 @@ async def create_job(
     """Upload an ONNX model (multipart field ``model``), optional ``samples`` (.npz) and ``config`` (JSON).
 
     The body is streamed to disk and hashed; the job is queued and this answers 202 with the job and its
-    ``Location``. Poll that URL until the job is ``succeeded``, ``failed`` or ``canceled``.
+    ``Location``. Poll that URL until the job is ``succeeded``, ``failed`` or ``canceled``. A tenant with
+    ``api.max_concurrent_uploads_per_tenant`` uploads in progress gets 429 TOO_MANY_UPLOADS.
     """
     upload = await receive_upload(
         service.blobs,
@@ -46,6 +47,7 @@ async def create_job(
         content_length=request.headers.get("content-length"),
         chunks=request.stream(),
         limits=UploadLimits.from_settings(settings.api),
+        slot=service.upload_slots.hold(tenant),
     )
     with upload:  # deletes the temp files if anything below fails before they are committed
         job = await anyio.to_thread.run_sync(partial(service.submit, tenant, upload))

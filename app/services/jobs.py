@@ -13,7 +13,7 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from app.services.uploads import Upload
+from app.services.uploads import Upload, UploadSlots
 from app.settings import Settings
 from app.storage import BlobStore
 from app.store import STATES, Job, JobStore
@@ -75,6 +75,7 @@ class JobService:
         self.blobs = blobs
         self.dispatcher = dispatcher
         self.settings = settings
+        self.upload_slots = UploadSlots(settings.api.max_concurrent_uploads_per_tenant)
 
     def submit(self, tenant: str, upload: Upload) -> Job:
         """Validate the config, commit the upload's blobs, record the job and enqueue it.

@@ -9,7 +9,11 @@ streaming ``MultipartParser`` instead, so each part goes straight into a size-ca
 * per-field caps (``max_upload_bytes``, ``max_samples_bytes``, ``max_config_bytes``) counted while
   streaming, plus a cap on the whole body that a ``Content-Length`` is checked against up front;
 * parsing runs in a worker thread in batches of ``_FLUSH_BYTES`` so disk writes and hashing never block
-  the event loop.
+  the event loop;
+* at most ``api.max_concurrent_uploads_per_tenant`` uploads per tenant in flight (``UploadSlots``), else
+  429 TOO_MANY_UPLOADS with Retry-After; the slot is taken before any byte of the body is read;
+* free disk space is checked up front against ``Content-Length``, and for a chunked body before each
+  batch is written (503 INSUFFICIENT_STORAGE, not a failed write).
 
 The blobs stay uncommitted (temp files) until the job service has validated the config and calls
 ``Upload.commit()``; leaving the ``Upload`` context without committing deletes them.
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import PurePosixPath
 from typing import Literal
 
@@ -29,7 +34,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from app.settings import ApiSettings
 from app.storage import BlobStore, BlobWriter
-from onnxforge.errors import InvalidInputError, InvalidModelError, OnnxforgeError, TooLargeError
+from onnxforge.errors import ErrorKind, InvalidInputError, InvalidModelError, OnnxforgeError, TooLargeError
 
 ModelFormat = Literal["onnx", "zip", "tar"]
 
@@ -45,6 +50,44 @@ _GZIP_MAGIC = b"\x1f\x8b"
 # read our answer; beyond this the connection is closed instead.
 _DRAIN_BYTES = 8 << 20
 _DRAIN_SECONDS = 2.0
+_SLOT_RETRY_AFTER_SECONDS = 5
+
+
+class TooManyUploadsError(OnnxforgeError):
+    code = "TOO_MANY_UPLOADS"
+    kind = ErrorKind.RATE_LIMITED
+
+
+class UploadSlots:
+    """Uploads in flight per tenant, capped. The count lives in this process: with several API processes
+    (uvicorn workers, replicas) a tenant can have that many times ``limit`` uploads in flight."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, tenant: str) -> Iterator[None]:
+        """One slot for the duration of the block; raises TooManyUploadsError when all are taken."""
+        with self._lock:
+            taken = self._in_flight.get(tenant, 0)
+            if taken >= self.limit:
+                raise TooManyUploadsError(
+                    f"{taken} uploads of this tenant are already in progress (limit {self.limit}); retry when "
+                    "one has finished",
+                    detail={"limit": self.limit, "retry_after": _SLOT_RETRY_AFTER_SECONDS},
+                )
+            self._in_flight[tenant] = taken + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._in_flight[tenant] - 1
+                if left:
+                    self._in_flight[tenant] = left
+                else:
+                    del self._in_flight[tenant]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +309,17 @@ async def receive_upload(
     content_length: str | None,
     chunks: AsyncIterator[bytes],
     limits: UploadLimits,
+    slot: contextlib.AbstractContextManager[object] | None = None,
 ) -> Upload:
-    """Parse the body into uncommitted blobs and the raw config; raise OnnxforgeError when refused."""
+    """Parse the body into uncommitted blobs and the raw config; raise OnnxforgeError when refused.
+
+    ``slot`` (``UploadSlots.hold(tenant)``) is entered before anything else and held until the returned
+    ``Upload`` is closed, or released at once when the upload is refused.
+    """
     stack = contextlib.ExitStack()
     try:
+        if slot is not None:
+            stack.enter_context(slot)
         boundary = _boundary(content_type)
         expected: int | None = None
         if content_length is not None:
@@ -301,6 +351,8 @@ async def receive_upload(
             pending.append(chunk)
             pending_bytes += len(chunk)
             if pending_bytes >= _FLUSH_BYTES:
+                if expected is None:  # chunked: no up-front check was possible
+                    blobs.check_free_space(pending_bytes)
                 await anyio.to_thread.run_sync(parser.write, b"".join(pending))
                 pending.clear()
                 pending_bytes = 0

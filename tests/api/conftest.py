@@ -7,12 +7,14 @@ tests reach them through their own ``JobStore``/``BlobStore``, as a worker proce
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -95,18 +97,21 @@ class ServerThread:
         self.sock.close()
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    data_dir = tmp_path_factory.mktemp("data")
-    settings = Settings(
-        storage={"data_dir": data_dir},
-        api={
-            "max_upload_bytes": MODEL_CAP,
-            "max_samples_bytes": SAMPLES_CAP,
-            "max_config_bytes": CONFIG_CAP,
-            "page_size_max": 50,
-        },
-    )
+def make_settings(data_dir: Path, **sections: dict[str, Any]) -> Settings:
+    """Settings of a test server: small upload caps in ``data_dir``; ``sections`` add to or override them."""
+    api = {
+        "max_upload_bytes": MODEL_CAP,
+        "max_samples_bytes": SAMPLES_CAP,
+        "max_config_bytes": CONFIG_CAP,
+        "page_size_max": 50,
+        **sections.pop("api", {}),
+    }
+    return Settings(storage={"data_dir": data_dir}, api=api, **sections)
+
+
+@contextlib.contextmanager
+def serve(settings: Settings) -> Iterator[Live]:
+    """``create_app(settings)`` served by uvicorn on a free loopback port until the block ends."""
     dispatcher = RecordingDispatcher()
     server = ServerThread(create_app(settings, dispatcher=dispatcher))
     try:
@@ -118,6 +123,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         store.close()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """The server in open mode (no keys, loopback): every request is tenant ``default``."""
+    with serve(make_settings(tmp_path_factory.mktemp("data"))) as server:
+        yield server
 
 
 @pytest.fixture
