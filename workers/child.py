@@ -95,6 +95,7 @@ def run(job_path: Path) -> int:
         from app.settings import PipelineSettings
         from onnxforge.config import JobConfig
         from workers.pipeline import PipelineRequest, run_pipeline
+        from workers.validate import validate_model_dir
 
         request = PipelineRequest(
             model_path=Path(job["model_path"]),
@@ -105,6 +106,8 @@ def run(job_path: Path) -> int:
             job_id=job.get("job_id"),
             progress=progress,
         )
+        progress("validating", 0.0)
+        validate_model_dir(request.model_path, base)  # before any onnx/ORT parser (security.md T1-T10)
         result = run_pipeline(request)
         output_dir = Path(job["output_dir"])
         write_json_atomic(
