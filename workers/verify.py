@@ -359,6 +359,9 @@ def providers_for(target: str) -> list[str]:
     return [p for p in wanted if p in available]
 
 
+ORT_CONSTANT_FOLD_MAX_BYTES = 256 << 20
+
+
 def make_session(
     model_path: Path,
     *,
@@ -378,6 +381,11 @@ def make_session(
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     options.add_session_config_entry("session.load_model_format", "ONNX")
+    # ORT's own constant folding can be forced to allocate huge tensors at session creation
+    # (microsoft/onnxruntime#28730, security.md T7): cap what it may fold.
+    options.add_session_config_entry(
+        "optimization.constant_folding_max_output_size_in_bytes", str(ORT_CONSTANT_FOLD_MAX_BYTES)
+    )
     return ort.InferenceSession(str(model_path), sess_options=options, providers=providers_for(target))
 
 
