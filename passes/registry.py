@@ -19,6 +19,8 @@ from passes.dead_node_elimination import DeadNodeElimination
 from passes.identity_elimination import IdentityElimination
 from passes.label_sparsity import LabelSparsity
 from passes.padding_elimination import PaddingElimination
+from passes.quantize_dynamic import QuantizeDynamic
+from passes.quantize_static import QuantizeStatic
 from passes.range_gather_to_slice import RangeGatherToSlice
 from passes.shape_inference import ShapeInference
 from passes.upstream_reshape import UpstreamReshape
@@ -35,6 +37,8 @@ PASSES: tuple[type[Pass], ...] = (
     UpstreamReshape,
     UpstreamSlice,
     RangeGatherToSlice,
+    QuantizeDynamic,
+    QuantizeStatic,
 )
 
 _BY_NAME: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
