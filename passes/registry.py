@@ -16,6 +16,7 @@ from passes._infra import Pass
 from passes.common_subexpression_elimination import CommonSubexpressionElimination
 from passes.constant_folding import ConstantFolding
 from passes.dead_node_elimination import DeadNodeElimination
+from passes.fuse_transformer import FuseTransformer
 from passes.identity_elimination import IdentityElimination
 from passes.label_sparsity import LabelSparsity
 from passes.padding_elimination import PaddingElimination
@@ -37,6 +38,7 @@ PASSES: tuple[type[Pass], ...] = (
     UpstreamReshape,
     UpstreamSlice,
     RangeGatherToSlice,
+    FuseTransformer,
     QuantizeDynamic,
     QuantizeStatic,
 )

@@ -1,0 +1,193 @@
+"""Transformer families for ``fuse_transformer``: detection from the graph and the fusions each should get.
+
+Detection reads only structure, never names of nodes (exporters rename them freely):
+
+============  ==========================================================================================
+family        signal (first that holds wins)
+============  ==========================================================================================
+t5            a graph input named ``decoder_input_ids`` (encoder-decoder), or RMS norms and no LayerNorm
+vit           a ``Conv`` on a rank-4 float graph input (patch embedding) and LayerNorms
+gpt2          a comparison (``LessOrEqual``, ``Greater``...) of two ``Range``-derived index tensors (the
+              causal mask), or a ``Trilu``
+roberta       position ids computed from the input ids (``CumSum`` of the non-pad mask, padding offset)
+bert          an embedding table with 2-16 rows (token types; RoBERTa's has 1 row)
+distilbert    word and position embeddings only, LayerNorm right after their sum
+unknown       no Softmax or no normalization: not a transformer we know how to fuse
+============  ==========================================================================================
+
+``layers`` is the number of ``Softmax`` nodes (one per attention block in every family above).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal
+
+import numpy as np
+import onnx_ir as ir
+
+Family = Literal["bert", "roberta", "distilbert", "gpt2", "t5", "vit", "unknown"]
+FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "t5", "vit")
+
+# Fusion group -> the com.microsoft ops that count as achieving it.
+GROUPS: dict[str, frozenset[str]] = {
+    "attention": frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"}),
+    "skip_layer_norm": frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}),
+    "gelu": frozenset({"BiasGelu", "FastGelu", "Gelu", "GemmFastGelu"}),
+    "embed_layer_norm": frozenset({"EmbedLayerNormalization"}),
+}
+
+# ORT transformers optimizer model_type per family.
+ORT_MODEL_TYPE: dict[str, str] = {
+    "bert": "bert",
+    "roberta": "bert",
+    "distilbert": "bert",
+    "gpt2": "gpt2",
+    "t5": "t5",
+    "vit": "vit",
+}
+
+_COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+
+
+def expected_fusions(family: str, layers: int) -> dict[str, int]:
+    """Fused-op counts a fully fused model of this family has, for ``layers`` attention blocks."""
+    n = layers
+    if family in ("bert", "roberta", "distilbert"):
+        # post-norm: LN(x + attn) and LN(x + ffn) per layer; the embedding LN becomes EmbedLayerNorm.
+        return {"attention": n, "skip_layer_norm": 2 * n, "gelu": n, "embed_layer_norm": 1}
+    if family in ("gpt2", "vit"):
+        # pre-norm: ln_2 of every layer, ln_1 of layers 2..n and the final LN each follow a residual Add.
+        return {"attention": n, "skip_layer_norm": 2 * n, "gelu": n}
+    if family == "t5":
+        # encoder self-attention, decoder self- and cross-attention; RMS norms; ReLU feed-forward.
+        return {"attention": n, "skip_layer_norm": 2 * n}
+    return {}
+
+
+def achieved_fusions(model: ir.Model) -> dict[str, int]:
+    ops = Counter(node.op_type for node in model.graph if node.domain == "com.microsoft")
+    return {group: sum(ops[op] for op in members) for group, members in GROUPS.items()}
+
+
+def count_layers(model: ir.Model) -> int:
+    return sum(1 for node in model.graph if node.op_type == "Softmax" and node.domain in ("", "ai.onnx"))
+
+
+def _derives_from(value: ir.Value | None, op_type: str, depth: int = 6) -> bool:
+    """True when ``value`` is computed from an ``op_type`` node within ``depth`` producers."""
+    if value is None or depth < 0:
+        return False
+    node = value.producer()
+    if node is None:
+        return False
+    if node.op_type == op_type:
+        return True
+    return any(_derives_from(v, op_type, depth - 1) for v in node.inputs)
+
+
+def _embedding_gathers(model: ir.Model) -> list[tuple[ir.Node, ir.Value]]:
+    """Gathers from a rank-2 initializer table on axis 0: (node, table)."""
+    found = []
+    for node in model.graph:
+        if node.op_type != "Gather" or node.attributes.get_int("axis", 0) != 0 or node.inputs[0] is None:
+            continue
+        table = node.inputs[0]
+        if table.const_value is not None and table.shape is not None and len(table.shape) == 2:
+            found.append((node, table))
+    return found
+
+
+def detect_family(model: ir.Model) -> tuple[str, str]:
+    """The family and the structural evidence for it, as a sentence for the report."""
+    graph = model.graph
+    ops = Counter(node.op_type for node in graph)
+    input_names = {v.name for v in graph.inputs}
+    if not ops["Softmax"]:
+        return "unknown", "no Softmax: no attention block"
+    if "decoder_input_ids" in input_names:
+        return "t5", "encoder-decoder: graph input decoder_input_ids"
+    if not ops["LayerNormalization"]:
+        if ops["Sqrt"] and ops["ReduceMean"] and ops["Pow"]:
+            return "t5", "RMS normalization (Pow, ReduceMean, Sqrt) and no LayerNormalization"
+        return "unknown", "no LayerNormalization: not a LayerNorm transformer"
+    for node in graph:
+        if node.op_type == "Conv" and node.inputs[0] is not None and node.inputs[0].is_graph_input():
+            shape = node.inputs[0].shape
+            if shape is not None and len(shape) == 4:
+                return "vit", f"patch-embedding Conv {node.name!r} on the 4-D input {node.inputs[0].name!r}"
+    if ops["Trilu"]:
+        return "gpt2", "causal mask built with Trilu"
+    for node in graph:
+        if node.op_type in _COMPARE and all(
+            v is not None and v.const_value is None and _derives_from(v, "Range") for v in node.inputs
+        ):
+            return "gpt2", f"causal mask: {node.op_type} {node.name!r} compares two Range-derived index tensors"
+    gathers = _embedding_gathers(model)
+    for node, _table in gathers:
+        if _derives_from(node.inputs[1], "CumSum"):
+            return "roberta", f"position ids from CumSum of the non-pad mask feed {node.name!r} (padding offset)"
+    for node, table in gathers:  # vocabularies and position tables have hundreds of rows, token types 2
+        rows = table.shape[0] if table.shape is not None else None
+        if isinstance(rows, int) and 2 <= rows <= 16:
+            return "bert", f"token-type embedding {table.name!r} ({rows} rows) read by {node.name!r}"
+    if len(gathers) >= 2:
+        return "distilbert", f"{len(gathers)} embedding tables, no token types, no causal mask"
+    return "unknown", "attention found, but no embedding structure of a known family"
+
+
+def detect_sizes(model: ir.Model) -> tuple[int, int]:
+    """(num_heads, hidden_size) from shapes, 0 where unknown (ORT's optimizer then detects them)."""
+    hidden = 0
+    for node in model.graph:
+        if node.op_type == "LayerNormalization" and node.inputs[1] is not None and node.inputs[1].shape:
+            dim = node.inputs[1].shape[-1]
+            hidden = dim if isinstance(dim, int) else 0
+            break
+    heads = 0
+    for node in model.graph:  # Softmax(... MatMul(q[B,h,S,d], k)): q's heads dim
+        if node.op_type != "Softmax":
+            continue
+        producer = node.inputs[0].producer() if node.inputs[0] is not None else None
+        while producer is not None and producer.op_type != "MatMul":
+            producer = producer.inputs[0].producer() if producer.inputs and producer.inputs[0] is not None else None
+        q = producer.inputs[0] if producer is not None else None
+        if q is not None and q.shape is not None and len(q.shape) == 4 and isinstance(q.shape[1], int):
+            heads = q.shape[1]
+            break
+    return heads, hidden
+
+
+_ID_SHAPES = ((1, 7, 0.0), (3, 16, 0.3), (2, 33, 0.5))  # (batch, sequence, share of padding)
+
+
+def verification_feeds(model: ir.Model, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Realistic inputs when the context has no samples: token ids below the vocabulary size, right-padded
+    attention masks (every row keeps >= 1 token, ORT #18945: fused attention assumes right padding), zero
+    token types, positions 0..S-1, and N(0, 1) floats; symbolic dims set to batch and sequence."""
+    rng = np.random.default_rng(seed)
+    vocab = max((t.shape[0] for _, t in _embedding_gathers(model) if isinstance(t.shape[0], int)), default=2)
+    feeds_list = []
+    for batch, seq, pad in _ID_SHAPES:
+        lengths = np.maximum(1, seq - rng.binomial(seq, pad, size=batch))
+        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+        feeds: dict[str, np.ndarray] = {}
+        for value in model.graph.inputs:
+            if value.const_value is not None:
+                continue
+            dims = list(value.shape) if value.shape is not None else []
+            shape = [d if isinstance(d, int) else (batch if i == 0 else seq) for i, d in enumerate(dims)]
+            dtype = value.dtype.numpy() if value.dtype is not None else np.float32
+            name = value.name.lower()
+            if np.issubdtype(dtype, np.floating):
+                feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+            elif "mask" in name and shape == [batch, seq]:
+                feeds[value.name] = mask.astype(dtype)
+            elif "position" in name and shape == [batch, seq]:
+                feeds[value.name] = np.broadcast_to(np.arange(seq), (batch, seq)).astype(dtype)
+            elif "type" in name:
+                feeds[value.name] = np.zeros(shape, dtype)
+            else:
+                feeds[value.name] = rng.integers(0, vocab if "ids" in name else 2, size=shape).astype(dtype)
+        feeds_list.append(feeds)
+    return feeds_list
