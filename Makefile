@@ -28,8 +28,22 @@ serve: run ## Alias of run
 worker: $(STAMP) ## Run a Celery worker (needs ONNXFORGE_BROKER__URL)
 	$(BIN)/onnxforge worker
 
-test: $(STAMP) ## Run the whole test suite (uses Redis/PostgreSQL on 127.0.0.1 when they answer)
+test: $(STAMP) browser ## Run the whole test suite (uses Redis/PostgreSQL on 127.0.0.1 when they answer)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The console's browser test drives Debian's Chromium through chromedriver (Selenium, from the test extra).
+# Installed only when missing; without root or apt the test fails naming what to install, it never skips.
+browser: ## Install chromium and chromium-driver for the console's browser test (Debian, as root; once)
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "make browser: chromium and chromedriver are missing; install them as root with" \
+			"'apt-get install chromium chromium-driver' (the console's browser test fails until then)" >&2; \
+		exit 0; \
+	fi; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	{ apt-get update -q && apt-get install -y -q --no-install-recommends chromium chromium-driver; } </dev/null \
+		|| echo "make browser: apt-get could not install chromium chromium-driver" \
+			"(the console's browser test fails until they are installed)" >&2
 
 lint: $(STAMP) ## Lint with ruff
 	$(BIN)/ruff check .
@@ -51,4 +65,4 @@ bench: dev ## Run the benchmarks (see bench/README.md)
 clean: ## Remove the venv and local state
 	rm -rf $(VENV) var .pytest_cache
 
-.PHONY: help venv run serve worker test lint fmt dev models bench clean
+.PHONY: help venv run serve worker test browser lint fmt dev models bench clean

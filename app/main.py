@@ -17,14 +17,17 @@ import anyio
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.api import router
+from app.api import console, router
+from app.api import metrics as metrics_api
 from app.auth import Authenticator
 from app.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
+from app.metrics import ServiceMetrics
 from app.schemas import Problem
 from app.services.jobs import Dispatcher, JobService
 from app.settings import Settings, get_settings
 from app.storage import BlobStore
 from app.store import JobStore
+from onnxforge.errors import InvalidConfigError
 
 log = logging.getLogger("onnxforge.api")
 
@@ -39,6 +42,11 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     """
     settings = settings or get_settings()
     auth = Authenticator.from_settings(settings)
+    try:  # a bad webhook secrets file fails here, before the server starts
+        settings.webhooks.tenant_secrets()
+    except ValueError as exc:
+        raise InvalidConfigError(str(exc), code="WEBHOOK_SECRETS_INVALID") from None
+    metrics = ServiceMetrics(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,7 +64,8 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
             app.state.settings = settings
             app.state.store = store
             app.state.blobs = blobs
-            app.state.jobs = JobService(store, blobs, active, settings)
+            app.state.jobs = JobService(store, blobs, active, settings, metrics=metrics)
+            metrics.bind(store)
             log.info(
                 "onnxforge API ready (database %s, data %s)",
                 store.url.get_backend_name(),
@@ -64,6 +73,8 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
             )
             yield
         finally:
+            metrics.bind(None)
+            metrics.close()
             if owned is not None:
                 owned.close()
             store.close()
@@ -79,8 +90,12 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     )
     app.state.settings = settings
     app.state.auth = auth
+    app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(console.router)  # GET / -> /console/: the web console (app/static)
+    if settings.metrics.enabled:
+        app.include_router(metrics_api.router)  # GET /metrics: Prometheus, no API key (app/metrics.py)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     return app
 

@@ -68,6 +68,14 @@ class JobLinks(_Out):
     artifact: str | None = Field(None, description="Optimized model (succeeded jobs only).")
 
 
+class WebhookStatus(_Out):
+    state: Literal["pending", "delivered", "failed"] = Field(
+        description="pending until delivered, or failed after webhooks.max_attempts."
+    )
+    attempts: int = Field(description="Deliveries tried so far.")
+    last_error: str | None = Field(None, description="Why the last attempt failed, if it did.")
+
+
 class JobOut(_Out):
     id: str = Field(description="Server-generated job id (UUID).")
     state: JobState
@@ -86,6 +94,14 @@ class JobOut(_Out):
     error: JobError | None = Field(None, description="Set when the job failed.")
     summary: dict[str, Any] | None = Field(None, description="Headline numbers of a finished job.")
     timings: dict[str, Any] | None = Field(None, description="Seconds spent per stage.")
+    cached_from: str | None = Field(
+        None,
+        description="Set when the result came from the cache: the earlier job whose artifact and reports these are.",
+    )
+    hardware_class: str | None = Field(
+        None, description="Class of the worker hardware and tools that produced the result (for the result cache)."
+    )
+    webhook: WebhookStatus | None = Field(None, description="Delivery of the callback_url notice, if one was named.")
     links: JobLinks
 
     @classmethod
@@ -124,6 +140,17 @@ class JobOut(_Out):
             ),
             summary=job.summary,
             timings=job.timings,
+            cached_from=job.cached_from,
+            hardware_class=job.hardware_class,
+            webhook=(
+                WebhookStatus(
+                    state=job.webhook_state,  # type: ignore[arg-type]
+                    attempts=job.webhook_attempts or 0,
+                    last_error=job.webhook_error,
+                )
+                if job.webhook_state
+                else None
+            ),
             links=JobLinks(
                 self_=base,
                 report=f"{base}/report" if done else None,

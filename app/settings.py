@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -161,6 +161,110 @@ class PipelineSettings(_Section):
     )
 
 
+class CacheSettings(_Section):
+    enabled: bool = Field(
+        True,
+        description="Answer a submission from an earlier succeeded job with the same model, samples, effective "
+        "configuration, tool versions and hardware class: a new job, succeeded at once, marked cached.",
+    )
+    cross_tenant: bool = Field(
+        False,
+        description="Also reuse another tenant's result. The earlier job's report (its id, file name and timings) "
+        "is then served to the other tenant: enable only where tenants trust each other.",
+    )
+    max_age_seconds: int = Field(
+        30 * 24 * 3600, ge=0, description="Results older than this are not reused (0: no age limit)."
+    )
+    hardware_sample_jobs: int = Field(
+        20,
+        ge=1,
+        description="A result is reused only if its worker's hardware class is among those of the last this many "
+        "jobs that ran on the same queue, i.e. a class still serving it.",
+    )
+
+
+class MetricsSettings(_Section):
+    enabled: bool = Field(True, description="Serve Prometheus metrics at GET /metrics (no API key).")
+    allow_from: list[str] = Field(
+        default_factory=list,
+        description='Client addresses or networks allowed to read /metrics, e.g. ["127.0.0.1/32", "10.0.0.0/8"]; '
+        "others get 403. Empty: anyone who reaches the API.",
+    )
+    window_seconds: int = Field(
+        3600, ge=1, description="Job and pass duration histograms cover jobs finished within this many seconds."
+    )
+    window_max_jobs: int = Field(
+        1000, ge=1, description="At most this many recently finished jobs are read per scrape for the histograms."
+    )
+
+    @field_validator("allow_from")
+    @classmethod
+    def _networks(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"metrics.allow_from: {entry!r} is not an IP address or network") from None
+        return entries
+
+
+class WebhooksSettings(_Section):
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description='Host names (or IP literals) a job\'s callback_url may name; "*.example.com" matches '
+        "subdomains. Empty: webhooks are off and a callback_url is refused.",
+    )
+    allow_http: bool = Field(False, description="Accept http:// callback URLs; otherwise https only.")
+    allow_private: bool = Field(
+        False,
+        description="Deliver to private, loopback, link-local and other non-public addresses (refused otherwise, "
+        "security.md T14). For tests and closed networks only.",
+    )
+    secrets: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description='Per-tenant HMAC secrets as JSON, {"team-a": "SECRET"}; merged with secrets_file. A tenant '
+        "without a secret cannot name a callback_url.",
+    )
+    secrets_file: Path | None = Field(
+        None, description="JSON file with the same tenant -> secret mapping; read at startup."
+    )
+    timeout_seconds: float = Field(5.0, gt=0, le=60, description="Connect and read timeout of one delivery.")
+    max_attempts: int = Field(5, ge=1, le=20, description="Deliveries tried before a webhook is given up.")
+    retry_base_seconds: float = Field(
+        10.0, gt=0, description="Wait before the first retry; doubled before each further one."
+    )
+    poll_seconds: float = Field(1.0, gt=0, description="How often each worker looks for webhooks that are due.")
+
+    @field_validator("secrets_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _lower(cls, hosts: list[str]) -> list[str]:
+        return [h.strip().lower().strip("[]") for h in hosts if h.strip()]
+
+    def tenant_secrets(self) -> dict[str, str]:
+        """secrets_file merged with secrets (the environment wins); raises ValueError on a bad file."""
+        merged: dict[str, str] = {}
+        if self.secrets_file is not None:
+            import json
+
+            try:
+                data = json.loads(self.secrets_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"webhooks.secrets_file {self.secrets_file}: cannot read it ({exc})") from None
+            if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+                raise ValueError(f"webhooks.secrets_file {self.secrets_file}: expected {{tenant: secret}}")
+            merged.update(data)
+        merged.update({tenant: secret.get_secret_value() for tenant, secret in self.secrets.items()})
+        short = sorted(tenant for tenant, secret in merged.items() if len(secret) < 16)
+        if short:
+            raise ValueError(f"webhook secrets must be at least 16 characters (tenants {', '.join(short)})")
+        return merged
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="ONNXFORGE_", env_nested_delimiter="__", extra="forbid", validate_default=True
@@ -178,6 +282,9 @@ class Settings(BaseSettings):
     broker: BrokerSettings = BrokerSettings()
     worker: WorkerSettings = WorkerSettings()
     pipeline: PipelineSettings = PipelineSettings()
+    cache: CacheSettings = CacheSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    webhooks: WebhooksSettings = WebhooksSettings()
 
     @field_validator("storage")
     @classmethod

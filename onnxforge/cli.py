@@ -222,13 +222,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from onnxforge.client import Client
+    from onnxforge.client import Client, ProgressBar
 
     config = build_config(args)
-
-    def show(job: dict[str, Any]) -> None:
-        percent = round(100 * float(job.get("progress") or 0))
-        print(f"[{job.get('state')}] {job.get('stage') or ''} {percent}%".rstrip(), file=sys.stderr)
+    show = ProgressBar(sys.stderr)
 
     with Client(args.server, token=args.token) as client:
         job = client.submit(args.model, config=config or None, samples=args.samples)

@@ -2,7 +2,7 @@
 
     with Client("http://127.0.0.1:8000") as client:
         job = client.submit("model.onnx", config={"preset": "safe"})
-        job = client.wait(job["id"], progress=print)
+        job = client.wait(job["id"], progress=ProgressBar())  # or any callable taking the job
         client.download_artifact(job["id"], "model.optimized.onnx")
 
 Uploads stream from the file (httpx reads it in chunks); downloads stream to a temp file that is renamed
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 
@@ -142,6 +143,36 @@ class Client:
         finally:
             tmp.unlink(missing_ok=True)
         return dest
+
+
+class ProgressBar:
+    """A ``progress`` callback for ``Client.wait`` that draws ``[state] stage [#####.....] 45%`` on stderr.
+
+    On a terminal the line is redrawn in place; elsewhere (CI logs, pipes) one line is written per change.
+    """
+
+    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.tty = self.stream.isatty()
+        self._drawn = 0
+        self._last = ""
+
+    def __call__(self, job: dict[str, Any]) -> None:
+        state = str(job.get("state"))
+        fraction = 1.0 if state == "succeeded" else min(max(float(job.get("progress") or 0), 0.0), 1.0)
+        filled = round(self.width * fraction)
+        stage = f" {job['stage']}" if job.get("stage") else ""
+        line = f"[{state}]{stage} [{'#' * filled}{'.' * (self.width - filled)}] {round(100 * fraction)}%"
+        if line == self._last:
+            return
+        self._last = line
+        if not self.tty:
+            print(line, file=self.stream, flush=True)
+            return
+        self.stream.write("\r" + line.ljust(self._drawn) + ("\n" if state in TERMINAL else ""))
+        self.stream.flush()
+        self._drawn = 0 if state in TERMINAL else len(line)
 
 
 def _raise_for_problem(response: httpx.Response) -> None:

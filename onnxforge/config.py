@@ -61,6 +61,24 @@ class JobConfig(_Strict):
         "Unset: from samples, else generated from the graph's symbolic dims.",
     )
     seed: int = Field(0, description="Seed of generated verification inputs.")
+    time_budget_s: float | None = Field(
+        None,
+        gt=0,
+        description="Preset auto: seconds to spend on candidates (passes plus benchmarks); a candidate that "
+        "would start after the budget is skipped. Unset: 600.",
+    )
+    use_cache: bool = Field(
+        True,
+        description="Answer from the result cache when the same model and configuration already succeeded "
+        "(server setting cache.enabled). false: always run; the result still fills the cache.",
+    )
+    callback_url: str | None = Field(
+        None,
+        max_length=2048,
+        description="URL the service POSTs a signed JSON notice to when the job ends (succeeded, failed or "
+        "canceled). Its host must be on the operator's webhooks.allowed_hosts. Not passed to the optimizer "
+        "and not part of the report.",
+    )
 
     @field_validator("passes")
     @classmethod

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import OperationalError
 
 from app.store import Job, JobStore
@@ -392,3 +392,117 @@ def test_store_refuses_schema_name_when_not_an_identifier(schema: str) -> None:
 def test_store_refuses_schema_name_when_sqlite(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="PostgreSQL only"):
         JobStore(f"sqlite:///{tmp_path / 'jobs.db'}", schema="onnxforge")
+
+
+# ---------------------------------------------------------------------------------- result cache, webhooks
+
+
+def _run_to_success(store: JobStore, key: str, hardware: str, tenant: str = "default") -> Job:
+    job = store.create(
+        tenant=tenant,
+        model_sha256=SHA,
+        model_filename="model.onnx",
+        model_format="onnx",
+        model_size=10,
+        samples_sha256=None,
+        config={"preset": "safe"},
+        queue="cpu",
+        cache_key=key,
+    )
+    claimed = store.claim(job.id, "w", LEASE, max_attempts=3)
+    assert claimed is not None
+    assert store.succeed(
+        job.id,
+        claimed.attempts,
+        artifact_sha256=SHA,
+        artifact_format="onnx",
+        report_sha256=SHA,
+        report_html_sha256=SHA,
+        summary={"speedup": 1.5},
+        timings={},
+        hardware_class=hardware,
+    )
+    return store.get(job.id)
+
+
+def test_find_cached_returns_job_only_when_tenant_age_and_live_hardware_match(store: JobStore, clock: Clock) -> None:
+    key = "k" * 64
+    earlier = _run_to_success(store, key, "cpu:A:1")
+    found = store.find_cached(key, tenant="default", queue="cpu", max_age_seconds=3600, hardware_sample_jobs=5)
+    assert found is not None and found.id == earlier.id
+    assert store.find_cached(key, tenant="other", queue="cpu", max_age_seconds=3600, hardware_sample_jobs=5) is None
+    assert store.find_cached(key, tenant=None, queue="cpu", max_age_seconds=3600, hardware_sample_jobs=5) is not None
+    assert store.find_cached("x" * 64, tenant="default", queue="cpu", max_age_seconds=0, hardware_sample_jobs=5) is None
+
+    hit = store.create_cached(earlier, tenant="default", model_filename="again.onnx", config={"preset": "safe"})
+    assert (hit.state, hit.cached_from, hit.summary) == ("succeeded", earlier.id, {"speedup": 1.5, "cached": True})
+    assert (hit.artifact_sha256, hit.hardware_class, hit.attempts) == (SHA, "cpu:A:1", 0)
+
+    clock.advance(7200)
+    assert store.find_cached(key, tenant="default", queue="cpu", max_age_seconds=3600, hardware_sample_jobs=5) is None
+    assert store.find_cached(key, tenant="default", queue="cpu", max_age_seconds=0, hardware_sample_jobs=5) is not None
+
+    # The queue is now served by other hardware: once the last N runs are all class B, A's result is stale.
+    for _ in range(2):
+        clock.advance(1)
+        _run_to_success(store, "other" + "k" * 59, "cpu:B:2")
+    assert store.find_cached(key, tenant="default", queue="cpu", max_age_seconds=0, hardware_sample_jobs=3) is not None
+    assert store.find_cached(key, tenant="default", queue="cpu", max_age_seconds=0, hardware_sample_jobs=2) is None
+
+
+def test_claim_webhook_lets_one_attempt_win_and_retry_waits_when_finished_with_delay(
+    store: JobStore, clock: Clock
+) -> None:
+    job = store.create(
+        tenant="default",
+        model_sha256=SHA,
+        model_filename="model.onnx",
+        model_format="onnx",
+        model_size=10,
+        samples_sha256=None,
+        config={"callback_url": "https://hooks.example.com/x"},
+        queue="cpu",
+        webhook=True,
+    )
+    assert job.webhook_state == "pending"
+    assert store.due_webhooks(clock(), 10) == []  # not terminal yet
+    store.request_cancel(job.id, None)
+    assert [j.id for j in store.due_webhooks(clock(), 10)] == [job.id]
+
+    first = store.claim_webhook(job.id, 0, lease_seconds=30)
+    assert first is not None and first.webhook_attempts == 1
+    assert store.claim_webhook(job.id, 0, lease_seconds=30) is None  # another worker lost the race
+    assert store.due_webhooks(clock(), 10) == []  # claimed: not due while the attempt runs
+
+    store.finish_webhook(job.id, 1, delivered=False, error="the receiver answered 500", retry_in_seconds=10)
+    assert store.due_webhooks(clock(), 10) == []
+    clock.advance(11)
+    assert store.claim_webhook(job.id, 1, lease_seconds=30) is not None
+    store.finish_webhook(job.id, 2, delivered=True, error=None, retry_in_seconds=None)
+    done = store.get(job.id)
+    assert (done.webhook_state, done.webhook_attempts, done.webhook_error) == ("delivered", 2, None)
+    assert store.due_webhooks(clock() + timedelta(days=1), 10) == []
+
+
+def test_create_schema_adds_new_columns_when_table_made_by_earlier_version(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    added = ("cache_key", "cached_from", "hardware_class", "webhook_state", "webhook_attempts", "webhook_next_at")
+    engine = create_engine(url)
+    old = JobStore(url)
+    old.create_schema()
+    old.close()
+    with engine.begin() as conn:  # back to the table as an earlier version created it
+        conn.execute(text("DROP INDEX ix_jobs_cache_key"))
+        conn.execute(text("DROP INDEX ix_jobs_webhook"))
+        for name in added:
+            conn.execute(text(f'ALTER TABLE jobs DROP COLUMN "{name}"'))
+    assert not set(added) & {c["name"] for c in inspect(engine).get_columns("jobs")}
+
+    store = JobStore(url)
+    store.create_schema()
+    assert set(added) <= {c["name"] for c in inspect(engine).get_columns("jobs")}
+    assert {"ix_jobs_cache_key", "ix_jobs_webhook"} <= {i["name"] for i in inspect(engine).get_indexes("jobs")}
+    job = _create(store)
+    assert store.get(job.id).cache_key is None
+    store.close()
+    engine.dispose()

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from onnxforge.errors import InvalidModelError, OnnxforgeError
 from workers.archive import SAFE_NAME, extract_archive
 from workers.child import FAULT_ENV
+from workers.hardware import hardware_class
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -61,6 +62,8 @@ _INTERRUPT_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQU
 _OOM_HINTS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "Failed to allocate memory")
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
+_SERVICE_ONLY_CONFIG = frozenset({"callback_url", "use_cache"})
+_REPORT_READ_MAX = 32 << 20
 
 
 class ChildInterrupted(RuntimeError):
@@ -130,7 +133,8 @@ def _write_job_json(path: Path, job: Any, settings: Settings, *, model: Path, sa
                 "model_path": str(model),
                 "samples_path": str(samples) if samples else None,
                 "output_dir": str(out),
-                "config": job.config or {},
+                # callback_url and use_cache are the service's business: never in the child, report or artifact.
+                "config": {k: v for k, v in (job.config or {}).items() if k not in _SERVICE_ONLY_CONFIG},
                 "pipeline": settings.pipeline.model_dump(mode="json"),
             },
             sort_keys=True,
@@ -306,6 +310,7 @@ def _commit(
     report_html = _safe_output(output_dir, Path(str(result.get("report_html") or "report.html")).name)
     summary = dict(result.get("summary") or {})
     summary.setdefault("used_original", bool(result.get("used_original")))
+    summary["pass_seconds"] = _pass_seconds(report_json)
     return store.succeed(
         str(job.id),
         attempt,
@@ -315,7 +320,22 @@ def _commit(
         report_html_sha256=blobs.put_file(report_html),
         summary=summary,
         timings=timings,
+        hardware_class=hardware_class(str((job.config or {}).get("target") or "cpu")),
     )
+
+
+def _pass_seconds(report_json: Path) -> dict[str, float]:
+    """Seconds per pass name (summed when a pass runs twice), from the report, for the duration metrics."""
+    if report_json.stat().st_size > _REPORT_READ_MAX:
+        return {}
+    report = _read_json(report_json) or {}
+    seconds: dict[str, float] = {}
+    for record in report.get("passes") or []:
+        if isinstance(record, dict) and isinstance(record.get("name"), str):
+            value = record.get("duration_s")
+            if isinstance(value, int | float):
+                seconds[record["name"]] = round(seconds.get(record["name"], 0.0) + float(value), 4)
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 ``register_tasks(app, settings)`` is called by ``create_celery``; it registers ``onnxforge.optimize`` on
 that app (explicitly, no ``current_app``/``shared_task``) and, in a worker's main process, starts the
-reconciler thread once the worker is ready. The message carries only the job UUID (security.md T15);
-everything else is read from the job table, so a duplicate delivery is a no-op (``claim`` is a CAS).
+reconciler thread and the webhook delivery thread (workers/webhooks.py) once the worker is ready. The
+message carries only the job UUID (security.md T15); everything else is read from the job table, so a
+duplicate delivery is a no-op (``claim`` is a CAS).
 
 Error mapping: model faults end inside ``run_job`` as a failed job (never retried). Infrastructure
 faults (database, storage) propagate; the task fails, its message is acknowledged, and the job keeps a
@@ -99,9 +100,11 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             return
         from workers.dispatch import Dispatcher
         from workers.reconciler import start_reconciler_thread
+        from workers.webhooks import start_webhook_thread
 
         ctx = worker_context(settings)
         start_reconciler_thread(ctx.store, Dispatcher(settings, app=app), settings)
+        start_webhook_thread(ctx.store, settings)
 
     # weak=False: the closure has no other reference and would be collected at once.
     signals.worker_ready.connect(_on_worker_ready, weak=False)

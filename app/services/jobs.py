@@ -11,14 +11,19 @@ import dataclasses
 import logging
 import re
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from app.services import cache
 from app.services.uploads import Upload, UploadSlots
+from app.services.webhooks import check_destination
 from app.settings import Settings
 from app.storage import BlobStore
 from app.store import STATES, Job, JobStore
 from onnxforge.config import JobConfig
 from onnxforge.errors import ConflictError, InvalidInputError, OnnxforgeError, UnavailableError
+
+if TYPE_CHECKING:
+    from app.metrics import ServiceMetrics
 
 log = logging.getLogger("onnxforge.api")
 
@@ -70,32 +75,73 @@ def artifact_filename(model_filename: str, artifact_format: str) -> str:
 
 
 class JobService:
-    def __init__(self, store: JobStore, blobs: BlobStore, dispatcher: Dispatcher, settings: Settings) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        blobs: BlobStore,
+        dispatcher: Dispatcher,
+        settings: Settings,
+        *,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.store = store
         self.blobs = blobs
         self.dispatcher = dispatcher
         self.settings = settings
+        self.metrics = metrics
         self.upload_slots = UploadSlots(settings.api.max_concurrent_uploads_per_tenant)
+        # Tenants that may name a callback_url (create_app has already refused a bad secrets file).
+        self.webhook_tenants = (
+            frozenset(settings.webhooks.tenant_secrets()) if settings.webhooks.allowed_hosts else frozenset()
+        )
 
     def submit(self, tenant: str, upload: Upload) -> Job:
-        """Validate the config, commit the upload's blobs, record the job and enqueue it.
+        """Validate the config, commit the upload's blobs, then answer from the result cache or record the
+        job and enqueue it.
 
-        When the broker refuses the job, the row is deleted again and BROKER_UNAVAILABLE raised, so a
-        client that gets an error never has a job it does not know about.
+        A ``callback_url`` is checked against the operator's webhook policy first (422
+        CALLBACK_URL_INVALID / CALLBACK_URL_NOT_ALLOWED, app/services/webhooks.py). A cache hit
+        (app/services/cache.py) is a new job, already succeeded, sharing the earlier job's results; nothing
+        is enqueued. When the broker refuses the job, the row is deleted again and BROKER_UNAVAILABLE
+        raised, so a client that gets an error never has a job it does not know about.
         """
         with upload:
             config = validate_config(upload.config)
+            if config.callback_url is not None:
+                check_destination(
+                    config.callback_url, self.settings.webhooks, has_secret=tenant in self.webhook_tenants
+                )
             upload.commit()
+        if self.metrics is not None:
+            self.metrics.upload_bytes.labels("model").inc(upload.model.size)
+            if upload.samples is not None:
+                self.metrics.upload_bytes.labels("samples").inc(upload.samples.size)
         queue = "gpu" if config.target in GPU_TARGETS else "cpu"
+        samples_sha256 = upload.samples.sha256 if upload.samples else None
+        key = None
+        if self.settings.cache.enabled:
+            key = cache.cache_key(
+                model_sha256=upload.model.sha256,
+                samples_sha256=samples_sha256,
+                config=config,
+                queue=queue,
+                settings=self.settings,
+            )
+            if config.use_cache:
+                hit = self._from_cache(tenant, key, queue, upload, config)
+                if hit is not None:
+                    return hit
         job = self.store.create(
             tenant=tenant,
             model_sha256=upload.model.sha256,
             model_filename=upload.model.filename,
             model_format=upload.model.format,
             model_size=upload.model.size,
-            samples_sha256=upload.samples.sha256 if upload.samples else None,
+            samples_sha256=samples_sha256,
             config=config.model_dump(mode="json"),
             queue=queue,
+            cache_key=key,
+            webhook=config.callback_url is not None,
         )
         try:
             self.dispatcher.enqueue(job.id, queue)
@@ -108,6 +154,26 @@ class JobService:
                 ) from exc
             raise
         log.info("job %s queued on %s (tenant %s, model %s)", job.id, queue, tenant, job.model_sha256[:12])
+        return job
+
+    def _from_cache(self, tenant: str, key: str, queue: str, upload: Upload, config: JobConfig) -> Job | None:
+        earlier = cache.lookup(self.store, key, tenant=tenant, queue=queue, settings=self.settings)
+        shas = (earlier.artifact_sha256, earlier.report_sha256, earlier.report_html_sha256) if earlier else ()
+        usable = earlier is not None and all(sha is not None and self.blobs.exists(sha) for sha in shas)
+        if self.metrics is not None:
+            self.metrics.cache_lookups.labels("hit" if usable else "miss").inc()
+        if not usable or earlier is None:
+            return None
+        job = self.store.create_cached(
+            earlier,
+            tenant=tenant,
+            model_filename=upload.model.filename,
+            config=config.model_dump(mode="json"),
+            webhook=config.callback_url is not None,
+        )
+        if self.metrics is not None:
+            self.metrics.cache_hits.inc()
+        log.info("job %s answered from the cache (job %s, tenant %s)", job.id, earlier.id, tenant)
         return job
 
     def get(self, tenant: str, job_id: str) -> Job:
