@@ -206,12 +206,15 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         )
         out.parent.mkdir(parents=True, exist_ok=True)
         data = [Path(p) for p in result.external_data]
+        side = [Path(p) for p in result.side_files]  # model.onnx_adapter: OUT.onnx_adapter beside OUT.onnx
         if out.name.endswith(".zip"):
-            deterministic_zip(out, [Path(result.model_path), *data])
+            deterministic_zip(out, [Path(result.model_path), *data, *side])
         else:
             shutil.copyfile(result.model_path, out)
             for path in data:
                 shutil.copyfile(path, out.parent / path.name)
+            for path in side:
+                shutil.copyfile(path, out.with_suffix(path.suffix))
         if args.report:
             shutil.copyfile(result.report_json_path, args.report)
         if args.html:
@@ -246,6 +249,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}", file=sys.stderr)
         if args.report:
             client.download_report(job["id"], args.report)
+    return 0
+
+
+def cmd_adapters_convert(args: argparse.Namespace) -> int:
+    from onnxforge.adapters import ADAPTER_SUFFIX, convert_peft
+
+    model, out = Path(args.model), Path(args.output)
+    if not model.is_file():
+        raise InvalidInputError(f"no such model file: {model}", code="INVALID_MODEL")
+    if not out.name.endswith(ADAPTER_SUFFIX):
+        raise InvalidInputError(f"-o must name a {ADAPTER_SUFFIX} file, got {out.name}", code="INVALID_ARGUMENT")
+    report = convert_peft(Path(args.peft_dir), model, out)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    for pair in report["pairs"]:
+        print(f"  {pair['module']}  rank {pair['rank']}  A{pair['a_shape']} B{pair['b_shape']}  {pair['bytes']} bytes")
+    if report["slots_at_base"]:
+        print(f"  (no weights for {len(report['slots_at_base'])} slot(s): they run as the base)")
+    print(f"wrote {out} ({len(report['pairs'])} pair(s), {report['bytes']} bytes)")
     return 0
 
 
@@ -353,6 +376,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("action", choices=["new", "hash"], help="new: make a key; hash: hash the key on stdin")
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser(
+        "adapters",
+        help="LoRA adapters for models optimized with extract_adapters",
+        description="`adapters convert PEFT_DIR --model OUT.onnx -o NAME.onnx_adapter` turns a peft adapter "
+        "directory (adapter_config.json + adapter_model.safetensors) trained on the same base into an ONNX "
+        "Runtime adapter for a model whose LoRA pairs extract_adapters moved out. Refuses (exit status 2, "
+        "error code ADAPTER_*) adapters whose target modules, shapes or ranks the model has no slot for.",
+    )
+    adapters = p.add_subparsers(dest="adapters_command", metavar="ACTION", required=True)
+    c = adapters.add_parser("convert", help="convert a peft adapter directory to .onnx_adapter")
+    c.add_argument("peft_dir", metavar="PEFT_DIR", help="adapter_config.json + adapter_model.safetensors")
+    c.add_argument("--model", required=True, metavar="OUT.onnx", help="the model extract_adapters produced")
+    c.add_argument("-o", "--output", required=True, metavar="NAME.onnx_adapter", help="adapter file to write")
+    c.add_argument("--json", action="store_true", help="print the conversion report as JSON")
+    c.set_defaults(func=cmd_adapters_convert)
     return parser
 
 

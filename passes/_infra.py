@@ -71,6 +71,10 @@ class PassContext:
     # Representative inputs by graph-input name: the user's samples.npz, else the verification inputs.
     samples: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     constant_fold_max_bytes: int = 1 << 20
+    # Files a pass produces besides the model, by the suffix that replaces ``.onnx`` in the model's file name
+    # (extract_adapters: {".onnx_adapter": bytes}). The pipeline writes them next to every stage and the
+    # artifact (model.onnx_adapter) and the service zips them with it. Bytes, not paths: nothing to clean up.
+    side_files: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
 
 class Pass(abc.ABC):

@@ -116,6 +116,7 @@ def run(job_path: Path) -> int:
                 "model": Path(result.model_path).name,
                 "used_original": bool(result.used_original),
                 "external_data": [Path(p).name for p in result.external_data],
+                "side_files": [Path(p).name for p in result.side_files],
                 "report_json": str(Path(result.report_json_path).relative_to(output_dir)),
                 "report_html": str(Path(result.report_html_path).relative_to(output_dir)),
                 "summary": _summary(result.report),

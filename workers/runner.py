@@ -300,6 +300,8 @@ def _commit(
     output_dir = base / "output"
     model = _safe_output(output_dir, str(result.get("model") or "model.onnx"))
     data = [_safe_output(output_dir, str(name)) for name in result.get("external_data") or []]
+    # Files a pass produced beside the model (extract_adapters: model.onnx_adapter) travel in the zip too.
+    data += [_safe_output(output_dir, str(name)) for name in result.get("side_files") or []]
     if data:
         bundle = base / "artifact.zip"
         deterministic_zip(bundle, [model, *data])
