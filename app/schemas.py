@@ -185,7 +185,9 @@ class PassInfo(_Out):
 class PresetInfo(_Out):
     name: str
     summary: str
-    passes: list[str]
+    passes: list[str] = Field(description="Pass names in order (empty for auto, which tries other presets).")
+    pass_specs: list[dict[str, Any]] = Field(description="The same passes with the options the preset sets.")
+    candidates: list[str] = Field(description="Presets that auto tries, in order; empty for other presets.")
     tolerance: dict[str, Any]
 
 

@@ -98,10 +98,12 @@ def _presets_section() -> str:
     ]
     for preset in registry.PRESETS.values():
         tolerance = ", ".join(f"`{k}` {v}" for k, v in preset.tolerance.model_dump().items())
-        steps = " → ".join(f"`{name}`" for name in preset.passes)
-        parts.append(
-            f"### `{preset.name}`\n\n{preset.summary}\n\nPasses, in order: {steps}.\n\nTolerance: {tolerance}."
-        )
+        if preset.candidates:
+            tried = ", ".join(f"`{name}`" for name in preset.candidates)
+            steps = f"Tries the presets {tried} within the job's time budget and keeps the fastest within tolerance."
+        else:
+            steps = "Passes, in order: " + " → ".join(f"`{name}`" for name in preset.passes) + "."
+        parts.append(f"### `{preset.name}`\n\n{preset.summary}\n\n{steps}\n\nTolerance: {tolerance}.")
     return "\n\n".join(parts)
 
 

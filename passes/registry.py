@@ -16,14 +16,20 @@ from passes._infra import Pass
 from passes.common_subexpression_elimination import CommonSubexpressionElimination
 from passes.constant_folding import ConstantFolding
 from passes.dead_node_elimination import DeadNodeElimination
+from passes.extract_adapters import ExtractAdapters
+from passes.fix_shapes import FixShapes
+from passes.float16 import Float16
+from passes.free_shapes import FreeShapes
 from passes.fuse_transformer import FuseTransformer
 from passes.identity_elimination import IdentityElimination
 from passes.label_sparsity import LabelSparsity
+from passes.mixed_precision import MixedPrecision
 from passes.padding_elimination import PaddingElimination
 from passes.quantize_dynamic import QuantizeDynamic
 from passes.quantize_static import QuantizeStatic
 from passes.range_gather_to_slice import RangeGatherToSlice
 from passes.shape_inference import ShapeInference
+from passes.tune_session import TuneSession
 from passes.upstream_reshape import UpstreamReshape
 from passes.upstream_slice import UpstreamSlice
 
@@ -41,6 +47,12 @@ PASSES: tuple[type[Pass], ...] = (
     FuseTransformer,
     QuantizeDynamic,
     QuantizeStatic,
+    Float16,
+    MixedPrecision,
+    TuneSession,
+    FixShapes,
+    FreeShapes,
+    ExtractAdapters,
 )
 
 _BY_NAME: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
@@ -48,17 +60,33 @@ assert len(_BY_NAME) == len(PASSES), "two registered passes share a name"
 
 
 class Preset:
-    def __init__(self, name: str, summary: str, passes: Sequence[str], tolerance: Tolerance) -> None:
+    """A named pass list and its tolerance. Entries are pass names or ``PassSpec`` (a pass with options);
+    ``passes`` keeps the names (catalogue, cache keys), ``specs`` the full entries the pipeline builds.
+    ``candidates`` (preset ``auto`` only) names the presets the pipeline tries instead of a pass list."""
+
+    def __init__(
+        self,
+        name: str,
+        summary: str,
+        passes: Sequence[str | PassSpec],
+        tolerance: Tolerance,
+        *,
+        candidates: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.summary = summary
-        self.passes = list(passes)
+        self.specs = [PassSpec(name=p) if isinstance(p, str) else p for p in passes]
+        self.passes = [spec.name for spec in self.specs]
         self.tolerance = tolerance
+        self.candidates = list(candidates)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "summary": self.summary,
             "passes": self.passes,
+            "pass_specs": [spec.model_dump(mode="json") for spec in self.specs],
+            "candidates": self.candidates,
             "tolerance": self.tolerance.model_dump(),
         }
 
@@ -86,6 +114,18 @@ _SAFE = [*_CLEANUP, *_COMPUTE_ORDER, *_AFTER]
 # zeros), so it is in `fast`, not `safe`.
 _FAST = [*_CLEANUP, *_COMPUTE_ORDER, "padding_elimination", *_AFTER]
 
+# Not exact: int8 moves outputs by about 1e-2 relative, float16 by about 1e-3 (more near fp16's limits).
+INT8_TOLERANCE = Tolerance(atol=5e-2, rtol=5e-2, min_cosine=0.99, max_mismatch_ratio=0.05)
+FP16_TOLERANCE = Tolerance(atol=1e-2, rtol=1e-2, min_cosine=0.999, max_mismatch_ratio=0.01)
+# ORT's fusions first (Attention is what quantize_dynamic turns into QAttention), then int8 weights.
+_INT8 = [
+    *_CLEANUP,
+    PassSpec(name="fuse_transformer", options={"engines": ["ort"]}),
+    "quantize_dynamic",
+    "dead_node_elimination",
+]
+_FP16 = [*_CLEANUP, "fuse_transformer", "mixed_precision", "dead_node_elimination"]
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -102,8 +142,57 @@ PRESETS: dict[str, Preset] = {
             _FAST,
             EXACT_TOLERANCE,
         ),
+        Preset(
+            "int8",
+            "ORT transformer fusions, then dynamic int8 quantization of MatMul/Attention weights, accuracy-checked "
+            "per output (CPU).",
+            _INT8,
+            INT8_TOLERANCE,
+        ),
+        Preset(
+            "fp16",
+            "Transformer fusions, then float16 with the fewest float32 nodes that meet tolerance (GPU targets; "
+            "mixed_precision refuses on cpu).",
+            _FP16,
+            FP16_TOLERANCE,
+        ),
+        Preset(
+            "auto",
+            "Within config.time_budget_s, run the candidate presets (safe, fast, fast + fuse_transformer; int8 when "
+            "the job's tolerance is as loose as int8's; fp16 on GPU targets when as loose as fp16's), benchmark "
+            "each result against the original and keep the fastest within tolerance.",
+            [],
+            EXACT_TOLERANCE,
+            candidates=["safe", "fast", "fast+fuse_transformer", "int8", "fp16"],
+        ),
     )
 }
+
+# Pass lists of the auto candidates that are not presets of their own.
+AUTO_VARIANTS: dict[str, list[PassSpec]] = {
+    "fast+fuse_transformer": [
+        *PRESETS["fast"].specs[:-1],
+        PassSpec(name="fuse_transformer"),
+        PRESETS["fast"].specs[-1],
+    ],
+}
+
+
+def variant_specs(name: str) -> list[PassSpec]:
+    """The pass specs of an auto candidate: a preset's, or one of ``AUTO_VARIANTS``."""
+    if name in AUTO_VARIANTS:
+        return list(AUTO_VARIANTS[name])
+    return list(get_preset(name).specs)
+
+
+def tolerance_allows(job: Tolerance, needed: Tolerance) -> bool:
+    """True when ``job`` is at least as loose as ``needed`` on every bound (the opt-in to a lossy candidate)."""
+    return (
+        job.atol >= needed.atol
+        and job.rtol >= needed.rtol
+        and job.min_cosine <= needed.min_cosine
+        and job.max_mismatch_ratio >= needed.max_mismatch_ratio
+    )
 
 
 def _unknown(kind: str, name: str, known: Sequence[str]) -> UnknownPassError:

@@ -244,7 +244,10 @@ def _rss() -> int:
 
 
 def _session_with_memory(
-    path: Path, feeds: Sequence[dict[str, np.ndarray]], params: BenchmarkParams
+    path: Path,
+    feeds: Sequence[dict[str, np.ndarray]],
+    params: BenchmarkParams,
+    recipe: dict[str, Any] | None = None,
 ) -> tuple[Any, float]:
     """Create a session and run its warm-ups; the RSS growth meanwhile (sampled after each step), in MiB.
 
@@ -253,7 +256,9 @@ def _session_with_memory(
     """
     gc.collect()
     base = peak = _rss()
-    session = make_session(path, target=params.target, intra_op_threads=params.intra_op_threads, optimize=True)
+    session = make_session(
+        path, target=params.target, intra_op_threads=params.intra_op_threads, optimize=True, recipe=recipe
+    )
     peak = max(peak, _rss())
     for _ in range(max(1, params.warmup)):
         for feed in feeds:
@@ -275,11 +280,14 @@ def compare(
     params: BenchmarkParams,
     *,
     mode: str = "full",
+    recipe_a: dict[str, Any] | None = None,
+    recipe_b: dict[str, Any] | None = None,
 ) -> Comparison:
-    """Benchmark A (original) against B (candidate), interleaved, per input set."""
+    """Benchmark A (original) against B (candidate), interleaved, per input set. A recipe (tune_session's
+    ``onnxforge.session``) sets that model's session options and EP options."""
     feeds = [s.feeds for s in input_sets]
-    session_a, mem_a = _session_with_memory(path_a, feeds, params)
-    session_b, mem_b = _session_with_memory(path_b, feeds, params)
+    session_a, mem_a = _session_with_memory(path_a, feeds, params, recipe_a)
+    session_b, mem_b = _session_with_memory(path_b, feeds, params, recipe_b)
     results = []
     for index, input_set in enumerate(input_sets):
         feed = input_set.feeds

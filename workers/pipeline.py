@@ -42,7 +42,7 @@ import onnx
 import onnx_ir as ir
 
 import onnxforge
-from onnxforge.config import EXACT_TOLERANCE, JobConfig, PassSpec, Tolerance
+from onnxforge.config import EXACT_TOLERANCE, JobConfig, Tolerance
 from onnxforge.errors import InvalidModelError, PassError, RegressionError, VerificationError
 from passes._infra import Pass, PassContext, op_histogram
 from workers import report as report_mod
@@ -66,9 +66,13 @@ class ResolvedPasses:
     passes: list[Pass]
     preset: str | None
     tolerance: Tolerance
+    # Preset auto: (candidate name, its passes) to try in turn; the passes above are then unused.
+    variants: list[tuple[str, list[Pass]]] | None = None
 
 
 PassResolver = Callable[[JobConfig, "PipelineSettings"], ResolvedPasses]
+AUTO_DEFAULT_BUDGET_S = 600.0
+RECIPE_KEY = META_PREFIX + "session"  # tune_session's recipe; kept through _stamp, used by benchmarks
 
 
 @dataclasses.dataclass
@@ -92,6 +96,8 @@ class PipelineResult:
     report_html_path: Path
     used_original: bool  # the artifact is the uploaded model, byte for byte
     external_data: list[Path]
+    # Files a pass produced that travel with the model (model.onnx_adapter); not referenced by the graph.
+    side_files: list[Path] = dataclasses.field(default_factory=list)
 
 
 def resolve_passes(config: JobConfig, settings: PipelineSettings) -> ResolvedPasses:
@@ -102,8 +108,20 @@ def resolve_passes(config: JobConfig, settings: PipelineSettings) -> ResolvedPas
     if specs is not None:
         return ResolvedPasses(registry.build_passes(specs), None, config.tolerance or EXACT_TOLERANCE)
     preset = registry.get_preset(config.preset or settings.default_preset)
-    passes = registry.build_passes([PassSpec(name=name) for name in preset.passes])
-    return ResolvedPasses(passes, preset.name, config.tolerance or preset.tolerance)
+    tolerance = config.tolerance or preset.tolerance
+    if preset.candidates:
+        variants = []
+        for name in preset.candidates:
+            if name == "int8" and not registry.tolerance_allows(tolerance, registry.PRESETS["int8"].tolerance):
+                continue  # int8 only when the job's tolerance is as loose as int8's (the opt-in)
+            if name == "fp16" and (
+                config.target == "cpu" or not registry.tolerance_allows(tolerance, registry.PRESETS["fp16"].tolerance)
+            ):
+                continue  # fp16 only on GPU targets, and only when the tolerance allows it
+            variants.append((name, registry.build_passes(registry.variant_specs(name))))
+        return ResolvedPasses([], preset.name, tolerance, variants)
+    passes = registry.build_passes(preset.specs)
+    return ResolvedPasses(passes, preset.name, tolerance)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -152,6 +170,12 @@ def _save_ir(model: ir.Model, path: Path) -> list[Path]:
     return []
 
 
+def _write_side_files(path: Path, side_files: dict[str, bytes]) -> None:
+    """Write a pass's side files next to the model at ``path`` (``stage.onnx`` -> ``stage.onnx_adapter``)."""
+    for suffix, data in side_files.items():
+        path.with_suffix(suffix).write_bytes(data)
+
+
 def _external_files(path: Path) -> list[str]:
     """Relative locations of the external-data files the (already loaded and checked) model refers to.
 
@@ -165,6 +189,74 @@ def _external_files(path: Path) -> list[str]:
                 if entry.key == "location" and entry.value not in locations:
                     locations.append(entry.value)
     return locations
+
+
+def _proto_dynamic_axes(proto: onnx.ModelProto) -> dict[str, set[int]]:
+    """``input:<name>`` / ``output:<name>`` -> the axes declared dynamic (a dim_param or no value)."""
+    initializers = {i.name for i in proto.graph.initializer}
+    axes: dict[str, set[int]] = {}
+    for kind, values in (("input", proto.graph.input), ("output", proto.graph.output)):
+        for value in values:
+            if value.name in initializers or not value.type.HasField("tensor_type"):
+                continue
+            shape = value.type.tensor_type.shape if value.type.tensor_type.HasField("shape") else None
+            if shape is None:
+                continue
+            dynamic = {i for i, d in enumerate(shape.dim) if not d.HasField("dim_value")}
+            if dynamic:
+                axes[f"{kind}:{value.name}"] = dynamic
+    return axes
+
+
+def dynamic_axes(path: Path) -> dict[str, set[int]]:
+    return _proto_dynamic_axes(onnx.load(str(path), load_external_data=False))
+
+
+def lost_axes(expected: dict[str, set[int]], path: Path) -> list[str]:
+    """The axes dynamic in ``expected`` that the model at ``path`` declares static (or dropped)."""
+    now = dynamic_axes(path)
+    return [
+        f"{key} axis {axis}" for key, axes in sorted(expected.items()) for axis in sorted(axes - now.get(key, set()))
+    ]
+
+
+def read_recipe(path: Path) -> dict[str, Any] | None:
+    """tune_session's recipe (metadata ``onnxforge.session``) of the model at ``path``, if it has one."""
+    proto = onnx.load(str(path), load_external_data=False)
+    for prop in proto.metadata_props:
+        if prop.key == RECIPE_KEY:
+            with contextlib.suppress(ValueError):
+                recipe = json.loads(prop.value)
+                return recipe if isinstance(recipe, dict) else None
+    return None
+
+
+def _session_entry(recipe: dict[str, Any] | None) -> dict[str, Any] | None:
+    if recipe is None:
+        return None
+    keys = ("session_options", "session_config", "provider_options")
+    return {**{k: recipe.get(k) or {} for k in keys}, "warmup": recipe.get("warmup") or []}
+
+
+def _input_proto(proto: onnx.ModelProto, resolved: ResolvedPasses) -> onnx.ModelProto:
+    """The model whose inputs the input sets are generated from: with fix_shapes requested, its I/O frozen
+    the way the pass will freeze them, so that every set runs on the fixed model."""
+    from passes.fix_shapes import FixShapes
+
+    every = [*resolved.passes, *(p for _, ps in resolved.variants or [] for p in ps)]
+    fixers = [p for p in every if isinstance(p, FixShapes)]
+    if not fixers:
+        return proto
+    model = ir.serde.deserialize_model(proto)
+    for fixer in fixers[:1]:
+        with contextlib.suppress(Exception):
+            fixer(model)
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(proto)
+    typed = ir.serde.serialize_model(model)
+    del fixed.graph.input[:]
+    fixed.graph.input.extend(typed.graph.input)
+    return fixed
 
 
 def _histogram_delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
@@ -247,6 +339,11 @@ class _Run:
         self.kept: list[tuple[int, Pass]] = []  # (index into records, pass) of applied passes
         # Outputs whose pad positions an applied pass left undefined, and the input marking the valid ones.
         self.valid_positions: dict[str, dict[str, Any]] = {}
+        # Side files of the applied passes (ctx.side_files after the last accepted one), and the one whose
+        # adapter verification must activate (a pass's notes["verify_with_adapter"]), once any pass set it.
+        self.side_files: dict[str, bytes] = {}
+        self.verify_adapter: str | None = None
+        self.candidates: list[dict[str, Any]] | None = None  # preset auto: every candidate tried
 
     # The stages ------------------------------------------------------------------------------------
 
@@ -262,13 +359,16 @@ class _Run:
         resolved = (req.pass_resolver or resolve_passes)(self.config, self.settings)
         self.resolved = resolved
         providers_for(self.target)  # a target this worker cannot serve fails before any work
-        self.input_sets = make_input_sets(
-            proto,
+        self.dynamic_axes = _proto_dynamic_axes(proto)
+        input_sets = make_input_sets(
+            _input_proto(proto, resolved),
             count=self.settings.verify_shape_sets,
             seed=self.config.seed,
             shapes=self.config.shapes,
             samples_path=req.samples_path,
         )
+        names: set[str] = set()
+        self.input_sets = [s for s in input_sets if not (s.name in names or names.add(s.name))]
         self.origin = "shapes" if self.config.shapes else "samples" if req.samples_path else "generated"
         original_ir = ir.serde.deserialize_model(proto)
         del proto
@@ -298,14 +398,17 @@ class _Run:
                     {"name": s.name, **st.to_dict()} for s, st in zip(self.input_sets, baseline, strict=True)
                 ],
             }
-            accepted = self._ledger(work)
-            self.progress("verifying", 0.0)
-            artifact, verification, bisection = self._finalize(work, accepted, source_sha)
+            if resolved.variants is not None:
+                artifact, verification, bisection = self._auto(work, source_sha)
+            else:
+                accepted = self._ledger(work, resolved.passes)
+                self.progress("verifying", 0.0)
+                artifact, verification, bisection = self._finalize(work, accepted, source_sha)
             self.progress("verifying", 1.0)
             benchmark, decision = self._gate(artifact, verification)
             self.progress("reporting", 0.0)
             used_original = decision["used_original"]
-            final_path, external = self._write_artifact(decision, artifact, source_external)
+            final_path, external, side = self._write_artifact(decision, artifact, source_external)
             if used_original:
                 verification = self.verifier.check(final_path)  # the upload defines every position
             report = self._report(
@@ -317,26 +420,27 @@ class _Run:
                 decision=decision,
                 final_path=final_path,
                 external=external,
+                side=side,
                 duration=time.perf_counter() - started,
             )
             json_path, html_path = report_mod.write_report(report, out)
             self.progress("reporting", 1.0)
             if decision["result"] == "failed":
                 self._raise(decision, json_path)
-            return PipelineResult(final_path, report, json_path, html_path, used_original, external)
+            return PipelineResult(final_path, report, json_path, html_path, used_original, external, side)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
     def _write_artifact(
         self, decision: dict[str, Any], artifact: Path, source_external: list[str]
-    ) -> tuple[Path, list[Path]]:
+    ) -> tuple[Path, list[Path], list[Path]]:
         """Put the returned model in the output dir: the optimized artifact, or the upload byte for byte.
 
         Files are copied to a temporary name and renamed into place, so a reader never sees half a model,
         and an output dir that is also the upload's dir never loses the upload before it is copied."""
         out, source = self.req.output_dir, self.req.model_path
         if decision["result"] == "failed":
-            return artifact, []  # reported on, never handed back
+            return artifact, [], []  # reported on, never handed back
         final_path = out / MODEL_FILE
         if decision["used_original"]:
             files = [(source, final_path)] + [(source.parent / loc, out / loc) for loc in source_external]
@@ -345,6 +449,12 @@ class _Run:
             data = artifact.with_name(artifact.name + ".data")
             if data.exists():
                 files.append((data, out / (MODEL_FILE + ".data")))
+        side = [(artifact.with_suffix(sfx), final_path.with_suffix(sfx)) for sfx in sorted(self.side_files)]
+        if decision["used_original"]:
+            side = []
+        for suffix in self.side_files:  # left over from an earlier attempt that kept the side file
+            if not side:
+                final_path.with_suffix(suffix).unlink(missing_ok=True)
         stale = out / (MODEL_FILE + ".data")
         if all(stale.resolve() != dst.resolve() for _, dst in files) and stale.resolve() not in {
             (source.parent / loc).resolve() for loc in source_external
@@ -357,13 +467,16 @@ class _Run:
             tmp = dst.with_name(f".{dst.name}.tmp")
             shutil.copyfile(src, tmp)
             os.replace(tmp, dst)
-        return final_path, [dst for _, dst in files[1:]]
+        for src, dst in side:
+            tmp = dst.with_name(f".{dst.name}.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        return final_path, [dst for _, dst in files[1:]], [dst for _, dst in side]
 
-    def _ledger(self, work: Path) -> Path:
+    def _ledger(self, work: Path, passes: Sequence[Pass]) -> Path:
         """Run every pass on a copy of the last accepted stage; return the path of the last accepted one."""
         accepted = self.req.model_path
         accepted_p50 = self.baseline_p50
-        passes = self.resolved.passes
         for index, p in enumerate(passes):
             self.progress("passes", index / len(passes))
             record = report_mod.PassRecord(name=p.name, options=p.options.model_dump(mode="json"))
@@ -384,6 +497,74 @@ class _Run:
         self.progress("passes", 1.0)
         return accepted
 
+    def _auto(self, work: Path, source_sha: str) -> tuple[Path, Any, dict[str, Any] | None]:
+        """Preset auto: run each candidate's passes through the ledger, verify and benchmark its artifact
+        against the original (interleaved), and keep the fastest within tolerance. The chosen candidate's
+        ledger becomes the report's ``passes``; every candidate goes to ``candidates``."""
+        variants = self.resolved.variants or []
+        budget = self.config.time_budget_s or AUTO_DEFAULT_BUDGET_S
+        started = time.perf_counter()
+        expected_axes = {k: set(v) for k, v in self.dynamic_axes.items()}
+        self.candidates = []
+        measured: list[tuple[dict[str, Any], tuple[Any, ...]]] = []
+        fallback: tuple[Any, ...] | None = None
+        for i, (name, passes) in enumerate(variants):
+            entry: dict[str, Any] = {
+                "name": name,
+                "passes": [p.name for p in passes],
+                "p50_ms": None,
+                "speedup": None,
+                "verification": None,
+                "status": "skipped",
+                "reason": "",
+            }
+            self.candidates.append(entry)
+            elapsed = time.perf_counter() - started
+            if i > 0 and elapsed >= budget:
+                entry["reason"] = f"time budget spent ({elapsed:.1f} s of {budget:g} s)"
+                continue
+            self.progress("passes", i / max(len(variants), 1))
+            self.records, self.kept, self.valid_positions = [], [], {}
+            self.dynamic_axes = {k: set(v) for k, v in expected_axes.items()}
+            vwork = work / f"candidate-{i}"
+            vwork.mkdir()
+            accepted = self._ledger(vwork, passes)
+            artifact, verification, bisection = self._finalize(vwork, accepted, source_sha)
+            state = (self.records, self.kept, self.valid_positions, self.dynamic_axes)
+            state += (artifact, verification, bisection)
+            fallback = fallback or state
+            entry["passes"] = [p.name for _, p in self.kept]
+            entry["verification"] = verification.worst()
+            if not verification.ok:
+                entry.update(status="rejected", reason=f"out of tolerance: {verification.reason}")
+                continue
+            left = max(budget - (time.perf_counter() - started), 0.0)
+            share = left / max(len(variants) - i, 1) / max(2 * len(self.input_sets), 1)
+            params = dataclasses.replace(self.full, max_seconds=max(0.05, min(self.full.max_seconds, share)))
+            comparison = compare(
+                self.req.model_path, artifact, self.input_sets, params, mode="auto", recipe_b=read_recipe(artifact)
+            )
+            entry.update(
+                status="measured",
+                p50_ms=comparison.p50_b_ms,
+                speedup=comparison.speedup,
+                reason=f"{len(self.kept)} pass(es) kept; p50 {comparison.p50_a_ms:.4g} -> {comparison.p50_b_ms:.4g} ms "
+                f"against the original, interleaved",
+            )
+            measured.append((entry, state))
+        if measured:
+            best_entry, state = max(measured, key=lambda item: item[0]["speedup"])
+            best_entry["status"] = "chosen"
+            best_entry["reason"] = "fastest within tolerance; " + best_entry["reason"]
+        else:
+            # Nothing verified: hand the gate no kept pass (so it returns the upload), with the first ledger.
+            records, bisection = (fallback[0], fallback[6]) if fallback else ([], None)
+            original = self.req.model_path
+            state = (records, [], {}, expected_axes, original, self.verifier.check(original), bisection)
+        self.records, self.kept, self.valid_positions, self.dynamic_axes = state[:4]
+        self.progress("passes", 1.0)
+        return state[4], state[5], state[6]
+
     def _try_pass(  # noqa: PLR0917  (private helper; the ledger loop is its only caller)
         self,
         index: int,
@@ -397,6 +578,7 @@ class _Run:
         before = op_histogram(model)
         record.nodes_before = record.nodes_after = sum(before.values())
         record.latency_ms_p50_before = accepted_p50
+        self.ctx.side_files = dict(self.side_files)  # a rolled-back pass's side files never survive it
         try:
             result = p(model, self.ctx)
             after = op_histogram(result.model)
@@ -419,8 +601,11 @@ class _Run:
         record.nodes_after = sum(after.values())
         record.op_histogram_delta = _histogram_delta(before, after)
         path = work / f"stage-{index:03d}.onnx"
+        side = dict(self.ctx.side_files)
+        verify_adapter = result.notes.get("verify_with_adapter") or self.verify_adapter
         try:
             _save_ir(result.model, path)
+            _write_side_files(path, side)
             onnx.checker.check_model(str(path))
         except Exception as exc:
             record.status, record.reason = (
@@ -428,16 +613,24 @@ class _Run:
                 f"produced an invalid model: {type(exc).__name__}: {exc}",
             )
             return None
+        lost = lost_axes(self.dynamic_axes, path)
+        if lost and p.name != "fix_shapes":
+            record.status, record.reason = (
+                "rolled_back",
+                f"made dynamic axes static ({', '.join(lost[:5])}); only fix_shapes may, when the job asks for it",
+            )
+            return None
         positions = {**self.valid_positions, **result.notes.get("valid_positions", {})}
-        verification = self.verifier.check(path, positions)
+        verification = self.verifier.check(path, positions, adapter=self._adapter(path, verify_adapter))
         record.verification = verification.worst()
         if not verification.ok:
             record.status, record.reason = "rolled_back", f"broke tolerance: {verification.reason}"
             return None
-        comparison = compare(accepted, path, self.input_sets, self.quick, mode="quick")
+        recipes = {"recipe_a": read_recipe(accepted), "recipe_b": read_recipe(path)}
+        comparison = compare(accepted, path, self.input_sets, self.quick, mode="quick", **recipes)
         if comparison.slower:
             # Confirm before blaming: a second, three times longer interleaved measurement decides.
-            comparison = compare(accepted, path, self.input_sets, self.confirm, mode="quick-confirm")
+            comparison = compare(accepted, path, self.input_sets, self.confirm, mode="quick-confirm", **recipes)
         record.latency = _latency_summary(comparison)
         record.latency_ms_p50_before, record.latency_ms_p50_after = comparison.p50_a_ms, comparison.p50_b_ms
         speed = (
@@ -453,13 +646,16 @@ class _Run:
             return None
         record.status = "applied"
         self.valid_positions = positions
+        self.side_files, self.verify_adapter = side, verify_adapter
+        if lost:  # fix_shapes, as asked: the axes it froze are no longer expected to be dynamic
+            self.dynamic_axes = dynamic_axes(path)
         record.reason = f"verified within tolerance; {speed}" + (
             "; slower beyond noise but kept (rollback_slower is off)" if comparison.slower else ""
         )
         return path
 
     def _stamp(self, model: ir.Model, passes: Sequence[Pass], source_sha: str) -> None:
-        props = {k: v for k, v in model.metadata_props.items() if not k.startswith(META_PREFIX)}
+        props = {k: v for k, v in model.metadata_props.items() if not k.startswith(META_PREFIX) or k == RECIPE_KEY}
         props[META_PREFIX + "version"] = onnxforge.__version__
         props[META_PREFIX + "preset"] = self.resolved.preset or ""
         props[META_PREFIX + "passes"] = json.dumps(
@@ -473,11 +669,20 @@ class _Run:
         model.metadata_props.clear()
         model.metadata_props.update(props)
 
+    def _adapter(self, path: Path, suffix: str | None = None) -> Path | None:
+        """The adapter verification activates for the model at ``path``, if a pass declared one."""
+        suffix = suffix or self.verify_adapter
+        return path.with_suffix(suffix) if suffix and path.with_suffix(suffix).exists() else None
+
     def _replay(self, passes: Sequence[Pass], path: Path) -> Path:
         model = _load_ir(self.req.model_path)
+        self.ctx.side_files = {}
         for p in passes:
             model = p(model, self.ctx).model
         _save_ir(model, path)
+        for suffix in {*self.side_files, *self.ctx.side_files}:
+            path.with_suffix(suffix).unlink(missing_ok=True)
+        _write_side_files(path, self.ctx.side_files)
         return path
 
     def _finalize(self, work: Path, accepted: Path, source_sha: str) -> tuple[Path, Any, dict[str, Any] | None]:
@@ -488,7 +693,8 @@ class _Run:
         model = _load_ir(accepted)
         self._stamp(model, [p for _, p in self.kept], source_sha)
         _save_ir(model, artifact)
-        verification = self.verifier.check(artifact, self.valid_positions)
+        _write_side_files(artifact, self.side_files)
+        verification = self.verifier.check(artifact, self.valid_positions, adapter=self._adapter(artifact))
         bisection: dict[str, Any] | None = None
         while not verification.ok and self.kept:
             # Each stage passed on its own, so this is an interaction (or the stamped artifact differs).
@@ -496,7 +702,8 @@ class _Run:
             probe = work / "bisect.onnx"
 
             def fails(k: int, passes: list[Pass] = passes, probe: Path = probe) -> bool:
-                return not self.verifier.check(self._replay(passes[:k], probe), self.valid_positions).ok
+                replayed = self._replay(passes[:k], probe)
+                return not self.verifier.check(replayed, self.valid_positions, adapter=self._adapter(replayed)).ok
 
             try:
                 guilty = bisect_first_failing(len(passes), fails)
@@ -518,9 +725,11 @@ class _Run:
             if not self.kept:
                 return self.req.model_path, self.verifier.check(self.req.model_path), bisection
             model = _load_ir(self._replay([p for _, p in self.kept], work / "replayed.onnx"))
+            self.side_files = dict(self.ctx.side_files)
             self._stamp(model, [p for _, p in self.kept], source_sha)
             _save_ir(model, artifact)
-            verification = self.verifier.check(artifact, self.valid_positions)
+            _write_side_files(artifact, self.side_files)
+            verification = self.verifier.check(artifact, self.valid_positions, adapter=self._adapter(artifact))
         return artifact, verification, bisection
 
     def _gate(self, artifact: Path, verification: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -556,6 +765,7 @@ class _Run:
             self.input_sets,
             params,
             mode="full" if self.config.benchmark else "quick",
+            recipe_b=read_recipe(artifact),  # the gate measures the session users are told to create
         )
         self.progress("benchmarking", 1.0)
         decision["gate"].update(slower=comparison.slower, benchmark_mode=comparison.mode, speedup=comparison.speedup)
@@ -606,6 +816,7 @@ class _Run:
         decision: dict[str, Any],
         final_path: Path,
         external: list[Path],
+        side: list[Path],
         duration: float,
     ) -> dict[str, Any]:
         import numpy as np
@@ -665,6 +876,8 @@ class _Run:
                 "passes_no_change": statuses.get("no_change", 0),
                 "passes_failed": statuses.get("failed", 0),
             },
+            "candidates": self.candidates,
+            "session": None if decision["used_original"] else _session_entry(read_recipe(final_path)),
             "artifact": None
             if decision["result"] == "failed"
             else {
@@ -672,6 +885,7 @@ class _Run:
                 "sha256": sha256_file(final_path),
                 "size_bytes": final_path.stat().st_size,
                 "external_data": [p.relative_to(self.req.output_dir).as_posix() for p in external],
+                "side_files": [p.name for p in side],
                 "metadata_props": {k: v for k, v in final_ir.metadata_props.items() if k.startswith(META_PREFIX)},
             },
             "duration_s": duration,

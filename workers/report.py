@@ -39,6 +39,8 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "decision",
         "op_histogram",
         "summary",
+        "candidates",
+        "session",
         "artifact",
         "duration_s",
     ),
@@ -78,7 +80,9 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "passes_no_change",
         "passes_failed",
     ),
-    "artifact": ("file_name", "sha256", "size_bytes", "external_data", "metadata_props"),
+    "artifact": ("file_name", "sha256", "size_bytes", "external_data", "side_files", "metadata_props"),
+    "candidate": ("name", "passes", "p50_ms", "speedup", "verification", "status", "reason"),
+    "session": ("session_options", "session_config", "provider_options", "warmup"),
 }
 
 PASS_STATUSES = ("applied", "rolled_back", "no_change", "failed")
@@ -137,8 +141,11 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         "op_histogram",
         "summary",
         "artifact",
+        "session",
     ):
         check(report.get(kind), kind, kind)
+    for i, item in enumerate(report.get("candidates") or []):
+        check(item, "candidate", f"candidates[{i}]")
     for i, item in enumerate(report.get("input_sets") or []):
         check(item, "input_set", f"input_sets[{i}]")
     for i, record in enumerate(report.get("passes") or []):

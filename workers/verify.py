@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnxforge.adapters import run_options as run_options_with
 from onnxforge.config import Tolerance
 from onnxforge.errors import InvalidInputError, InvalidModelError, UnavailableError
 
@@ -368,9 +369,12 @@ def make_session(
     target: str = "cpu",
     intra_op_threads: int = 0,
     optimize: bool = False,
+    recipe: Mapping[str, Any] | None = None,
 ) -> Any:
     """An ORT session on ``model_path``. ``optimize=False``: ORT_DISABLE_ALL (verification);
-    ``optimize=True``: ORT's default ORT_ENABLE_ALL, what a user deploying the model gets (benchmarks)."""
+    ``optimize=True``: ORT's default ORT_ENABLE_ALL, what a user deploying the model gets (benchmarks).
+    ``recipe``: a ``tune_session`` recipe (metadata ``onnxforge.session``) applied on top, with its EP options,
+    so that a benchmark measures the session users are told to create."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -386,7 +390,22 @@ def make_session(
     options.add_session_config_entry(
         "optimization.constant_folding_max_output_size_in_bytes", str(ORT_CONSTANT_FOLD_MAX_BYTES)
     )
-    return ort.InferenceSession(str(model_path), sess_options=options, providers=providers_for(target))
+    providers: list[Any] = list(providers_for(target))
+    if recipe:
+        from passes.tune_session import apply_recipe  # deferred: keeps verify importable without the passes
+
+        try:  # apply what onnxforge.runtime.load would: its whitelist drops what users would not get
+            import warnings
+
+            from onnxforge.runtime import sanitize_recipe
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                recipe = {k: v for k, v in sanitize_recipe(dict(recipe)).items() if k != "warmup"}
+        except ImportError:
+            pass
+        options, providers = apply_recipe(dict(recipe), options, target=target)
+    return ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
 
 
 # ----------------------------------------------------------------------------------------- comparison
@@ -559,11 +578,17 @@ class Verifier:
                 ) from exc
 
     def check(
-        self, candidate_path: Path, valid_positions: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        candidate_path: Path,
+        valid_positions: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        adapter: Path | None = None,
     ) -> VerificationResult:
         """Compare a candidate with the reference. ``valid_positions`` maps an output name to the input that
         says which positions are defined (``{"mask_input": name, "axes": [0, 1]}`` or ``{"ids_input": name,
-        "pad_token_id": id, "axes": [0, 1]}``): those outputs are compared at valid positions only."""
+        "pad_token_id": id, "axes": [0, 1]}``): those outputs are compared at valid positions only.
+        ``adapter``: an ``.onnx_adapter`` active on every run (extract_adapters moved the uploaded model's LoRA
+        weights into it: only with it does the candidate compute what the original computes)."""
         valid_positions = valid_positions or {}
         try:
             session = make_session(candidate_path, target=self.target, intra_op_threads=self.intra_op_threads)
@@ -571,13 +596,17 @@ class Verifier:
             raise
         except Exception as exc:
             return VerificationResult(False, [], f"ONNX Runtime cannot load the candidate: {type(exc).__name__}: {exc}")
+        try:
+            run_options, _active = run_options_with(adapter)  # _active: ORT does not keep the adapter alive
+        except Exception as exc:
+            return VerificationResult(False, [], f"ONNX Runtime cannot load the adapter: {type(exc).__name__}: {exc}")
         names = [o.name for o in session.get_outputs()]
         if names != self.output_names:
             return VerificationResult(False, [], f"outputs {names} instead of {self.output_names}")
         outputs: list[OutputStats] = []
         for input_set, reference in zip(self.input_sets, self.reference, strict=True):
             try:
-                got = session.run(None, input_set.feeds)
+                got = session.run(None, input_set.feeds, run_options)
             except Exception as exc:
                 return VerificationResult(
                     False, outputs, f"the candidate fails on {input_set.name!r}: {type(exc).__name__}: {exc}"

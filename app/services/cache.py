@@ -40,7 +40,7 @@ from typing import Any
 
 from app.settings import Settings
 from app.store import Job, JobStore
-from onnxforge.config import EXACT_TOLERANCE, JobConfig, PassSpec
+from onnxforge.config import EXACT_TOLERANCE, JobConfig
 
 CACHE_KEY_VERSION = 1
 # JobConfig fields that do not change the artifact or report.
@@ -54,11 +54,13 @@ def effective_config(config: JobConfig, settings: Settings) -> dict[str, Any]:
     specs = config.pass_specs()
     if specs is not None:
         preset_name = None
+        candidates = []
         tolerance = config.tolerance or EXACT_TOLERANCE
     else:
         preset = registry.get_preset(config.preset or settings.pipeline.default_preset)
         preset_name = preset.name
-        specs = [PassSpec(name=name) for name in preset.passes]
+        specs = list(preset.specs)  # with the preset's own pass options (e.g. int8's fuse_transformer engines)
+        candidates = list(preset.candidates)
         tolerance = config.tolerance or preset.tolerance
     passes = [{"name": p.name, "options": p.options.model_dump(mode="json")} for p in registry.build_passes(specs)]
     rest = config.model_dump(mode="json", exclude={"preset", "passes", "tolerance", *SERVICE_ONLY_FIELDS})
@@ -67,6 +69,7 @@ def effective_config(config: JobConfig, settings: Settings) -> dict[str, Any]:
         **rest,
         "preset": preset_name,
         "passes": passes,
+        "candidates": candidates,  # preset auto: the presets it tries
         "tolerance": tolerance.model_dump(mode="json"),
         "rollback_slower": rollback,
     }

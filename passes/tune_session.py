@@ -1,0 +1,239 @@
+"""tune_session: measure ONNX Runtime session configurations on the samples and keep the fastest as a recipe.
+
+The graph is not changed. What ORT's ``perf_test`` tuning and Olive's ``OrtSessionParamsTuning`` explore,
+measured interleaved (so a noisy neighbour hits every candidate alike) on the context's samples: intra-op
+threads, execution mode, graph optimization level, thread spinning, and on GPU the EP options (CUDA: cuDNN
+conv algorithm search, TunableOp; TensorRT: fp16 when allowed, workspace, engine and timing cache). A
+coordinate descent starts from ORT's defaults and adopts an alternative only when it is faster beyond noise
+(``workers.benchmark`` rule: median paired ratio below 1 - max(3%, bootstrap half-width)).
+
+The winner is written into the model's ``metadata_props`` under ``onnxforge.session`` as JSON::
+
+    {"session_options": {"intra_op_num_threads": 2, "execution_mode": "ORT_SEQUENTIAL",
+                         "graph_optimization_level": "ORT_ENABLE_ALL"},
+     "session_config":   {"session.intra_op.allow_spinning": "1"},
+     "provider_options": {"CUDAExecutionProvider": {"cudnn_conv_algo_search": "HEURISTIC"}}}
+
+``apply_recipe`` turns it back into ``SessionOptions`` and a provider list (``onnxforge.runtime.load``
+applies the same key); the pipeline benchmarks the final model with it, so the gate measures what users
+run. Default options fastest within noise: no change (no key written), except on TensorRT, whose engine
+and timing caches always pay on the next session (ORT PR #14767: 108.6 s -> 9.4 s builds).
+
+::
+
+    model --(graph unchanged)--> model + metadata_props["onnxforge.session"] = recipe JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from pydantic import Field
+
+from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+
+RECIPE_KEY = "onnxforge.session"
+_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+_FALLBACK = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+class TuneSessionOptions(PassOptions):
+    threads: list[int] | None = Field(
+        None, description="intra_op_num_threads candidates (0: ORT default); None: 0, 1, cores/2 and cores."
+    )
+    execution_modes: bool = Field(True, description="Try ORT_PARALLEL (inter-op threads) besides ORT_SEQUENTIAL.")
+    optimization_levels: bool = Field(True, description="Try ORT_ENABLE_EXTENDED and ORT_ENABLE_BASIC.")
+    spinning: bool = Field(True, description="Try session.intra_op.allow_spinning=0 (helps on shared CPUs).")
+    allow_trt_fp16: bool = Field(
+        False, description="TensorRT: try trt_fp16_enable (not exact; the ledger verifies the artifact only)."
+    )
+    trt_cache_dir: str = Field(
+        "trt_cache", description="TensorRT engine and timing cache directory written into the recipe (relative)."
+    )
+    runs: int = Field(20, ge=3, description="Timed runs per candidate per sample set (interleaved pairs).")
+    max_seconds: float = Field(60.0, gt=0, description="Time budget of the whole search; stops adopting after.")
+    write_default: bool = Field(
+        False, description="Write the recipe even when the starting options win, so the artifact names its session."
+    )
+
+
+def default_recipe(target: str = "cpu") -> dict[str, Any]:
+    return {
+        "session_options": {
+            "intra_op_num_threads": 0,
+            "inter_op_num_threads": 1,
+            "execution_mode": "ORT_SEQUENTIAL",
+            "graph_optimization_level": "ORT_ENABLE_ALL",
+        },
+        "session_config": {},
+        "provider_options": {} if target == "cpu" else {_PROVIDER[target]: {}},
+    }
+
+
+def read_recipe(model: ir.Model) -> dict[str, Any] | None:
+    text = model.metadata_props.get(RECIPE_KEY)
+    return json.loads(text) if text else None
+
+
+def apply_recipe(recipe: dict[str, Any], options: Any = None, *, target: str = "cpu") -> tuple[Any, list[Any]]:
+    """(SessionOptions, providers) from a recipe; ``options`` (a SessionOptions) is updated when given."""
+    import onnxruntime as ort
+
+    options = options or ort.SessionOptions()
+    for key, raw in (recipe.get("session_options") or {}).items():
+        value = raw
+        if key == "execution_mode":
+            value = ort.ExecutionMode.__members__[raw]
+        elif key == "graph_optimization_level":
+            value = ort.GraphOptimizationLevel.__members__[raw]
+        elif not hasattr(options, key):
+            raise ValueError(f"unknown session option {key!r} in the recipe")
+        setattr(options, key, value)
+    for key, value in (recipe.get("session_config") or {}).items():
+        options.add_session_config_entry(str(key), str(value))
+    available = set(ort.get_available_providers())
+    provider_options = recipe.get("provider_options") or {}
+    providers: list[Any] = []
+    for name in [*provider_options, *_FALLBACK.get(target, [])]:
+        if name in available and name not in [p[0] if isinstance(p, tuple) else p for p in providers]:
+            opts = provider_options.get(name)
+            providers.append((name, {k: str(v) for k, v in opts.items()}) if opts else name)
+    return options, providers or ["CPUExecutionProvider"]
+
+
+def _session(path: Path, recipe: dict[str, Any], target: str) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options, providers = apply_recipe(recipe, options, target=target)
+    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+
+def _variants(recipe: dict[str, Any], section: str, key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
+    out = []
+    for value in values:
+        new = json.loads(json.dumps(recipe))
+        if section == "provider_options":
+            provider, option = key.split(":", 1)
+            new[section].setdefault(provider, {})[option] = value
+        else:
+            new[section][key] = value
+        if new != recipe:
+            out.append(new)
+    return out
+
+
+def _time(session: Any, feed: dict[str, Any]) -> float:
+    start = time.perf_counter_ns()
+    session.run(None, feed)
+    return (time.perf_counter_ns() - start) / 1e6
+
+
+def _faster(  # noqa: PLR0917  (private helper; one caller)
+    path: Path, best: dict[str, Any], other: dict[str, Any], feeds: list[dict[str, Any]], target: str, runs: int
+) -> tuple[bool, float]:
+    """Interleaved A/B of two recipes on one model: (other faster beyond noise, median paired ratio)."""
+    from workers.benchmark import pooled_verdict
+
+    a, b = _session(path, best, target), _session(path, other, target)
+    pairs = []
+    for feed in feeds:
+        for _ in range(2):
+            a.run(None, feed)
+            b.run(None, feed)
+        ratios = []
+        for i in range(runs):
+            if i % 2 == 0:
+                ta, tb = _time(a, feed), _time(b, feed)
+            else:
+                tb, ta = _time(b, feed), _time(a, feed)
+            ratios.append(tb / max(ta, 1e-9))
+        pairs.append(np.asarray(ratios))
+    verdict = pooled_verdict(pairs)
+    return verdict.faster, verdict.ratio
+
+
+class TuneSession(Pass):
+    name = "tune_session"
+    summary = "Measure ORT session settings (threads, modes, levels, EP options); store the fastest as a recipe."
+    exact = True
+    in_place = True
+    Options = TuneSessionOptions
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        opts: TuneSessionOptions = self.options  # type: ignore[assignment]
+        if not ctx.samples:
+            return PassResult(model, False, {"candidates": 0}, [NonMatch("no samples to measure sessions on")])
+        target = ctx.target
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = opts.threads if opts.threads is not None else sorted({0, 1, max(1, cores // 2), cores})
+        axes: list[tuple[str, str, list[Any]]] = [("session_options", "intra_op_num_threads", threads)]
+        if opts.spinning:
+            axes.append(("session_config", "session.intra_op.allow_spinning", ["0"]))
+        if opts.execution_modes:
+            axes.append(("session_options", "execution_mode", ["ORT_PARALLEL"]))
+        if opts.optimization_levels:
+            axes.append(("session_options", "graph_optimization_level", ["ORT_ENABLE_EXTENDED", "ORT_ENABLE_BASIC"]))
+        if target == "cuda":
+            axes += [
+                ("provider_options", "CUDAExecutionProvider:cudnn_conv_algo_search", ["HEURISTIC", "DEFAULT"]),
+                ("provider_options", "CUDAExecutionProvider:tunable_op_enable", ["1"]),
+            ]
+        # Start from the recipe another pass (shape_profile) may have written; its other keys (warmup) stay.
+        existing = read_recipe(model) or {}
+        recipe = default_recipe(target)
+        for section in ("session_options", "session_config", "provider_options"):
+            recipe[section].update(existing.get(section) or {})
+        start = json.loads(json.dumps(recipe))
+        if target == "tensorrt":
+            trt = recipe["provider_options"]["TensorrtExecutionProvider"]
+            trt.update(
+                trt_engine_cache_enable="1",
+                trt_engine_cache_path=opts.trt_cache_dir,
+                trt_timing_cache_enable="1",
+                trt_timing_cache_path=opts.trt_cache_dir,
+                trt_max_workspace_size=str(4 << 30),
+            )
+            if opts.allow_trt_fp16:
+                axes.append(("provider_options", "TensorrtExecutionProvider:trt_fp16_enable", ["1"]))
+        feeds = [dict(s) for s in ctx.samples[:3]]
+        tried: list[dict[str, Any]] = []
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="onnxforge-tune-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=1 << 20)
+            for section, key, values in axes:
+                for candidate in _variants(recipe, section, key, values):
+                    if candidate["session_options"].get("execution_mode") == "ORT_PARALLEL":
+                        candidate["session_options"]["inter_op_num_threads"] = max(2, cores)
+                    if time.perf_counter() - started > opts.max_seconds:
+                        tried.append({"recipe": candidate, "skipped": "time budget spent"})
+                        continue
+                    try:
+                        faster, ratio = _faster(path, recipe, candidate, feeds, target, opts.runs)
+                    except Exception as exc:  # a candidate ORT refuses (e.g. an EP option) is just not taken
+                        tried.append({"recipe": candidate, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                        continue
+                    tried.append({"recipe": candidate, "ratio_vs_best": round(ratio, 4), "adopted": faster})
+                    if faster:
+                        recipe = candidate
+        notes = {"recipe": recipe, "candidates": tried, "search_s": round(time.perf_counter() - started, 3)}
+        counts = {"candidates": len(tried), "adopted": sum(1 for t in tried if t.get("adopted"))}
+        if recipe == start and target != "tensorrt" and not opts.write_default:
+            reason = "the starting session options (ORT's defaults or the stored recipe) are the fastest within noise"
+            return PassResult(model, False, counts, [NonMatch(reason)], notes)
+        model.metadata_props[RECIPE_KEY] = json.dumps({**existing, **recipe}, sort_keys=True, separators=(",", ":"))
+        return PassResult(model, True, counts, [], notes)
