@@ -405,9 +405,13 @@ def run_job(job_id: str, settings: Settings, store: JobStore, blobs: BlobStore, 
     )
     if job is None:
         log.info("job %s: nothing to do (finished, canceled or owned by another attempt)", job_id)
+        with contextlib.suppress(OnnxforgeError):
+            if store.get(job_id).terminal:  # e.g. failed WORKER_LOST just now: its last attempt left files
+                shutil.rmtree(settings.storage.work_dir / job_id, ignore_errors=True)
         return
     attempt = int(job.attempts)
     base = attempt_dir(settings, job_id, attempt)
+    _remove_earlier_attempts(base.parent, attempt)
     timings = Timings()
     try:
         _run_attempt(job, attempt, base, settings=settings, store=store, blobs=blobs, timings=timings)
@@ -415,6 +419,15 @@ def run_job(job_id: str, settings: Settings, store: JobStore, blobs: BlobStore, 
         shutil.rmtree(base, ignore_errors=True)
         with contextlib.suppress(OSError):
             base.parent.rmdir()  # only if no other attempt directory is left
+
+
+def _remove_earlier_attempts(job_dir: Path, attempt: int) -> None:
+    """Delete the directories of attempts killed before they could clean up. Safe: once this attempt holds
+    the claim, an earlier attempt can never commit (succeed/fail are compare-and-set on the attempt)."""
+    for earlier in job_dir.glob("attempt-*"):
+        suffix = earlier.name.removeprefix("attempt-")
+        if suffix.isdigit() and int(suffix) < attempt:
+            shutil.rmtree(earlier, ignore_errors=True)
 
 
 def _run_attempt(
