@@ -45,7 +45,10 @@ def _check_auto(report: dict) -> dict:
     assert len(chosen) == 1
     assert chosen[0]["speedup"] == max(c["speedup"] for c in measured)  # the fastest within tolerance
     assert all(c["verification"]["ok"] for c in measured)
-    assert not report["decision"]["gate"]["slower"]  # never slower than the upload
+    # Never slower than the upload: whether the gate measured the chosen candidate slower depends on this
+    # shared machine's noise, but when it did, the upload must be what comes back.
+    if report["decision"]["gate"]["slower"]:
+        assert report["decision"]["used_original"] and report["decision"]["result"] == "original"
     assert _problems(report) == []
     return chosen[0]
 

@@ -1,0 +1,575 @@
+"""Open an ONNX Runtime session the way the artifact's ``onnxforge.session`` recipe says.
+
+``shape_profile`` (passes/shape_profile.py) measures session settings on a random-size call trace and writes
+the one that lowers peak memory without slowing the trace into the model's ``metadata_props``::
+
+    onnxforge.session = {"session_options": {"enable_mem_pattern": false},
+                         "session_config": {"session.use_device_allocator_for_initializers": "1"},
+                         "provider_options": {"CUDAExecutionProvider": {"arena_extend_strategy": "kSameAsRequested"}},
+                         "warmup": [{"input_ids": [8, 512], "attention_mask": [8, 512]}]}
+
+``load(path)`` applies it to a fresh ``InferenceSession`` and runs the warm-up calls. The recipe comes from
+the model file, i.e. from whoever wrote that file: it is **untrusted**. Only whitelisted names with
+type-checked values are applied (no ``optimized_model_filepath``, ``profile_file_prefix``, custom-op
+libraries or file-writing config keys; warm-up shapes are bounded); anything else is skipped with a
+``RecipeWarning``. The metadata is read by scanning the protobuf's top-level fields, without parsing the
+graph or its weights, so reading the recipe adds nothing to the process's peak memory.
+
+CPU arena growth (``provider_options["CPUExecutionProvider"]["arena_extend_strategy"]``) has no CPU EP
+option in ORT; ``load`` realises it with a shared, process-wide CPU arena (``create_and_register_allocator``
++ ``session.use_env_allocators``). The first strategy registered in a process stays for its lifetime.
+
+``python -m onnxforge.runtime --measure spec.json`` is the measurement child ``shape_profile`` and
+``bench/shape_profile.py`` start, one fresh process per measurement (peak RSS only grows in a process):
+it opens the session, replays a call trace and prints per-call latency, first-seen-shape flags and peak
+memory as JSON. It imports numpy and onnxruntime only, so every candidate starts from the same baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RECIPE_KEY = "onnxforge.session"
+RECIPE_KEYS = ("session_options", "session_config", "provider_options", "warmup")
+MAX_RECIPE_CHARS = 64 << 10
+MAX_WARMUP_CALLS = 4
+MAX_WARMUP_ELEMENTS = 1 << 25  # per input: 32 M elements (256 MiB of int64) at most
+_BOOL_STR = frozenset({"0", "1"})
+
+
+class RecipeWarning(UserWarning):
+    """A recipe entry was not applied (unknown, not allowed, or an invalid value)."""
+
+
+# -------------------------------------------------------------------------------------- whitelists
+
+_GRAPH_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
+_EXECUTION_MODES = ("ORT_SEQUENTIAL", "ORT_PARALLEL")
+
+# SessionOptions attribute -> kind. Nothing that names a file, a library or a log/profile destination.
+SESSION_OPTIONS: dict[str, Any] = {
+    "enable_mem_pattern": bool,
+    "enable_cpu_mem_arena": bool,
+    "enable_mem_reuse": bool,
+    "use_deterministic_compute": bool,
+    "intra_op_num_threads": (0, 1024),
+    "inter_op_num_threads": (0, 1024),
+    "execution_mode": _EXECUTION_MODES,
+    "graph_optimization_level": _GRAPH_LEVELS,
+}
+# Session config key -> allowed string values. Memory and threading knobs only.
+SESSION_CONFIG: dict[str, frozenset[str]] = {
+    "session.use_device_allocator_for_initializers": _BOOL_STR,
+    "session.disable_prepacking": _BOOL_STR,
+    "session.intra_op.allow_spinning": _BOOL_STR,
+    "session.inter_op.allow_spinning": _BOOL_STR,
+}
+_STRATEGIES = frozenset({"kNextPowerOfTwo", "kSameAsRequested"})
+# Provider -> option -> allowed values (a frozenset) or an (lo, hi) integer range.
+PROVIDER_OPTIONS: dict[str, dict[str, Any]] = {
+    "CPUExecutionProvider": {"arena_extend_strategy": _STRATEGIES},
+    "CUDAExecutionProvider": {
+        "arena_extend_strategy": _STRATEGIES,
+        "gpu_mem_limit": (1 << 20, 1 << 50),
+        "cudnn_conv_algo_search": frozenset({"EXHAUSTIVE", "HEURISTIC", "DEFAULT"}),
+        "do_copy_in_default_stream": _BOOL_STR,
+        "cudnn_conv_use_max_workspace": _BOOL_STR,
+    },
+}
+
+_NP_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8,
+    "tensor(uint64)": np.uint64,
+    "tensor(uint32)": np.uint32,
+    "tensor(uint16)": np.uint16,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RecipeWarning, stacklevel=3)
+
+
+def _check_value(kind: Any, value: Any) -> Any:
+    """The value to apply, or raise ValueError. ``kind``: bool, (lo, hi) ints, a tuple or set of strings."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expects true or false, got {value!r}")
+    if isinstance(kind, tuple) and len(kind) == 2 and all(isinstance(k, int) for k in kind):
+        number = int(value) if isinstance(value, str) and value.isdigit() else value
+        if isinstance(number, int) and not isinstance(number, bool) and kind[0] <= number <= kind[1]:
+            return number
+        raise ValueError(f"expects an integer in {kind[0]}..{kind[1]}, got {value!r}")
+    if isinstance(value, str) and value in kind:
+        return value
+    raise ValueError(f"expects one of {sorted(kind)}, got {value!r}")
+
+
+# -------------------------------------------------------------------------------------- the recipe
+
+
+def sanitize_recipe(recipe: Any) -> dict[str, Any]:
+    """The applicable part of an untrusted recipe: whitelisted names, checked values; a RecipeWarning for
+    each entry dropped. Warm-up shapes are checked for form here and against the model in ``load``."""
+    clean: dict[str, Any] = {"session_options": {}, "session_config": {}, "provider_options": {}, "warmup": []}
+    if not isinstance(recipe, Mapping):
+        _warn(f"{RECIPE_KEY} is not a JSON object; ignored")
+        return clean
+    for key in recipe:
+        if key not in RECIPE_KEYS:
+            _warn(f"{RECIPE_KEY}: unknown key {key!r} ignored")
+    options = recipe.get("session_options") or {}
+    if isinstance(options, Mapping):
+        for name, value in options.items():
+            if name not in SESSION_OPTIONS:
+                _warn(f"{RECIPE_KEY}: session option {name!r} is not allowed; ignored")
+                continue
+            try:
+                clean["session_options"][name] = _check_value(SESSION_OPTIONS[name], value)
+            except ValueError as exc:
+                _warn(f"{RECIPE_KEY}: session option {name!r} {exc}; ignored")
+    config = recipe.get("session_config") or {}
+    if isinstance(config, Mapping):
+        for name, value in config.items():
+            if name not in SESSION_CONFIG:
+                _warn(f"{RECIPE_KEY}: session config key {name!r} is not allowed; ignored")
+                continue
+            if not isinstance(value, str) or value not in SESSION_CONFIG[name]:
+                _warn(f"{RECIPE_KEY}: session config {name!r} expects one of {sorted(SESSION_CONFIG[name])}")
+                continue
+            clean["session_config"][name] = value
+    providers = recipe.get("provider_options") or {}
+    if isinstance(providers, Mapping):
+        for provider, opts in providers.items():
+            allowed = PROVIDER_OPTIONS.get(provider)
+            if allowed is None or not isinstance(opts, Mapping):
+                _warn(f"{RECIPE_KEY}: options for provider {provider!r} are not allowed; ignored")
+                continue
+            for name, value in opts.items():
+                if name not in allowed:
+                    _warn(f"{RECIPE_KEY}: {provider} option {name!r} is not allowed; ignored")
+                    continue
+                try:
+                    clean["provider_options"].setdefault(provider, {})[name] = str(_check_value(allowed[name], value))
+                except ValueError as exc:
+                    _warn(f"{RECIPE_KEY}: {provider} option {name!r} {exc}; ignored")
+    warmup = recipe.get("warmup") or []
+    if isinstance(warmup, list):
+        for entry in warmup[:MAX_WARMUP_CALLS]:
+            ok = isinstance(entry, Mapping) and all(
+                isinstance(k, str)
+                and isinstance(v, list)
+                and len(v) <= 16
+                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1 << 20 for d in v)
+                for k, v in entry.items()
+            )
+            if ok:
+                clean["warmup"].append({k: list(v) for k, v in entry.items()})
+            else:
+                _warn(f"{RECIPE_KEY}: warm-up entry {str(entry)[:80]!r} is not {{input: [dims]}}; ignored")
+        if len(warmup) > MAX_WARMUP_CALLS:
+            _warn(f"{RECIPE_KEY}: only the first {MAX_WARMUP_CALLS} warm-up calls are run")
+    return clean
+
+
+def _read_varint(f: Any) -> int | None:
+    shift = result = 0
+    while True:
+        byte = f.read(1)
+        if not byte:
+            return None
+        b = byte[0]
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result
+        shift += 7
+        if shift > 63:
+            raise ValueError("malformed varint")
+
+
+def _parse_entry(data: bytes) -> tuple[str, str]:
+    """A StringStringEntryProto (key = 1, value = 2)."""
+    key = value = ""
+    pos = 0
+
+    def varint() -> int:
+        nonlocal pos
+        shift = result = 0
+        while True:
+            b = data[pos]
+            pos += 1
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return result
+            shift += 7
+
+    while pos < len(data):
+        tag = varint()
+        field, wire = tag >> 3, tag & 7
+        if wire == 2:
+            n = varint()
+            chunk = data[pos : pos + n].decode("utf-8", errors="replace")
+            pos += n
+            if field == 1:
+                key = chunk
+            elif field == 2:
+                value = chunk
+        elif wire == 0:
+            varint()
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError("malformed metadata entry")
+    return key, value
+
+
+def read_metadata_props(path: str | os.PathLike[str], *, max_entry_bytes: int = 1 << 20) -> dict[str, str]:
+    """``ModelProto.metadata_props`` (field 14) of an .onnx file, skipping the graph and its weights by seek:
+    constant memory whatever the model's size. Entries above ``max_entry_bytes`` are skipped."""
+    props: dict[str, str] = {}
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while True:
+            tag = _read_varint(f)
+            if tag is None:
+                break
+            field, wire = tag >> 3, tag & 7
+            if wire == 0:
+                if _read_varint(f) is None:
+                    raise ValueError("truncated model file")
+            elif wire == 1:
+                f.seek(8, os.SEEK_CUR)
+            elif wire == 5:
+                f.seek(4, os.SEEK_CUR)
+            elif wire == 2:
+                length = _read_varint(f)
+                if length is None or f.tell() + length > size:
+                    raise ValueError("truncated model file")
+                if field == 14 and length <= max_entry_bytes:
+                    key, value = _parse_entry(f.read(length))
+                    props[key] = value
+                else:
+                    f.seek(length, os.SEEK_CUR)
+            else:
+                raise ValueError(f"not an ONNX model (wire type {wire} at top level)")
+    return props
+
+
+def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The model's ``onnxforge.session`` recipe, sanitized; None when it has none (or it is not JSON)."""
+    text = read_metadata_props(path).get(RECIPE_KEY)
+    if text is None:
+        return None
+    if len(text) > MAX_RECIPE_CHARS:
+        _warn(f"{RECIPE_KEY} is larger than {MAX_RECIPE_CHARS} characters; ignored")
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        _warn(f"{RECIPE_KEY} is not valid JSON; ignored")
+        return None
+    return sanitize_recipe(raw)
+
+
+# ------------------------------------------------------------------------------------- the session
+
+_ENV_ARENA: dict[str, str] = {}  # the process-wide CPU arena registered by load, if any: {"strategy": ...}
+
+
+def _env_cpu_arena(strategy: str) -> bool:
+    """Register the process-wide CPU arena with ``strategy`` once; True when sessions may use it."""
+    import onnxruntime as ort
+
+    if "strategy" in _ENV_ARENA:
+        if _ENV_ARENA["strategy"] != strategy:
+            _warn(f"the process-wide CPU arena already uses {_ENV_ARENA['strategy']}; {strategy} is not applied")
+        return True
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    # OrtArenaCfg(max_mem, arena_extend_strategy 0 = kNextPowerOfTwo / 1 = kSameAsRequested,
+    #             initial_chunk_size_bytes, max_dead_bytes_per_chunk); -1 = ORT's default.
+    cfg = ort.OrtArenaCfg(0, 1 if strategy == "kSameAsRequested" else 0, -1, -1)
+    try:
+        ort.create_and_register_allocator(info, cfg)
+    except Exception as exc:  # registered by someone else in this process
+        _warn(f"could not register the CPU arena ({exc}); the default arena is used")
+        return False
+    _ENV_ARENA["strategy"] = strategy
+    return True
+
+
+def session_options(recipe: Mapping[str, Any] | None = None, **overrides: Any) -> Any:
+    """``ort.SessionOptions`` with a sanitized recipe's options and config entries; ``overrides`` are
+    session option names from ``SESSION_OPTIONS`` given by the caller (trusted, but still type-checked)."""
+    import onnxruntime as ort
+
+    recipe = recipe or {}
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    values = dict(recipe.get("session_options", {}))
+    for name, value in overrides.items():
+        if name not in SESSION_OPTIONS:
+            raise TypeError(f"unknown session option override {name!r} (known: {', '.join(SESSION_OPTIONS)})")
+        values[name] = _check_value(SESSION_OPTIONS[name], value)
+    for name, value in values.items():
+        if name == "graph_optimization_level":
+            value = getattr(ort.GraphOptimizationLevel, value)  # noqa: PLW2901
+        elif name == "execution_mode":
+            value = getattr(ort.ExecutionMode, value)  # noqa: PLW2901
+        setattr(options, name, value)
+    for key, value in recipe.get("session_config", {}).items():
+        options.add_session_config_entry(key, value)
+    cpu = recipe.get("provider_options", {}).get("CPUExecutionProvider", {})
+    strategy = cpu.get("arena_extend_strategy")
+    if strategy and values.get("enable_cpu_mem_arena", True) and _env_cpu_arena(strategy):
+        options.add_session_config_entry("session.use_env_allocators", "1")
+    return options
+
+
+def _providers(recipe: Mapping[str, Any], providers: Sequence[Any] | None) -> list[Any]:
+    """The provider list with the recipe's options merged in (the caller's own options win)."""
+    import onnxruntime as ort
+
+    by_recipe = {k: v for k, v in recipe.get("provider_options", {}).items() if k != "CPUExecutionProvider"}
+    if providers is None:
+        available = set(ort.get_available_providers())
+        names = [p for p in by_recipe if p in available]
+        providers = [*names, "CPUExecutionProvider"]
+    out: list[Any] = []
+    for entry in providers:
+        name, own = (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
+        merged = {**by_recipe.get(name, {}), **own}
+        out.append((name, merged) if merged else name)
+    return out
+
+
+def _dtype(type_str: str) -> Any:
+    return _NP_TYPES.get(type_str)
+
+
+def warmup_feeds(session: Any, entry: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray] | None:
+    """Feeds for one warm-up call: zeros of each input's dtype (ones for mask-like inputs), the shapes of
+    ``entry``; inputs it leaves out get their symbolic dims bound from the ones it gives. None (with a
+    RecipeWarning) when the entry does not fit the model."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    bound: dict[str, int] = {}
+    for name, shape in entry.items():
+        spec = inputs.get(name)
+        if spec is None:
+            _warn(f"warm-up names {name!r}, which is not an input of the model; warm-up call skipped")
+            return None
+        if len(shape) != len(spec.shape):
+            _warn(f"warm-up gives {name!r} rank {len(shape)}, the model expects {len(spec.shape)}; skipped")
+            return None
+        for dim, size in zip(spec.shape, shape, strict=True):
+            if isinstance(dim, int) and dim != size:
+                _warn(f"warm-up gives {name!r} size {size} where the model fixes {dim}; skipped")
+                return None
+            if isinstance(dim, str):
+                bound.setdefault(dim, size)
+    feeds = {}
+    for name, spec in inputs.items():
+        dtype = _dtype(spec.type)
+        if dtype is None:
+            _warn(f"warm-up cannot make an input of type {spec.type} ({name!r}); skipped")
+            return None
+        if name in entry:
+            shape = list(entry[name])
+        else:
+            shape = []
+            for dim in spec.shape:
+                if isinstance(dim, int):
+                    shape.append(dim)
+                elif isinstance(dim, str) and dim in bound:
+                    shape.append(bound[dim])
+                else:
+                    _warn(f"warm-up leaves a dim of {name!r} unbound; skipped")
+                    return None
+        if math.prod(shape) > MAX_WARMUP_ELEMENTS:
+            _warn(f"warm-up shape {shape} of {name!r} is above {MAX_WARMUP_ELEMENTS} elements; skipped")
+            return None
+        fill = np.ones if "mask" in name.lower() else np.zeros
+        feeds[name] = fill(shape, dtype=dtype)
+    return feeds
+
+
+def session_from_recipe(
+    path: str | os.PathLike[str],
+    recipe: Mapping[str, Any] | None,
+    providers: Sequence[Any] | None = None,
+    *,
+    warmup: bool = True,
+    **overrides: Any,
+) -> Any:
+    """An ``InferenceSession`` on ``path`` with an already sanitized ``recipe`` (None: ORT's defaults)."""
+    import onnxruntime as ort
+
+    recipe = recipe or {}
+    options = session_options(recipe, **overrides)
+    session = ort.InferenceSession(str(path), sess_options=options, providers=_providers(recipe, providers))
+    if warmup:
+        for entry in recipe.get("warmup", []):
+            feeds = warmup_feeds(session, entry)
+            if feeds is None:
+                continue
+            try:
+                session.run(None, feeds)
+            except Exception as exc:  # a shape the model cannot take: the session is still good
+                _warn(f"warm-up call {dict(entry)} failed ({type(exc).__name__}: {str(exc)[:200]}); skipped")
+    return session
+
+
+def load(
+    path: str | os.PathLike[str],
+    providers: Sequence[Any] | None = None,
+    *,
+    warmup: bool = True,
+    **overrides: Any,
+) -> Any:
+    """Open ``path`` with its ``onnxforge.session`` recipe applied and its warm-up calls run.
+
+    A model without the key opens with ORT's defaults. ``providers``: as for ``InferenceSession``, the
+    recipe's provider options are merged into matching entries (None: the recipe's providers that are
+    available, then CPU). ``overrides``: session options that win over the recipe, e.g.
+    ``intra_op_num_threads=2``.
+    """
+    return session_from_recipe(path, read_recipe(path), providers, warmup=warmup, **overrides)
+
+
+# --------------------------------------------------------------------------- the measurement child
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class _GpuMemory:
+    """This process's GPU memory through NVML when pynvml is installed; None otherwise."""
+
+    def __init__(self) -> None:
+        self.nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:
+            self.nvml = None
+
+    def used(self) -> int | None:
+        if self.nvml is None:
+            return None
+        total = 0
+        for handle in self.handles:
+            for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    total += int(proc.usedGpuMemory)
+        return total
+
+
+def measure(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Replay a call trace on one fresh session; meant to run alone in its process (``main``).
+
+    ``spec``: ``model`` (path), ``trace`` (an .npz whose arrays are named ``<call>/<input>``), ``calls``,
+    ``recipe`` (dict, sanitized here; null: ORT's defaults) or ``from_metadata`` (true: open with
+    ``load``, i.e. the model's own recipe), ``providers`` (optional)."""
+    with np.load(spec["trace"], allow_pickle=False) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    calls = int(spec["calls"])
+    feeds = [
+        {key.split("/", 1)[1]: arr for key, arr in arrays.items() if key.split("/", 1)[0] == str(i)}
+        for i in range(calls)
+    ]
+    del arrays
+    gpu = _GpuMemory()
+    base_rss = _rss_bytes()
+    providers = spec.get("providers")
+    started = time.perf_counter()
+    if spec.get("from_metadata"):
+        recipe = read_recipe(spec["model"]) or {}
+        session = load(spec["model"], providers)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecipeWarning)
+            recipe = sanitize_recipe(spec.get("recipe") or {})
+        session = session_from_recipe(spec["model"], recipe, providers)
+    load_s = time.perf_counter() - started
+    load_peak = _peak_rss_bytes()  # session creation and warm-up; the trace can only add to it
+    names = {i.name for i in session.get_inputs()}
+    seen = {tuple((k, tuple(v)) for k, v in sorted(entry.items())) for entry in recipe.get("warmup", [])}
+    latency_ms: list[float] = []
+    first_seen: list[bool] = []
+    rss_mb: list[float] = []
+    gpu_peak = gpu.used()
+    for feed in feeds:
+        feed = {k: v for k, v in feed.items() if k in names}  # noqa: PLW2901
+        key = tuple(sorted((k, tuple(v.shape)) for k, v in feed.items()))
+        first_seen.append(key not in seen)
+        seen.add(key)
+        start = time.perf_counter_ns()
+        session.run(None, feed)
+        latency_ms.append((time.perf_counter_ns() - start) / 1e6)
+        rss_mb.append(_rss_bytes() / (1 << 20))
+        used = gpu.used()
+        if used is not None:
+            gpu_peak = max(gpu_peak or 0, used)
+    return {
+        "latency_ms": latency_ms,
+        "first_seen": first_seen,
+        "rss_mb": rss_mb,
+        "trace_s": sum(latency_ms) / 1000.0,
+        "load_s": load_s,
+        "base_rss_mb": base_rss / (1 << 20),
+        "load_peak_rss_mb": load_peak / (1 << 20),
+        "peak_rss_mb": _peak_rss_bytes() / (1 << 20),
+        "peak_gpu_mb": None if gpu_peak is None else gpu_peak / (1 << 20),
+        "providers": session.get_providers(),
+        "recipe": recipe,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] != "--measure":
+        print("usage: python -m onnxforge.runtime --measure spec.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[1]).read_text(encoding="utf-8"))
+    result = measure(spec)
+    out = spec.get("out")
+    text = json.dumps(result)
+    if out:
+        Path(out).write_text(text, encoding="utf-8")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
