@@ -29,6 +29,7 @@ from passes.quantize_dynamic import QuantizeDynamic
 from passes.quantize_static import QuantizeStatic
 from passes.range_gather_to_slice import RangeGatherToSlice
 from passes.shape_inference import ShapeInference
+from passes.shape_profile import ShapeProfile
 from passes.tune_session import TuneSession
 from passes.upstream_reshape import UpstreamReshape
 from passes.upstream_slice import UpstreamSlice
@@ -53,6 +54,7 @@ PASSES: tuple[type[Pass], ...] = (
     FixShapes,
     FreeShapes,
     ExtractAdapters,
+    ShapeProfile,
 )
 
 _BY_NAME: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}
