@@ -37,8 +37,16 @@ Fixes over ORT, which checks only "one output edge, into Gather's indices":
   After the pass the sweep has 0 mismatches with graph optimizations off and at ``ORT_ENABLE_ALL``, with
   constant and dynamic limits, int64 and int32 (``tests/passes/test_range_gather_to_slice.py``).
 
-A Range whose output is a graph output or has several uses is left alone and needs no guard: ORT
-requires exactly one output edge and no graph output, too. Functions are not visited (they cannot hold
+* **Shared Ranges.** ORT needs the Range's only output edge to be the Gather's indices. Exporters share
+  one Range among several Gathers, put a no-op ``Reshape(range, [-1])`` between them, or use the Range
+  elsewhere too: XLNet's ``index_select(x, 3, arange(klen))`` is, in every layer, a Gather on
+  ``Reshape(arange, [-1])`` of one ``arange`` that also builds a mask, so ORT fuses none of the six. Here
+  each Gather reading the Range's values as indices, directly or through ``Reshape(., [-1])`` (the
+  identity on a 1-D tensor), becomes its own Slice by the rules above; the Range (and the Reshape) stay
+  while anything else reads them. Such a shape is not ORT's pattern, so a refusal there needs no guard.
+
+A Range whose output is a graph output is left alone and needs no guard: ORT requires no graph output,
+too. ``ranges_fused`` counts the Gathers turned into Slices. Functions are not visited (they cannot hold
 the initializers this pass adds); subgraphs are.
 """
 
@@ -68,7 +76,8 @@ class RangeGatherToSliceOptions(PassOptions):
 @dataclasses.dataclass(frozen=True)
 class _Fuse:
     range_node: ir.Node
-    gather: ir.Node
+    gathers: tuple[ir.Node, ...]  # each becomes one Slice
+    reshapes: tuple[ir.Node, ...]  # Reshape(range, [-1]) between the Range and some of the gathers
     dtype: ir.DataType
     start: int
     delta: int
@@ -88,48 +97,80 @@ def _scalar(value: ir.Value | None) -> int | None:
     return int(tensor.numpy().reshape(()))
 
 
+def _is_gather_indices(node: ir.Node, idx: int) -> bool:
+    return node.op_type == "Gather" and node.domain in _ONNX_DOMAINS and idx == 1
+
+
+def _is_flatten_1d(node: ir.Node, idx: int) -> bool:
+    """``Reshape(range, [-1])``: the identity on the 1-D Range output."""
+    if node.op_type != "Reshape" or node.domain not in _ONNX_DOMAINS or idx != 0 or len(node.inputs) < 2:
+        return False
+    shape = ir.convenience.get_const_tensor(node.inputs[1])
+    return shape is not None and shape.numpy().reshape(-1).tolist() == [-1]
+
+
+def _gathers(out: ir.Value) -> tuple[list[ir.Node], list[ir.Node]]:
+    """Gathers whose indices are the Range's values, directly or through Reshape(., [-1]); and those
+    Reshapes. A Gather reading the same values twice is listed once."""
+    gathers: list[ir.Node] = []
+    reshapes: list[ir.Node] = []
+    for use in out.uses():
+        if _is_gather_indices(use.node, use.idx):
+            gathers.append(use.node)
+        elif _is_flatten_1d(use.node, use.idx) and not use.node.outputs[0].is_graph_output():
+            found = [u.node for u in use.node.outputs[0].uses() if _is_gather_indices(u.node, u.idx)]
+            if found:
+                reshapes.append(use.node)
+                gathers.extend(found)
+    return list(dict.fromkeys(gathers)), reshapes
+
+
 def _decide(node: ir.Node, graph: ir.Graph, opset: int) -> _Fuse | _Refuse:
     """Classify one Range on the unmodified graph. Never edits anything."""
     out = node.outputs[0]
     uses = list(out.uses())
     if out.is_graph_output():
         return _Refuse(f"Range output {out.name!r} is a graph output", guard=False)
-    if len(uses) != 1:
-        return _Refuse(f"Range output {out.name!r} has {len(uses)} uses, expected 1", guard=False)
-    gather, idx = uses[0].node, uses[0].idx
-    if gather.op_type != "Gather" or gather.domain not in _ONNX_DOMAINS or idx != 1:
-        where = f"{gather.op_type} input {idx}"
-        return _Refuse(f"Range output feeds {where}, not a Gather's indices", guard=False)
-    # From here on the pair is exactly what ORT's fusion matches: every refusal needs the guard.
+    # Exactly ORT's pattern (one edge, into a Gather's indices): every refusal below needs the guard.
+    ort_pair = len(uses) == 1 and _is_gather_indices(uses[0].node, uses[0].idx)
+    gathers, reshapes = _gathers(out)
+    if not gathers:
+        if len(uses) == 1:
+            where = f"{uses[0].node.op_type} input {uses[0].idx}"
+            return _Refuse(f"Range output feeds {where}, not a Gather's indices", guard=False)
+        return _Refuse(f"Range output {out.name!r} has {len(uses)} uses, none a Gather's indices", guard=False)
     dtype = out.dtype or (node.inputs[0].dtype if node.inputs[0] is not None else None)
     if dtype not in _INT_TYPES:
-        return _Refuse(f"Range type is {dtype}, not int32/int64", guard=True)
+        return _Refuse(f"Range type is {dtype}, not int32/int64", guard=ort_pair)
     start, delta = _scalar(node.inputs[0]), _scalar(node.inputs[2])
     limit_value = node.inputs[1]
     limit = _scalar(limit_value)
     if start is None or delta is None:
-        return _Refuse("start or delta is not a constant, so the sign of the indices is unknown", guard=True)
+        return _Refuse("start or delta is not a constant, so the sign of the indices is unknown", guard=ort_pair)
     if delta == 0:
-        return _Refuse("delta is 0 (Range fails at run time)", guard=True)
+        return _Refuse("delta is 0 (Range fails at run time)", guard=ort_pair)
+
+    def fuse(ends: int | None) -> _Fuse:
+        return _Fuse(node, tuple(gathers), tuple(reshapes), dtype, start, delta, ends)
+
     if start >= 0 and delta > 0:
         if limit is None and opset < 12:
-            return _Refuse(f"dynamic limit needs Max on integers (opset 12), model has {opset}", guard=True)
-        return _Fuse(node, gather, dtype, start, delta, None if limit is None else max(limit, 0))
+            return _Refuse(f"dynamic limit needs Max on integers (opset 12), model has {opset}", guard=ort_pair)
+        return fuse(None if limit is None else max(limit, 0))
     if start >= 0:  # delta < 0
         if limit is None:
             return _Refuse(
                 "delta < 0 with a dynamic limit: Range's -1 ends before index 0, Slice's -1 is the last "
                 "element, and a limit below -1 crosses zero",
-                guard=True,
+                guard=ort_pair,
             )
         if limit < -1:
-            return _Refuse(f"delta < 0 from start {start} to limit {limit} crosses zero", guard=True)
-        ends = limit if limit >= 0 else int(np.iinfo(_INT_TYPES[dtype]).min)
-        return _Fuse(node, gather, dtype, start, delta, ends)
+            return _Refuse(f"delta < 0 from start {start} to limit {limit} crosses zero", guard=ort_pair)
+        return fuse(limit if limit >= 0 else int(np.iinfo(_INT_TYPES[dtype]).min))
     if limit is None or limit >= 0:
         shown = "dynamic" if limit is None else str(limit)
-        return _Refuse(f"start {start} < 0 with limit {shown} may cross zero", guard=True)
-    return _Fuse(node, gather, dtype, start, delta, limit)
+        return _Refuse(f"start {start} < 0 with limit {shown} may cross zero", guard=ort_pair)
+    return fuse(limit)
 
 
 class _Names:
@@ -159,43 +200,44 @@ def _const(graph: ir.Graph, names: _Names, base: str, array: np.ndarray) -> ir.V
 
 def _fuse(plan: _Fuse, graph: ir.Graph, names: _Names) -> None:
     np_type = _INT_TYPES[plan.dtype]
-    gather, y = plan.gather, plan.gather.outputs[0]
-    base = y.name or "range_gather"
-    axis = gather.attributes.get_int("axis", 0)
-    new_nodes: list[ir.Node] = []
-    if plan.ends is None:
+    r = plan.range_node.outputs[0]
+    base = r.name or "range"
+    if plan.ends is None:  # one clamp for every Slice, right after the Range (the limit is computed before it)
         zero = _const(graph, names, f"{base}_zero", np.array(0, np_type))
         one_d = _const(graph, names, f"{base}_one_d", np.array([1], np.int64))
-        limit = plan.range_node.inputs[1]
-        clamp = ir.node("Max", [limit, zero], name=names(f"{base}_ends_max"))
+        clamp = ir.node("Max", [plan.range_node.inputs[1], zero], name=names(f"{base}_ends_max"))
         clamp.outputs[0].name = names(f"{base}_ends_scalar")
         reshape = ir.node("Reshape", [clamp.outputs[0], one_d], name=names(f"{base}_ends_1d"))
         ends = reshape.outputs[0]
         ends.name, ends.dtype, ends.shape = names(f"{base}_ends"), plan.dtype, ir.Shape([1])
-        new_nodes += [clamp, reshape]
+        graph.insert_after(plan.range_node, [clamp, reshape])
     else:
         ends = _const(graph, names, f"{base}_ends", np.array([plan.ends], np_type))
-    inputs = [
-        gather.inputs[0],
-        _const(graph, names, f"{base}_starts", np.array([plan.start], np_type)),
-        ends,
-        _const(graph, names, f"{base}_axes", np.array([axis], np_type)),
-        _const(graph, names, f"{base}_steps", np.array([plan.delta], np_type)),
-    ]
-    slice_node = ir.node("Slice", inputs, name=names(f"{gather.name or base}_slice"))
-    out = slice_node.outputs[0]
-    out.dtype, out.shape = y.dtype, y.shape
-    new_nodes.append(slice_node)
-    graph.insert_before(gather, new_nodes)
-    old_name = y.name
-    ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
-    orphans = [v for v in plan.range_node.inputs if v is not None and v.is_initializer()]
-    graph.remove([gather, plan.range_node], safe=True)
-    for value in orphans:  # start/delta (and a constant limit) that nothing else reads
-        if not list(value.uses()) and not value.is_graph_input() and not value.is_graph_output():
-            graph.initializers.pop(value.name, None)
-    # The Slice takes over the Gather's output name, so graph outputs and downstream names are unchanged.
-    out.name = old_name or names(f"{base}_sliced")
+    starts = _const(graph, names, f"{base}_starts", np.array([plan.start], np_type))
+    steps = _const(graph, names, f"{base}_steps", np.array([plan.delta], np_type))
+    axes_by_value: dict[int, ir.Value] = {}
+    for gather in plan.gathers:
+        y = gather.outputs[0]
+        axis = gather.attributes.get_int("axis", 0)
+        if axis not in axes_by_value:
+            axes_by_value[axis] = _const(graph, names, f"{base}_axes", np.array([axis], np_type))
+        inputs = [gather.inputs[0], starts, ends, axes_by_value[axis], steps]
+        slice_node = ir.node("Slice", inputs, name=names(f"{gather.name or y.name or base}_slice"))
+        out = slice_node.outputs[0]
+        out.dtype, out.shape = y.dtype, y.shape
+        graph.insert_before(gather, slice_node)
+        old_name = y.name
+        ir.convenience.replace_all_uses_with(y, out, replace_graph_outputs=True)
+        graph.remove(gather, safe=True)
+        # The Slice takes over the Gather's output name, so graph outputs and downstream names are unchanged.
+        out.name = old_name or names(f"{base}_sliced")
+    for node in (*plan.reshapes, plan.range_node):  # what nothing reads any more
+        if not list(node.outputs[0].uses()) and not node.outputs[0].is_graph_output():
+            orphans = [v for v in node.inputs if v is not None and v.is_initializer()]
+            graph.remove(node, safe=True)
+            for value in orphans:  # start/delta (and a constant limit), a Reshape's shape
+                if not list(value.uses()) and not value.is_graph_input() and not value.is_graph_output():
+                    graph.initializers.pop(value.name, None)
 
 
 def _guard(range_node: ir.Node, gather: ir.Node, graph: ir.Graph, names: _Names) -> None:
@@ -229,7 +271,7 @@ class RangeGatherToSlice(Pass):
             for node, plan in plans:
                 if isinstance(plan, _Fuse):
                     _fuse(plan, graph, names)
-                    fused += 1
+                    fused += len(plan.gathers)
                     continue
                 reason = plan.reason
                 if plan.guard:

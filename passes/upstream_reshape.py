@@ -25,7 +25,12 @@ Rules (input ``x`` of P, output ``O = [B,S,H]``):
 Fixes over ORT: a rank-2 ``[1,H]`` or ``[B,S,1]`` input is accepted (ORT refuses every broadcast but the
 rank-1 one); a P output that is a graph output refuses; a branch reaching a graph input ends only that
 branch; the copy's shape constant is ``[-1, d2]`` with d2 a positive known value, so -1 is inferable
-even for an empty batch.
+even for an empty batch; copies meeting on a shared value merge: when every reader of P's output is the
+same flatten (the two halves of an erf-GELU, the FFN and the residual Add reading one LayerNorm), they
+become one and it moves on, where ORT stops at the first value with two consumers. On a BERT masked-LM
+the flatten then crosses the LM head's transform and the last layer's FFN, residual Adds and LayerNorms
+up to the attention's merged heads, so with ``label_sparsity`` only the last attention (its Q, K, V
+projections and scores) still runs on every token.
 """
 
 from __future__ import annotations
@@ -113,7 +118,43 @@ def _opset(node: ir.Node) -> int:
     return 1 if graph is None else graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1))
 
 
-def _step(reshape: ir.Node) -> tuple[ir.Node, dict[int, Dim]] | str:
+def _same_constant(a: ir.Value | None, b: ir.Value | None) -> bool:
+    if a is b:
+        return True
+    ta = ir.convenience.get_const_tensor(a) if a is not None else None
+    tb = ir.convenience.get_const_tensor(b) if b is not None else None
+    if ta is None or tb is None or ta.dtype != tb.dtype:
+        return False
+    x, y = ta.numpy(), tb.numpy()
+    return x.shape == y.shape and bool(np.array_equal(x, y))
+
+
+def _twins(reshape: ir.Node, data: ir.Value) -> list[ir.Node] | None:
+    """The other readers of ``data`` when every one is the same flatten as ``reshape``, else None.
+
+    Branches of one value (the two halves of an erf-GELU, a residual Add and the FFN reading one
+    LayerNorm) each get a copy of the flatten; once all of them have arrived the copies are merged and the
+    flatten moves on, where ORT (and a single pass here) stops at the first value with two consumers."""
+    twins = []
+    allowzero = reshape.attributes.get_int("allowzero", 0)
+    for use in data.uses():
+        other = use.node
+        if other is reshape:
+            continue
+        if (
+            other.op_type != "Reshape"
+            or other.domain not in _ONNX
+            or use.idx != 0
+            or other.attributes.get_int("allowzero", 0) != allowzero
+            or not _same_constant(other.inputs[1], reshape.inputs[1])
+            or _entry(other) is not None
+        ):
+            return None
+        twins.append(other)
+    return twins
+
+
+def _step(reshape: ir.Node) -> tuple[ir.Node, dict[int, Dim], list[ir.Node]] | str:
     data = reshape.inputs[0]
     assert data is not None
     p = data.producer()
@@ -123,8 +164,12 @@ def _step(reshape: ir.Node) -> tuple[ir.Node, dict[int, Dim]] | str:
     if any(o.is_graph_output() for o in p.outputs):
         return f"{label} (an output is a graph output)"
     edges = sum(len(list(o.uses())) for o in p.outputs)
+    twins: list[ir.Node] = []
     if edges != 1:
-        return f"{label} ({edges} consumers)"
+        found = _twins(reshape, data)
+        if found is None or edges != 1 + len(found):
+            return f"{label} ({edges} consumers)"
+        twins = found
     plan = _plan(p, list(data.shape))
     if isinstance(plan, str):
         return f"{label} ({plan})"
@@ -133,10 +178,22 @@ def _step(reshape: ir.Node) -> tuple[ir.Node, dict[int, Dim]] | str:
     for i in plan:
         if not _positive(p.inputs[i].shape[-1]):
             return f"{label} (input {i} last dim {p.inputs[i].shape[-1]} is not a known positive value)"
-    return p, plan
+    return p, plan, twins
 
 
-def _apply(graph: ir.Graph, names: FreshNames, entry: ir.Node, p: ir.Node, plan: dict[int, Dim]) -> list[ir.Node]:
+def _merge(graph: ir.Graph, keep: ir.Node, twins: list[ir.Node]) -> None:
+    """Readers of each twin read ``keep`` instead; the twins go."""
+    for twin in twins:
+        ir.convenience.replace_all_uses_with(twin.outputs[0], keep.outputs[0])
+        inputs = list(twin.inputs)
+        graph.remove(twin, safe=True)
+        drop_orphans(graph, inputs)
+
+
+def _apply(
+    graph: ir.Graph, names: FreshNames, entry: ir.Node, p: ir.Node, plan: dict[int, Dim], *, twins: list[ir.Node]
+) -> list[ir.Node]:
+    _merge(graph, entry, twins)
     flat = entry.outputs[0].shape[0]  # B*S as the entry's output knows it (a value, a symbol or unknown)
     origin = (entry.name or "reshape").split("@")[0]
     copies = []
@@ -182,7 +239,7 @@ class UpstreamReshape(Pass):
             notes["shape_inference"] = "ran first: some values had no shape"
         names = FreshNames(graph)
         moved_entries: set[str] = set()
-        crossed = 0
+        crossed = merged = 0
         non_matches: list[NonMatch] = []
         for _ in range(self.options.max_rounds):
             non_matches, moved = [], 0  # only the last sweep's stops are the final state
@@ -196,16 +253,20 @@ class UpstreamReshape(Pass):
                 queue = deque([node])
                 while queue:
                     reshape = queue.popleft()
+                    if reshape.graph is not graph:
+                        continue  # a twin merged into another copy
                     step = _step(reshape)
                     if isinstance(step, str):
                         where = node_label(reshape)
                         non_matches.append(NonMatch(f"Reshape {where!r} stops at {step}", where, "Reshape"))
                         continue
-                    queue.extend(_apply(graph, names, reshape, *step))
+                    p, plan, twins = step
+                    merged += len(twins)
+                    queue.extend(_apply(graph, names, reshape, p, plan, twins=twins))
                     moved += 1
                     moved_entries.add(label.split("@")[0])
             crossed += moved
             if not moved:
                 break
-        counts = {"reshapes_moved": len(moved_entries), "ops_crossed": crossed}
+        counts = {"reshapes_moved": len(moved_entries), "ops_crossed": crossed, "copies_merged": merged}
         return PassResult(model, modified=crossed > 0, counts=counts, non_matches=non_matches, notes=notes)

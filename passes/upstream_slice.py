@@ -33,7 +33,12 @@ Fixes over ORT:
   computed at run time (the torch exporter's ``Concat(Shape(x)[0:2], [heads, dim])``) is replaced by a
   constant derived from the inferred dims, where ORT requires a constant;
 * Sub, Mul, ONNX Gelu, Tanh, other element-wise ops, Gemm and opset-17 LayerNormalization are accepted;
-* a scalar slice through Transpose drops the axis from ``perm`` instead of adding Unsqueeze/Squeeze.
+* a scalar slice through Transpose drops the axis from ``perm`` instead of adding Unsqueeze/Squeeze;
+* copies meeting on a shared value merge: when every reader of P's output is the same slice (same op,
+  axis, attributes and indices/starts/ends, equal as constants or the same value), the copies that the
+  branches brought (the two halves of an erf-GELU, the FFN and the residual Add reading one LayerNorm)
+  become one and it moves on. ORT stops at any value with two consumers and relies on CSE plus another
+  run; here one run reaches that fixpoint (RoBERTa's CLS slice crosses the whole last layer but K and V).
 
 The indices (or starts/ends) of a slice cannot depend on P's output: P has exactly one use, S's data.
 They may be computed after P in node order, so the graph is sorted topologically after a move.
@@ -121,7 +126,46 @@ def _entry(node: ir.Node) -> SliceInfo | str | None:
     return SliceInfo(node, axis, scalar=False, length=out_shape[axis] if out_shape is not None else None)
 
 
-def _step(s: SliceInfo) -> tuple[ir.Node, int, Move] | str:
+def _same_input(a: ir.Value | None, b: ir.Value | None) -> bool:
+    """The same value, or two constants with equal type, shape and contents."""
+    if a is b:
+        return True
+    ta = ir.convenience.get_const_tensor(a) if a is not None else None
+    tb = ir.convenience.get_const_tensor(b) if b is not None else None
+    if ta is None or tb is None or ta.dtype != tb.dtype:
+        return False
+    x, y = ta.numpy(), tb.numpy()
+    return x.shape == y.shape and bool(np.array_equal(x, y))
+
+
+def _twins(s: SliceInfo, data: ir.Value) -> list[ir.Node] | None:
+    """The other readers of ``data`` when every one is the same slice as S, else None.
+
+    Copies of one slice arrive on each branch of a shared value (the residual Add and the FFN both read a
+    LayerNorm; the two halves of an erf-GELU read one bias Add). Once all readers are such copies they are
+    merged into S and S moves on: ORT, and a single sweep without CSE, stop at the shared value."""
+    twins = []
+    attrs = {k: v.value for k, v in s.node.attributes.items() if k != "axis"}
+    for use in data.uses():
+        other = use.node
+        if other is s.node:
+            continue
+        info = _entry(other) if use.idx == 0 else None
+        if (
+            not isinstance(info, SliceInfo)
+            or other.op_type != s.node.op_type
+            or (info.axis, info.scalar) != (s.axis, s.scalar)
+            or {k: v.value for k, v in other.attributes.items() if k != "axis"} != attrs
+            or len(other.inputs) != len(s.node.inputs)
+            or not all(_same_input(a, b) for a, b in zip(other.inputs[1:], s.node.inputs[1:], strict=True))
+            or other.outputs[0].is_graph_output()
+        ):
+            return None
+        twins.append(other)
+    return twins
+
+
+def _step(s: SliceInfo) -> tuple[ir.Node, int, Move, list[ir.Node]] | str:
     """Decide whether S moves above its data producer P, on the graph as it stands. Never edits."""
     data = s.node.inputs[0]
     assert data is not None
@@ -133,8 +177,12 @@ def _step(s: SliceInfo) -> tuple[ir.Node, int, Move] | str:
         if out.is_graph_output():
             return f"{label} (its output {out.name!r} is a graph output)"
     edges = sum(len(list(out.uses())) for out in p.outputs)
+    twins: list[ir.Node] = []
     if edges != 1:
-        return f"{label} ({edges} consumers)"
+        found = _twins(s, data)
+        if found is None or edges != 1 + len(found):
+            return f"{label} ({edges} consumers)"
+        twins = found
     rule = rule_for(p)
     if rule is None:
         return f"{label} ({p.op_type} is not in the allow-list)"
@@ -150,7 +198,7 @@ def _step(s: SliceInfo) -> tuple[ir.Node, int, Move] | str:
             shape = p.inputs[i].shape
             if axis != 1 or shape is None or len(shape) != 3 or not same_dim(shape[0], data.shape[0]):
                 return f"{label} (GatherND copy needs input {i} as [B, S, .] sliced on axis 1)"
-    return p, data.index(), move
+    return p, data.index(), move, twins
 
 
 def _resized(shape: ir.Shape | None, axis: int, length: Dim, drop: bool) -> ir.Shape | None:
@@ -168,6 +216,7 @@ class _Rewriter:
     def __init__(self, graph: ir.Graph, opset: int) -> None:
         self.graph, self.opset, self.names = graph, opset, FreshNames(graph)
         self.squeezes = 0
+        self.merged = 0
 
     def const(self, base: str, array: np.ndarray) -> ir.Value:
         value = ir.val(self.names(base), const_value=ir.tensor(array))
@@ -201,8 +250,18 @@ class _Rewriter:
         steps = rest[3:4] if len(rest) > 3 else []
         return self.node("Slice", [value, rest[0], rest[1], axes, *steps], {}, base, dtype=value.dtype, shape=shape)
 
-    def apply(self, s: SliceInfo, p: ir.Node, k: int, move: Move) -> list[SliceInfo]:
+    def merge(self, keep: ir.Node, twins: list[ir.Node]) -> None:
+        """Readers of each twin read ``keep`` instead; the twins go."""
+        for twin in twins:
+            ir.convenience.replace_all_uses_with(twin.outputs[0], keep.outputs[0])
+            inputs = list(twin.inputs)
+            self.graph.remove(twin, safe=True)
+            drop_orphans(self.graph, inputs)
+            self.merged += 1
+
+    def apply(self, s: SliceInfo, p: ir.Node, k: int, move: Move, twins: list[ir.Node]) -> list[SliceInfo]:
         """Rewrite: copies of S on P's inputs, P updated, S's consumers read P (or one Squeeze of it)."""
+        self.merge(s.node, twins)
         before, copies = [], []
         # Copies are named <entry>@<op>_in<i>; a copy that later acts as an entry keeps the first name.
         origin = (s.origin or s.node.name or "slice").split("@")[0]
@@ -287,6 +346,8 @@ class UpstreamSlice(Pass):
                 queue = deque([info])
                 while queue:
                     s = queue.popleft()
+                    if s.node.graph is not graph:
+                        continue  # a twin merged into another copy
                     step = _step(s)
                     if isinstance(step, str):
                         where = node_label(s.node)
@@ -306,5 +367,6 @@ class UpstreamSlice(Pass):
             "slices_moved": len(moved_entries),
             "ops_crossed": crossed,
             "squeezes_added": rewriter.squeezes,
+            "copies_merged": rewriter.merged,
         }
         return PassResult(model, modified=crossed > 0, counts=counts, non_matches=non_matches, notes=notes)

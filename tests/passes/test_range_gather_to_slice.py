@@ -185,21 +185,106 @@ def test_range_gather_becomes_slice_when_gather_output_is_graph_output():
 # --- refusals ---------------------------------------------------------------------------------------
 
 
-def test_range_is_kept_unguarded_when_range_has_a_second_consumer():
-    """r = Range(0, 4, 1) feeds Gather and Cast: neither we nor ORT may fuse; no guard is needed."""
+def _shared_range(start: int, limit: int | None, delta: int, *, through_reshape: bool) -> ir.Model:
+    """XLNet's relative shift: one Range r read by two Gathers (axis 3 and axis 1), directly or through
+    Reshape(r, [-1]), and by an Unsqueeze -> Equal mask; a None limit is a scalar graph input."""
+    idx = "r_flat" if through_reshape else "r"
+    nodes = [helper.make_node("Range", ["s", "l", "d"], ["r"], name="range")]
+    if through_reshape:
+        nodes.append(helper.make_node("Reshape", ["r", "minus_one"], ["r_flat"], name="flatten"))
+    nodes += [
+        helper.make_node("Gather", ["x", idx], ["g0"], name="gather0", axis=3),
+        helper.make_node("Gather", ["x", idx], ["g1"], name="gather1", axis=1),
+        helper.make_node("Unsqueeze", ["r", "zero_axis"], ["r_row"], name="unsqueeze"),
+        helper.make_node("Equal", ["r_row", "r"], ["eye"], name="equal"),
+        helper.make_node("Cast", ["eye"], ["z"], name="cast", to=TensorProto.FLOAT),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, N, 3, N])]
+    inits = [
+        _scalar("s", start, TensorProto.INT64),
+        _scalar("d", delta, TensorProto.INT64),
+        numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero_axis"),
+    ]
+    if limit is None:
+        inputs.append(helper.make_tensor_value_info("l", TensorProto.INT64, []))
+    else:
+        inits.append(_scalar("l", limit, TensorProto.INT64))
+    if not through_reshape:
+        inits = [i for i in inits if i.name != "minus_one"]
+    return _model(nodes, inputs, ["g0", "g1", "z"], inits)
+
+
+@pytest.mark.parametrize("through_reshape", [False, True], ids=["direct", "through-reshape"])
+def test_each_gather_of_a_shared_range_becomes_a_slice_when_the_range_has_other_consumers(through_reshape):
+    """ORT fuses none of these (the Range has several edges); each Gather becomes a Slice, the Range stays
+    for the mask, and a Reshape(-1) that only the Gathers read goes. Dynamic limit: clamped once."""
+    model = _shared_range(0, None, 1, through_reshape=through_reshape)
+    original, result = _apply(model)
+    assert result.counts == {"ranges_fused": 2, "guarded": 0}
+    assert _ops(model) == Counter(
+        {"Range": 1, "Max": 1, "Reshape": 1, "Slice": 2, "Unsqueeze": 1, "Equal": 1, "Cast": 1}
+    )
+    slices = [n for n in model.graph if n.op_type == "Slice"]
+    assert [s.outputs[0].name for s in slices] == ["g0", "g1"]
+    assert slices[0].inputs[2] is slices[1].inputs[2]  # one clamped limit for both
+    x = np.arange(2 * N * 3 * N, dtype=np.float32).reshape(2, N, 3, N)
+    for limit in (0, 1, 3, N, -2):
+        _assert_right(original, model, {"x": x, "l": np.array(limit, np.int64)})
+
+
+def test_shared_range_and_its_reshape_go_when_only_gathers_read_them():
+    """Range(1, 7, 2) -> Reshape(-1) -> two Gathers and nothing else: two Slices remain, no Range."""
     nodes = [
         helper.make_node("Range", ["s", "l", "d"], ["r"], name="range"),
-        helper.make_node("Gather", ["x", "r"], ["y"], name="gather"),
+        helper.make_node("Reshape", ["r", "minus_one"], ["r_flat"], name="flatten"),
+        helper.make_node("Gather", ["x", "r_flat"], ["g0"], name="gather0", axis=0),
+        helper.make_node("Gather", ["x", "r_flat"], ["g1"], name="gather1", axis=1),
+    ]
+    inits = [
+        _scalar("s", 1, TensorProto.INT64),
+        _scalar("l", 7, TensorProto.INT64),
+        _scalar("d", 2, TensorProto.INT64),
+        numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
+    ]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [N, N])], ["g0", "g1"], inits)
+    original, result = _apply(model)
+    assert result.counts == {"ranges_fused": 2, "guarded": 0}
+    assert _ops(model) == Counter({"Slice": 2})
+    assert not [name for name, v in model.graph.initializers.items() if not list(v.uses())]
+    _assert_right(original, model, {"x": np.arange(N * N, dtype=np.float32).reshape(N, N)})
+
+
+@pytest.mark.parametrize("through_reshape", [False, True], ids=["direct", "through-reshape"])
+def test_shared_range_is_kept_unguarded_when_slice_would_be_wrong(through_reshape):
+    """Range(-3, 1, 1) read by two Gathers and a mask: refused (it crosses zero), and with several edges
+    it is not ORT's pattern, so no guard is added and ORT's default level stays right."""
+    model = _shared_range(-3, 1, 1, through_reshape=through_reshape)
+    before = _ops(model)
+    original, result = _apply(model)
+    assert not result.modified
+    assert _ops(model) == before
+    assert result.counts == {"ranges_fused": 0, "guarded": 0}
+    assert "may cross zero" in result.non_matches[0].reason
+    _assert_right(original, model, {"x": np.arange(2 * N * 3 * N, dtype=np.float32).reshape(2, N, 3, N)})
+
+
+def test_range_is_kept_unguarded_when_no_consumer_is_a_gather():
+    """r = Range(0, 4, 1) feeds a Cast and an Unsqueeze: nothing to fuse, nothing for ORT to match."""
+    nodes = [
+        helper.make_node("Range", ["s", "l", "d"], ["r"], name="range"),
         helper.make_node("Cast", ["r"], ["z"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["r", "a"], ["u"]),
     ]
     inits = [_scalar("s", 0, 7), _scalar("l", 4, 7), _scalar("d", 1, 7)]
-    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [N, 3])], ["y", "z"], inits)
+    inits.append(numpy_helper.from_array(np.array([0], np.int64), "a"))
+    model = _model(nodes, [], ["z", "u"], inits)
     before = _ops(model)
     result = RangeGatherToSlice()(model)
     assert not result.modified
     assert _ops(model) == before
     assert result.counts == {"ranges_fused": 0, "guarded": 0}
-    assert "2 uses" in result.non_matches[0].reason
+    assert "2 uses, none a Gather's indices" in result.non_matches[0].reason
 
 
 def test_range_is_kept_unguarded_when_range_output_is_graph_output():

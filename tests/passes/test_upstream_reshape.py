@@ -4,9 +4,12 @@ the LM-head chain it exists for: flatten moved up, then ``upstream_slice`` carri
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 
 from passes._infra import PassResult
@@ -59,7 +62,7 @@ def test_reshape_goes_to_both_inputs_when_add_inputs_are_full_rank(opset):
     model, result = _optimize(proto)
     assert _reshaped_inputs(model, "add") == ["a", "b"]
     assert [n.op_type for n in model.graph].count("Reshape") == 2
-    assert result.counts == {"reshapes_moved": 1, "ops_crossed": 1}
+    assert result.counts == {"reshapes_moved": 1, "ops_crossed": 1, "copies_merged": 0}
     assert_equivalent(proto, model)
 
 
@@ -151,7 +154,7 @@ def test_lm_head_row_filter_reaches_the_encoder_when_reshape_moves_first():
     }
     proto = build(nodes, {"h": (F, ["batch", "seq", hidden]), "keep": (BOOL, ["batch", "seq"])}, {"y": F}, inits, 17)
     model = ir.serde.deserialize_model(proto)
-    assert UpstreamReshape()(model).counts == {"reshapes_moved": 1, "ops_crossed": 3}
+    assert UpstreamReshape()(model).counts == {"reshapes_moved": 1, "ops_crossed": 3, "copies_merged": 0}
     assert UpstreamSlice()(model).counts["ops_crossed"] == 3
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     order = [n.op_type for n in model.graph if n.op_type in ("Reshape", "Gather", "LayerNormalization", "MatMul")]
@@ -169,3 +172,106 @@ def test_reshape_is_no_entry_when_its_rank_is_unknown():
     proto = build(nodes, {"a": (F, [2, 3, 4]), "s": (I64, [2])}, {"y": F})
     _, result = _optimize(proto)
     assert not result.modified
+
+
+def _erf_gelu_head(second_reader: str | None = None) -> onnx.ModelProto:
+    """h[B,S,H] -> MatMul(W) -> Add(b) = x -> erf-GELU (x/sqrt2 -> Erf -> +1 -> x * . -> * 0.5) -> Reshape[-1,H].
+
+    x has two readers (Div and the first Mul), as in every BERT/RoBERTa FFN and LM-head transform exported
+    by torch. ``second_reader`` adds a third reader of x (a graph output through that op)."""
+    hidden = 8
+    nodes = [
+        node("MatMul", ["h", "w"], "m", "dense"),
+        node("Add", ["m", "b"], "x", "dense_bias"),
+        node("Div", ["x", "sqrt2"], "d", "gelu_div"),
+        node("Erf", ["d"], "e", "gelu_erf"),
+        node("Add", ["e", "one"], "e1", "gelu_add"),
+        node("Mul", ["x", "e1"], "p", "gelu_mul"),
+        node("Mul", ["p", "half"], "gelu", "gelu_half"),
+        node("Reshape", ["gelu", "flat"], "r", "view"),
+        node("Identity", ["r"], "y", "identity"),
+    ]
+    outputs = {"y": F}
+    if second_reader is not None:
+        nodes.append(node(second_reader, ["x"], "z", "other"))
+        outputs["z"] = F
+    inits = {
+        "w": weights(hidden, hidden, seed=1),
+        "b": weights(hidden, seed=2),
+        "sqrt2": np.array(np.sqrt(2.0), np.float32),
+        "one": np.array(1.0, np.float32),
+        "half": np.array(0.5, np.float32),
+        "flat": np.array([-1, hidden], np.int64),
+    }
+    return build(nodes, {"h": (F, ["batch", "seq", hidden])}, outputs, inits, 17)
+
+
+def test_reshape_copies_merge_and_move_on_when_every_reader_of_a_value_gets_one():
+    """The flatten reaches x on both GELU branches; the two copies merge and it goes on through the bias
+    Add and the MatMul to h (ORT and a pass without merging stop at x: "2 consumers")."""
+    proto = _erf_gelu_head()
+    model, result = _optimize(proto)
+    assert result.counts == {"reshapes_moved": 1, "ops_crossed": 7, "copies_merged": 1}
+    reshapes = [n for n in model.graph if n.op_type == "Reshape"]
+    assert len(reshapes) == 1 and reshapes[0].inputs[0].name == "h"
+    (dense,) = [n for n in model.graph if n.name == "dense"]
+    assert dense.inputs[0] is reshapes[0].outputs[0]
+    assert not result.non_matches or all("graph input" in m.reason for m in result.non_matches)
+    assert_equivalent(proto, model, **TOL)
+
+
+def test_reshape_copies_stay_when_a_value_has_a_reader_that_is_no_flatten():
+    """x is also read by a Sigmoid: the copies on x cannot merge into one flatten, so they stop there."""
+    proto = _erf_gelu_head(second_reader="Sigmoid")
+    model, result = _optimize(proto)
+    assert result.counts["copies_merged"] == 0
+    assert any("stops at 'dense_bias' (3 consumers)" in m.reason for m in result.non_matches)
+    assert [n.inputs[0].name for n in model.graph if n.op_type == "Reshape"] == ["x", "x"]
+    assert_equivalent(proto, model, **TOL)
+
+
+def test_hf_bert_mlm_row_filter_reaches_the_last_attention_when_copies_merge():
+    """Torch-exported BertForMaskedLM, loss only (the ``logits`` output dropped, as in bench/seed_passes.py):
+    label_sparsity, upstream_reshape, upstream_slice. The flatten crosses the LM head, the last layer's FFN,
+    residual Adds and LayerNorms (merging the copies met at the GELU halves and at each LayerNorm read by
+    the FFN and the residual), so the row filter ends on the last attention's merged heads (before the
+    output projection) and on the previous layer's output (the residual): only attention runs on all rows.
+    """
+    from passes._infra import PassContext
+    from passes.dead_node_elimination import DeadNodeElimination
+    from passes.label_sparsity import LabelSparsity
+    from tests.models.build_hf import make_inputs
+
+    path = Path(__file__).resolve().parents[1] / "models" / "hf_bert_mlm_loss.onnx"
+    if not path.exists():
+        pytest.skip("tests/models/hf_bert_mlm_loss.onnx not built")
+    proto = onnx.load(str(path))
+    outputs = [o for o in proto.graph.output if o.name != "logits"]
+    del proto.graph.output[:]
+    proto.graph.output.extend(outputs)
+    model = ir.serde.deserialize_model(proto)
+    DeadNodeElimination()(model)
+    proto = ir.serde.serialize_model(model)
+    feeds = [
+        make_inputs("bert_mlm_loss", b, s, valid_label_fraction=0.15, seed=b, size="tiny") for b, s in ((4, 16), (3, 9))
+    ]
+    ctx = PassContext(samples=feeds[:1])
+    assert LabelSparsity()(model, ctx).modified
+    reshaped = UpstreamReshape()(model, ctx)
+    assert reshaped.counts["copies_merged"] >= 3
+    assert UpstreamSlice()(model, ctx).counts["copies_merged"] >= 3
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    filters = [n for n in model.graph if n.op_type == "Gather" and "gather_logits" in n.name]
+    sources = sorted(f.inputs[0].producer().inputs[0].producer().op_type for f in filters)
+    assert sources == ["LayerNormalization", "Reshape"]  # the previous layer's output; the merged heads
+    users = sorted(u.node.op_type for f in filters for u in f.outputs[0].uses())
+    assert users == ["Add", "MatMul"]  # the residual Add; the attention output projection
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ref, opt = (
+        ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        for m in (proto, ir.serde.serialize_model(model))
+    )
+    for feed in feeds:
+        (expected,), (got,) = ref.run(None, feed), opt.run(None, feed)
+        np.testing.assert_allclose(got, expected, rtol=1e-5)

@@ -90,7 +90,7 @@ def test_gathernd_moves_onto_graph_input_when_op_is_allowed(op):
     moved_op = _ops(model, op)[0]
     assert _producer(moved_op.inputs[0]) is gathernd
     assert _producer(_node(model, "identity").inputs[0]) is moved_op
-    assert result.counts == {"slices_moved": 1, "ops_crossed": 1, "squeezes_added": 0}
+    assert result.counts == {"slices_moved": 1, "ops_crossed": 1, "squeezes_added": 0, "copies_merged": 0}
     rng = np.random.default_rng(0)
     feeds = [
         {"input": rng.standard_normal((b, s, 32)).astype(np.float32), "positions": rng.integers(0, s, (b, 3, 1))}
@@ -264,7 +264,7 @@ def test_shrinking_gather_moves_on_both_branches_when_indices_come_from_nonzero(
     assert [g.op_type for g in gathers] == ["Gather", "Gather"]
     assert [g.inputs[0].name for g in gathers] == ["a", "b"]
     assert gathers[0].inputs[1] is gathers[1].inputs[1] and gathers[0].inputs[1].name == "idx"
-    assert result.counts == {"slices_moved": 1, "ops_crossed": 1, "squeezes_added": 0}
+    assert result.counts == {"slices_moved": 1, "ops_crossed": 1, "squeezes_added": 0, "copies_merged": 0}
     assert_equivalent(proto, model)
 
 
@@ -461,7 +461,7 @@ def test_branch_continues_when_another_branch_reaches_a_graph_input():
     model, result = _optimize(proto)
     assert _producer(_node(model, "tanh").inputs[0]).inputs[0].name == "y"
     assert _producer(_node(model, "add").inputs[0]).inputs[0].name == "x"
-    assert result.counts == {"slices_moved": 1, "ops_crossed": 3, "squeezes_added": 0}
+    assert result.counts == {"slices_moved": 1, "ops_crossed": 3, "squeezes_added": 0, "copies_merged": 0}
     reasons = sorted(m.reason for m in result.non_matches)
     assert reasons == ["Gather 'g1@add_in0' stops at graph input 'x'", "Gather 'g1@tanh_in0' stops at graph input 'y'"]
     assert_equivalent(proto, model)
@@ -736,4 +736,69 @@ def test_hf_roberta_cls_gather_moves_into_the_last_layer_when_exported_by_torch(
     onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
     moved_gathers = [g for g in _ops(model, "Gather") if g.name.startswith("node_select")]
     assert sorted(g.inputs[0].name for g in moved_gathers) == ["layer_norm_2", "where"]
+    assert_equivalent(proto, model, **TOL)
+
+
+def _two_branches(second_index: int, extra_reader: bool = False) -> onnx.ModelProto:
+    """x -> Relu = r; Add(Tanh(r), Sigmoid(r)) -> Gather(axis 1, [0, 2]); optionally Neg(r) as an output."""
+    nodes = [
+        node("Relu", ["x"], "r", "relu"),
+        node("Tanh", ["r"], "t", "tanh"),
+        node("Sigmoid", ["r"], "s", "sigmoid"),
+        node("Add", ["t", "s"], "a", "add"),
+        node("Gather", ["a", "i"], "g", "g1", axis=1),
+        node("Identity", ["g"], "y", "identity"),
+    ]
+    outputs = {"y": F}
+    inits = {"i": np.array([0, 2], np.int64)}
+    if second_index >= 0:  # a second slice of r, with its own (maybe equal) indices constant
+        nodes += [node("Gather", ["r", "j"], "g2", "g2", axis=1), node("Identity", ["g2"], "y2", "identity2")]
+        outputs["y2"] = F
+        inits["j"] = np.array([0, second_index], np.int64)
+    if extra_reader:
+        nodes.append(node("Neg", ["r"], "z", "neg"))
+        outputs["z"] = F
+    return build(nodes, {"x": (F, ["batch", 6, 4])}, outputs, inits)
+
+
+def test_slice_copies_merge_and_move_on_when_every_reader_of_a_value_is_the_same_slice():
+    """Both branches of r bring a copy of the Gather, and another Gather with equal indices reads r too:
+    all three merge into one, which moves above Relu onto the graph input."""
+    proto = _two_branches(second_index=2)
+    model, result = _optimize(proto)
+    assert result.counts == {"slices_moved": 1, "ops_crossed": 4, "squeezes_added": 0, "copies_merged": 2}
+    (gather,) = _ops(model, "Gather")
+    assert gather.inputs[0].name == "x"
+    assert _shape(_node(model, "relu").outputs[0]) == ["batch", 2, 4]
+    assert_equivalent(proto, model, **TOL)
+
+
+@pytest.mark.parametrize(
+    ("second_index", "extra_reader"),
+    [pytest.param(3, False, id="other-indices"), pytest.param(-1, True, id="non-slice-reader")],
+)
+def test_slice_copies_stay_when_a_reader_of_the_value_differs(second_index, extra_reader):
+    """A Gather with other indices, or a Neg, also reads r: the copies stop at Relu, unmerged."""
+    proto = _two_branches(second_index, extra_reader)
+    model, result = _optimize(proto)
+    assert result.counts["copies_merged"] == 0
+    assert any("stops at 'relu' (3 consumers)" in m.reason for m in result.non_matches)
+    assert _node(model, "relu").inputs[0].name == "x"
+    assert [g.inputs[0].name for g in _ops(model, "Gather")] == ["r"] * (3 if second_index >= 0 else 2)
+    assert_equivalent(proto, model, **TOL)
+
+
+def test_hf_roberta_cls_gather_reaches_the_last_layers_input_in_one_run_when_copies_merge():
+    """Without CSE between runs: the copies that meet on shared values (GELU halves, the LayerNorm read by
+    the FFN and the residual) merge, so one run of the pass gets as far as the CSE fixpoint."""
+    path = MODELS / "hf_roberta_cls.onnx"
+    if not path.exists():
+        pytest.skip("tests/models/hf_roberta_cls.onnx not built")
+    proto = onnx.load(str(path))
+    model = ir.serde.deserialize_model(proto)
+    result = UpstreamSlice()(model)
+    assert result.counts["copies_merged"] >= 2
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    moved = [g for g in _ops(model, "Gather") if g.name.startswith("node_select")]
+    assert sorted({g.inputs[0].name for g in moved}) == ["layer_norm_2", "where"]
     assert_equivalent(proto, model, **TOL)
