@@ -3,7 +3,6 @@ jobs are submitted and run (embedded filesystem queue and Redis), and the allow-
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -99,11 +98,9 @@ def test_metrics_returns_403_when_client_not_in_allow_from(tmp_path: Path):
 def test_metrics_served_to_loopback_when_allow_from_names_it(tmp_path: Path):
     settings = make_settings(tmp_path / "data", metrics={"allow_from": ["127.0.0.0/8", "::1"]})
     with serve(settings) as live:
-        started = time.monotonic()
         response = live.client.get("/metrics")
         assert response.status_code == 200
         assert "onnxforge_jobs" in response.text
-        assert time.monotonic() - started < 2
 
 
 def test_metrics_not_served_when_disabled(tmp_path: Path):

@@ -48,7 +48,8 @@ def test_create_job_refuses_evil_content_type_quickly(api: Live, content_type: s
     started = time.monotonic()
     response = api.client.post("/v1/jobs", content=b"x" * 1024, headers={"content-type": content_type})
     assert 400 <= response.status_code < 500, response.text
-    assert time.monotonic() - started < 2.0
+    # Catastrophic backtracking takes minutes on these headers; 10 s still tells it apart on a loaded machine.
+    assert time.monotonic() - started < 10.0
     assert api.tmp_files() == []
     assert api.dispatcher.enqueued == []
 
@@ -61,7 +62,8 @@ def test_create_job_refuses_ten_thousand_empty_fields_at_the_first(api: Live, na
         "/v1/jobs", content=body, headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"}
     )
     _problem(response, 422, "UNKNOWN_FIELD")
-    assert time.monotonic() - started < 2.0
+    # Catastrophic backtracking takes minutes on these headers; 10 s still tells it apart on a loaded machine.
+    assert time.monotonic() - started < 10.0
     assert api.tmp_files() == []
 
 
