@@ -59,6 +59,7 @@
       super(detail);
       this.status = status;
       this.code = code;
+      this.detail = detail;
     }
   }
 
@@ -211,15 +212,66 @@
       spellcheck: "false",
       placeholder: "pass names, comma-separated, run in this order",
     });
+    // Options travel as {"name": ..., "options": {...}} entries, the same JSON as the API and the CLI's
+    // --config; the server validates them against each pass's schema and answers 422 naming the option.
+    const options = el("textarea", {
+      id: "pass-options",
+      rows: 4,
+      cols: 80,
+      spellcheck: "false",
+      placeholder: 'options per pass, a JSON object: {"constant_folding": {"max_output_bytes": 4096}}',
+    });
+    const help = el("div", { id: "pass-options-help", className: "muted" });
     const buttons = el("div", { className: "pass-buttons" });
     for (const info of catalogue.passes || []) {
       const add = el("button", { type: "button", title: info.summary || "" }, "+ " + info.name);
       add.addEventListener("click", () => {
         text.value = text.value.trim() ? text.value.replace(/\s*,?\s*$/, ", ") + info.name : info.name;
+        help.replaceChildren(...describeOptions(info));
       });
       buttons.append(el("label", {}, add, " ", el("span", { className: "muted" }, info.summary || "")));
     }
-    list.replaceChildren(text, buttons);
+    list.replaceChildren(text, options, help, buttons);
+  }
+
+  // One line per option of a pass, from its JSON schema: name, required or default, description.
+  function describeOptions(info) {
+    const schema = info.options_schema || {};
+    const props = schema.properties || {};
+    const required = new Set(schema.required || []);
+    const names = Object.keys(props);
+    if (!names.length) return [el("div", {}, info.name + " takes no options.")];
+    const lines = [el("div", {}, "Options of " + info.name + ":")];
+    for (const name of names) {
+      const prop = props[name] || {};
+      const state = required.has(name)
+        ? "required"
+        : "default " + JSON.stringify(prop.default === undefined ? null : prop.default);
+      lines.push(el("div", {}, "  " + name + " (" + state + ")" + (prop.description ? ": " + prop.description : "")));
+    }
+    return lines;
+  }
+
+  // The explicit list as API entries: a bare name, or {"name", "options"} where options were given.
+  function passEntries(names) {
+    const raw = (($("pass-options") || {}).value || "").trim();
+    if (!raw) return names;
+    let byName;
+    try {
+      byName = JSON.parse(raw);
+    } catch (error) {
+      throw new Error("Pass options are not valid JSON: " + error.message);
+    }
+    if (byName === null || typeof byName !== "object" || Array.isArray(byName)) {
+      throw new Error('Pass options must be a JSON object of pass name to options, e.g. {"prepost": {...}}.');
+    }
+    for (const [name, value] of Object.entries(byName)) {
+      if (!names.includes(name)) throw new Error("Options given for " + name + ", which is not in the list.");
+      if (value === null || typeof value !== "object" || Array.isArray(value)) {
+        throw new Error("The options of " + name + " must be a JSON object.");
+      }
+    }
+    return names.map((name) => (name in byName ? { name: name, options: byName[name] } : name));
   }
 
   function showPresetSummary() {
@@ -273,7 +325,7 @@
         .map((s) => s.trim())
         .filter(Boolean);
       if (!names.length) throw new Error("Name at least one pass, or choose a preset.");
-      config.passes = names;
+      config.passes = passEntries(names);
     } else if ($("preset").value) {
       config.preset = $("preset").value;
     }

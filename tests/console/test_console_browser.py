@@ -197,3 +197,51 @@ def test_console_sends_the_key_and_lists_only_its_tenants_jobs_when_keys_are_con
             f"{live.base_url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {KEY}"}, timeout=10
         ).json()
         assert owned["model"]["filename"] == "mlp_cleanup.onnx"
+
+
+def test_console_sends_pass_options_and_shows_the_refusal_naming_the_option_when_one_is_bad(
+    browser: Any, services: Services, tmp_path: Path
+):
+    from selenium.webdriver.common.by import By
+
+    api = services.serve(service_env(tmp_path / "data", **FAST_PIPELINE), embedded=True)
+    model = tmp_path / "mlp_cleanup.onnx"
+    shutil.copyfile(MODELS / "mlp_cleanup.onnx", model)
+    browser.get(f"{api.url}/console/")
+    _until("the pass buttons", lambda: browser.find_elements(By.CSS_SELECTOR, ".pass-buttons button"), 15)
+    browser.find_element(By.ID, "mode-explicit").click()
+    buttons = {b.text: b for b in browser.find_elements(By.CSS_SELECTOR, ".pass-buttons button")}
+    buttons["+ identity_elimination"].click()
+    buttons["+ constant_folding"].click()
+    assert browser.find_element(By.ID, "pass-names").get_attribute("value") == "identity_elimination, constant_folding"
+    assert "max_output_bytes" in _text(browser, "pass-options-help")  # from the pass's options schema
+    browser.find_element(By.ID, "model-file").send_keys(str(model))
+    options = browser.find_element(By.ID, "pass-options")
+
+    # Not JSON, and options for a pass that is not in the list: refused in the page, nothing sent.
+    for text, words in [("{nope", "not valid JSON"), ('{"float16": {}}', "not in the list")]:
+        options.clear()
+        options.send_keys(text)
+        browser.find_element(By.ID, "submit").click()
+        _until(words, lambda words=words: words in _text(browser, "upload-status"), 5, browser)
+    assert httpx.get(f"{api.url}/v1/jobs", timeout=10).json()["jobs"] == []
+
+    # An option the pass does not have: the server's 422 names it.
+    options.clear()
+    options.send_keys('{"constant_folding": {"max_bytes": 4096}}')
+    browser.find_element(By.ID, "submit").click()
+    _until("the refusal", lambda: "Refused" in _text(browser, "upload-status"), 15, browser)
+    refusal = _text(browser, "upload-status")
+    assert "INVALID_PASS_OPTIONS" in refusal and "max_bytes" in refusal
+
+    # A valid option travels as {"name", "options"}; the other pass stays a bare name.
+    options.clear()
+    options.send_keys('{"constant_folding": {"max_output_bytes": 4096}}')
+    browser.find_element(By.ID, "submit").click()
+    _until("the submission", lambda: "Submitted job" in _text(browser, "upload-status"), 30, browser)
+    job_id = _text(browser, "upload-status").removeprefix("Submitted job ").rstrip(".")
+    passes = httpx.get(f"{api.url}/v1/jobs/{job_id}", timeout=10).json()["config"]["passes"]
+    names = [p if isinstance(p, str) else p["name"] for p in passes]
+    assert names == ["identity_elimination", "constant_folding"]
+    folding = next(p for p in passes if not isinstance(p, str) and p["name"] == "constant_folding")
+    assert folding["options"]["max_output_bytes"] == 4096
