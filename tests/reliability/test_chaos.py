@@ -64,3 +64,14 @@ def test_chaos_leaves_no_process_behind(chaos: dict[str, Any]):
 
 def test_chaos_leaves_no_attempt_directory_of_killed_attempts(chaos: dict[str, Any]):
     assert chaos["leftover_attempt_dirs"] == 0
+
+
+def test_chaos_enqueues_again_only_what_kills_lost_when_backlog_outlasts_two_leases(chaos: dict[str, Any]):
+    # 12 jobs on 2 workers take far longer than 2 x lease, so every queued job goes stale while its message
+    # waits. Re-enqueueing on staleness alone added each of them to the queue again every round (bug 3 in
+    # docs/reliability.md); now only a message that a killed worker took with it is enqueued again.
+    assert chaos["chaos_seconds"] > 2 * LEASE
+    worker_kills = chaos["kills_by_kind"]["worker"] + chaos["kills_by_kind"]["group"]
+    assert chaos["reconciler_reenqueued"] <= worker_kills, chaos["reconciler_reenqueued"]
+    assert chaos["broker_max_excess"] <= worker_kills, (chaos["broker_max_excess"], chaos["broker_max_waiting"])
+    assert chaos["broker_waiting_after"] == 0
