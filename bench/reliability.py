@@ -7,6 +7,7 @@ touches the shared Redis or PostgreSQL. All loops are bounded in count and time.
 
     .venv/bin/python -m bench.reliability chaos --jobs 200
     .venv/bin/python -m bench.reliability redis
+    .venv/bin/python -m bench.reliability oom
     .venv/bin/python -m bench.reliability upload --gb 2.2
     .venv/bin/python -m bench.reliability load --uploads 8 --upload-mb 100 --rps 200 --seconds 20
     .venv/bin/python -m bench.reliability validate --mb 300
@@ -341,6 +342,48 @@ def blob_path(data_dir: Path, sha: str) -> Path:
     return Path(BlobStore(data_dir / "blobs").path(sha))
 
 
+class BrokerProbe:
+    """Counts the Celery messages in a private Redis: waiting in the ``cpu``/``gpu`` queues, and delivered
+    but not acknowledged. The reconciler flood (docs/reliability.md, bug 3) shows as waiting messages far
+    above the number of queued jobs."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        import redis as redis_lib
+
+        self.client = redis_lib.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self.prefix = prefix
+        self.max_waiting = 0
+        self.max_excess = 0  # waiting messages minus queued jobs, at the worst sample
+        self.samples = 0
+
+    def sample(self, queued_jobs: int) -> None:
+        try:
+            waiting = self.waiting()
+        except Exception:  # redis killed on purpose (the Redis run) or busy: skip this sample
+            return
+        self.samples += 1
+        self.max_waiting = max(self.max_waiting, waiting)
+        self.max_excess = max(self.max_excess, waiting - queued_jobs)
+
+    def waiting(self) -> int:
+        return sum(int(self.client.llen(f"{self.prefix}{q}")) for q in ("cpu", "gpu"))
+
+    def unacked(self) -> int:
+        return int(self.client.hlen(f"{self.prefix}unacked"))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def reenqueue_count(logs: Path) -> int:
+    """How many messages the workers' reconcilers enqueued (their ``re-enqueued`` log lines)."""
+    count = 0
+    for log_file in logs.glob("worker-*.log"):
+        with contextlib.suppress(OSError):
+            count += log_file.read_bytes().count(b"reconciler: re-enqueued")
+    return count
+
+
 # ------------------------------------------------------------------------------------------------- chaos
 
 
@@ -369,8 +412,10 @@ def run_chaos(
     with workspace(parent=tmp_parent) as tmp:
         redis = RedisServer(tmp / "redis")
         redis.start()
+        prefix = f"onnxforge-rel-{uuid.uuid4().hex[:10]}:"
+        probe = BrokerProbe(redis.url, prefix)
         stack = Stack(
-            tmp, broker_url=redis.url, cache__enabled=False, worker__lease_seconds=lease_seconds,
+            tmp, broker_url=redis.url, key_prefix=prefix, cache__enabled=False, worker__lease_seconds=lease_seconds,
             worker__reconcile_interval_seconds=reconcile_seconds, worker__max_attempts=max_attempts,
             fault=f"sleep:{child_sleep}" if child_sleep else None, **FAST_PIPELINE,
         )  # fmt: skip
@@ -408,11 +453,19 @@ def run_chaos(
             pending: list[dict[str, Any]] = []  # kills whose interrupted job has not moved on yet
             recoveries: list[float] = []
             next_kill = t0 + rng.uniform(*kill_every)
+            next_progress = t0 + 60
+            result["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
             deadline = t0 + timeout
             done_at = None
             while time.monotonic() < deadline:
                 snapshot = list_jobs(client, stack.url)
+                probe.sample(sum(1 for i in ids if snapshot[i]["state"] == "queued"))
                 now = time.monotonic()
+                if now >= next_progress:
+                    done = sum(1 for i in ids if snapshot[i]["state"] in TERMINAL)
+                    log(f"chaos: t={now - t0:.0f}s {done}/{jobs} terminal, {len(kills)} kills, "
+                        f"{probe.max_waiting} max waiting messages, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+                    next_progress = now + 60
                 for p in list(pending):  # recovered: the job finished, or another attempt is running it
                     job = snapshot.get(p["job"], {})
                     if job.get("state") in TERMINAL or (
@@ -464,6 +517,7 @@ def run_chaos(
                 kill_log=kills,
                 terminal=len(ids) - len(lost),
                 lost=lost,
+                lost_detail={i: [final[i]["state"], final[i]["attempts"], final[i].get("stage")] for i in lost},
                 succeeded=len(succeeded),
                 failed_codes=failed_codes,
                 max_attempts_seen=max(final[i]["attempts"] for i in ids),
@@ -477,10 +531,17 @@ def run_chaos(
                 unrecovered_kills=len(pending),
                 leftover_attempt_dirs=len(leftover),
                 children_left=len(stack.children()),
+                broker_max_waiting=probe.max_waiting,
+                broker_max_excess=probe.max_excess,
+                broker_samples=probe.samples,
+                broker_waiting_after=probe.waiting(),
+                reconciler_reenqueued=reenqueue_count(stack.logs),
+                loadavg_end=[round(x, 2) for x in os.getloadavg()],
             )
             client.close()
         finally:
             try:
+                probe.close()
                 stack.close()
             finally:
                 redis.stop()
@@ -551,7 +612,8 @@ def run_redis_restart(
 ) -> dict[str, Any]:
     """Submit a job every ``interval`` s while SIGKILLing redis-server after ``before`` s and restarting it
     (same port, same AOF dir) ``outage`` s later; then wait until every accepted job is terminal."""
-    result: dict[str, Any] = {"before_s": before, "outage_s": outage, "after_s": after}
+    result: dict[str, Any] = {"before_s": before, "outage_s": outage, "after_s": after, "interval_s": interval}
+    result.update(workers=workers, lease_seconds=lease_seconds, loadavg_start=[round(x, 2) for x in os.getloadavg()])
     with workspace(parent=tmp_parent) as tmp:
         redis = RedisServer(tmp / "redis")
         redis.start()
@@ -611,14 +673,25 @@ def run_redis_restart(
             for r in records:
                 key = f"{r[1]} {r[2]}" if r[2] else str(r[1])
                 statuses[key] = statuses.get(key, 0) + 1
-            final = wait_terminal(client, stack.url, accepted, drain_timeout)
+            probe = BrokerProbe(redis.url, prefix)
+            deadline = time.monotonic() + drain_timeout
+            while True:  # wait_terminal, sampling the broker's queue on the way (the flood, bug 3)
+                final = list_jobs(client, stack.url)
+                probe.sample(sum(1 for i in accepted if final.get(i, {}).get("state") == "queued"))
+                if all(final.get(i, {}).get("state") in TERMINAL for i in accepted) or time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
             t_drained = time.monotonic() - t0
             lost = [i for i in accepted if final.get(i, {}).get("state") not in TERMINAL]
-            import redis as redis_lib
-
-            r_client = redis_lib.Redis.from_url(redis.url)
-            queue_len = sum(int(r_client.llen(f"{prefix}{q}")) for q in ("cpu", "gpu"))
-            r_client.close()
+            queue_len = probe.waiting()
+            result.update(
+                broker_max_waiting=probe.max_waiting,
+                broker_max_excess=probe.max_excess,
+                broker_unacked_after=probe.unacked(),
+                reconciler_reenqueued=reenqueue_count(stack.logs),
+                loadavg_end=[round(x, 2) for x in os.getloadavg()],
+            )
+            probe.close()
             server_errors = [r for r in records if r[1] >= 500 and r[2] != "BROKER_UNAVAILABLE"]
             result.update(
                 submitted=len(records),
@@ -646,6 +719,120 @@ def run_redis_restart(
                 stack.close()
             finally:
                 redis.stop()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- OOM cap
+
+
+def oom_model() -> bytes:
+    """A tiny model whose first run allocates 64 GiB: ConstantOfShape of a shape hidden behind Identity, so no
+    static check sees it and only the child's memory limit stops it (like T7's runtime memory bomb)."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["shape"], ["shape2"], name="hide"),
+            helper.make_node("ConstantOfShape", ["shape2"], ["big"], name="bomb"),
+            helper.make_node("ReduceSum", ["big"], ["s"], name="sum", keepdims=0),
+            helper.make_node("Add", ["x", "s"], ["y"], name="add"),
+        ],
+        "oom",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        initializer=[numpy_helper.from_array(np.array([1 << 34], np.int64), "shape")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def run_oom(
+    *,
+    max_attempts: int = 3,
+    lease_seconds: int = 10,
+    reconcile_seconds: int = 2,
+    child_memory_mb: int = 4096,
+    timeout: float = 300.0,
+    log: Log = _log,
+    tmp_parent: Path | None = None,
+) -> dict[str, Any]:
+    """The attempt cap (security.md T16) with one worker, lease ``lease_seconds``:
+
+    A. a model whose run always exceeds the child's memory limit, then a good job behind it;
+    B. a job whose every attempt takes its worker down with it, as when the kernel's OOM killer picks the
+       worker rather than the child (no per-child cgroup yet, T7): the run SIGKILLs the worker's process
+       group as soon as that job's attempt child appears, and restarts the worker; a good job waits behind.
+
+    Each ends with the job's state, error code and attempts, and the good job's state."""
+    result: dict[str, Any] = {"max_attempts": max_attempts, "lease_seconds": lease_seconds}
+    result["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
+    with workspace(parent=tmp_parent) as tmp:
+        redis = RedisServer(tmp / "redis")
+        redis.start()
+        stack = Stack(
+            tmp, broker_url=redis.url, cache__enabled=False, worker__lease_seconds=lease_seconds,
+            worker__reconcile_interval_seconds=reconcile_seconds, worker__max_attempts=max_attempts,
+            worker__child_memory_mb=child_memory_mb, fault="sleep:1", **FAST_PIPELINE,
+        )  # fmt: skip
+        try:
+            stack.start_api()
+            worker = stack.start_worker()
+            client = httpx.Client()
+            good = model_variants(1)[0]
+
+            # A: the child runs out of memory on every delivery.
+            t0 = time.monotonic()
+            oom_id = submit(client, stack.url, oom_model()).raise_for_status().json()["id"]
+            after_oom = submit(client, stack.url, good).raise_for_status().json()["id"]
+            final = wait_terminal(client, stack.url, [oom_id, after_oom], timeout)
+            result["child_oom"] = {
+                "state": final[oom_id]["state"],
+                "error_code": (final[oom_id].get("error") or {}).get("code"),
+                "attempts": final[oom_id]["attempts"],
+                "next_job_state": final[after_oom]["state"],
+                "seconds": round(time.monotonic() - t0, 2),
+            }
+            log(f"oom: child OOM {result['child_oom']}")
+
+            # B: every attempt of one job kills its worker.
+            t0 = time.monotonic()
+            poison_id = submit(client, stack.url, good).raise_for_status().json()["id"]
+            behind = submit(client, stack.url, good).raise_for_status().json()["id"]
+            kills = 0
+            deadline = t0 + timeout
+            while time.monotonic() < deadline:
+                jobs = list_jobs(client, stack.url)
+                if jobs[poison_id]["state"] in TERMINAL and jobs[behind]["state"] in TERMINAL:
+                    break
+                if any(_job_of_child(c)[0] == poison_id for c in stack.children()) and worker.alive:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(worker.popen.pid, signal.SIGKILL)
+                    worker.popen.wait(10)
+                    kills += 1
+                    log(f"oom: killed the worker running {poison_id} ({kills})")
+                if not worker.alive:
+                    worker = stack.start_worker()
+                time.sleep(0.2)
+            final = list_jobs(client, stack.url)
+            result["worker_killed_every_attempt"] = {
+                "state": final[poison_id]["state"],
+                "error_code": (final[poison_id].get("error") or {}).get("code"),
+                "attempts": final[poison_id]["attempts"],
+                "worker_kills": kills,
+                "next_job_state": final[behind]["state"],
+                "seconds": round(time.monotonic() - t0, 2),
+            }
+            log(f"oom: worker killed every attempt {result['worker_killed_every_attempt']}")
+            client.close()
+        finally:
+            try:
+                stack.close()
+            finally:
+                redis.stop()
+        result["children_after_close"] = len(stack.children())
+    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return result
 
 
@@ -745,7 +932,7 @@ def run_upload(*, gb: float = 2.2, log: Log = _log, tmp_parent: Path | None = No
     """Upload a zip of model.onnx + ``gb`` GB of external data over loopback (streamed, with Content-Length);
     measure throughput and the API process's RSS increase; then validate the extracted model in a
     subprocess and report its peak RSS."""
-    result: dict[str, Any] = {"data_gb": gb}
+    result: dict[str, Any] = {"data_gb": gb, "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     with workspace(parent=tmp_parent) as tmp:
         archive = tmp / "big.zip"
         t = time.monotonic()
@@ -761,7 +948,8 @@ def run_upload(*, gb: float = 2.2, log: Log = _log, tmp_parent: Path | None = No
             time.sleep(0.5)
             boundary = uuid.uuid4().hex
             length, body = multipart_stream(archive, boundary, CONFIG)
-            digest = hashlib.sha256(archive.read_bytes()) if size < (1 << 30) else None
+            with archive.open("rb") as f:  # streamed: the archive may be larger than this machine's free memory
+                digest = hashlib.file_digest(f, "sha256")
             with RssSampler(api_process(stack).pid) as rss:
                 t = time.monotonic()
                 r = httpx.post(
@@ -784,7 +972,7 @@ def run_upload(*, gb: float = 2.2, log: Log = _log, tmp_parent: Path | None = No
             )
             if r.status_code == 202:
                 job = r.json()
-                result["sha256_matches"] = None if digest is None else job["model"]["sha256"] == digest.hexdigest()
+                result["sha256_matches"] = job["model"]["sha256"] == digest.hexdigest()
                 result["model_format"] = job["model"]["format"]
             else:
                 result["error"] = r.text[:500]
@@ -1048,6 +1236,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=float, default=10.0)
     p.add_argument("--interval", type=float, default=0.2)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--drain-timeout", type=float, default=150.0, help="seconds to wait for accepted jobs to end")
+    p = sub.add_parser("oom", help="the attempt cap: a job that always runs out of memory or kills its worker")
+    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--lease", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=300.0)
     p = sub.add_parser("upload", help="one big zip (model.onnx + external data) upload")
     p.add_argument("--gb", type=float, default=2.2)
     p = sub.add_parser("load", help="concurrent uploads plus status polling")
@@ -1067,8 +1260,11 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     elif args.cmd == "redis":
         result = run_redis_restart(
-            before=args.before, outage=args.outage, after=args.after, interval=args.interval, workers=args.workers
-        )
+            before=args.before, outage=args.outage, after=args.after, interval=args.interval, workers=args.workers,
+            drain_timeout=args.drain_timeout,
+        )  # fmt: skip
+    elif args.cmd == "oom":
+        result = run_oom(max_attempts=args.max_attempts, lease_seconds=args.lease, timeout=args.timeout)
     elif args.cmd == "upload":
         result = run_upload(gb=args.gb)
     elif args.cmd == "load":
