@@ -67,8 +67,12 @@ def _options_table(schema: dict[str, Any]) -> str:
     if not properties:
         return "No options (any key is refused)."
     rows = ["| option | type | default | meaning |", "| --- | --- | --- | --- |"]
+    required = set(schema.get("required") or [])
     for name, prop in properties.items():
-        default = f"`{json.dumps(prop['default'])}`" if "default" in prop else "required"
+        if "default" in prop:
+            default = f"`{json.dumps(prop['default'])}`"
+        else:  # pydantic's default_factory leaves no default in the schema; only `required` means required
+            default = "required" if name in required else "computed"
         rows.append(
             f"| `{name}` | {_cell(_type(prop))} | {_cell(default)} | {_cell(str(prop.get('description', '')))} |"
         )

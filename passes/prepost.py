@@ -41,7 +41,10 @@ load), ``PREPOST_TOKENIZER_UNSUPPORTED`` (onnxruntime-extensions has no op for i
 ``PREPOST_DEPENDENCY_MISSING``.
 
 The result's notes carry ``changes_inputs: true``: the pipeline must not run its generic verification on
-this pass (it cannot feed raw inputs to the original) and must trust the verification done here.
+this pass (it cannot feed raw inputs to the original) and must trust the verification done here. It then
+verifies the passes after this one against this pass's model, fed ``verified_inputs`` (the raw feeds checked
+here) or the user's raw samples (``raw_inputs()`` names them). In the service the pipeline first calls
+``confine_paths(input_dir)``: the tokenizer must then lie inside the upload (``PREPOST_TOKENIZER_PATH_INVALID``).
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ class PrepostOptions(PassOptions):
         description="Pre-processing: an `image` or a `text` object (see the pass description)."
     )
     post: list[PostStep] = Field(
-        default_factory=list,
+        [],  # a plain default (pydantic copies it per instance) so the schema shows it
         description='Post-processing chain: "softmax", "argmax", {"topk": K}, {"pool": "mean"}, "l2norm".',
     )
     output: str | None = Field(None, description="Model output the post chain applies to; default: the first.")
@@ -208,6 +211,44 @@ class Prepost(Pass):
     in_place = False
     Options = PrepostOptions
     changes_inputs: ClassVar[bool] = True
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        # Set by confine_paths in the service: the tokenizer directory resolved inside the job's input dir.
+        self.tokenizer_dir: Path | None = None
+        # The raw feeds the last call verified ({"image": uint8[n]} or {"text": string[1]}): the pipeline
+        # verifies and times the passes after this one on them.
+        self.verified_inputs: list[dict[str, np.ndarray]] = []
+
+    def raw_inputs(self) -> dict[str, str]:
+        """The artifact's input, by name: its numpy dtype kind ("uint8" for image bytes, "string")."""
+        return {"image": "uint8"} if self.options.pre.kind == "image" else {"text": "string"}  # type: ignore[attr-defined]
+
+    def confine_paths(self, root: Path) -> None:
+        """Resolve the tokenizer directory inside ``root`` (the service's job input dir): a relative path whose
+        real location, symlinks followed, stays in ``root``; else ``PREPOST_TOKENIZER_PATH_INVALID``.
+
+        The service must never read a path of the server's own file system named by a request; the CLI does
+        not call this (a local path is the user's own)."""
+        pre = self.options.pre  # type: ignore[attr-defined]
+        if pre.kind != "text":
+            return
+        given = pre.tokenizer
+        pure = Path(given)
+        if not given or pure.is_absolute() or ".." in pure.parts or given.startswith("~"):
+            raise _fail(
+                "PREPOST_TOKENIZER_PATH_INVALID",
+                f"tokenizer {given[:200]!r} must be a relative path inside the uploaded archive (no '..', not "
+                'absolute); use "." for tokenizer files that lie beside the model',
+            )
+        base = root.resolve()
+        resolved = (base / pure).resolve()
+        if resolved != base and base not in resolved.parents:
+            raise _fail(
+                "PREPOST_TOKENIZER_PATH_INVALID",
+                f"tokenizer {given[:200]!r} leads outside the uploaded archive (through a symbolic link)",
+            )
+        self.tokenizer_dir = resolved
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options: PrepostOptions = self.options  # type: ignore[assignment]
@@ -255,7 +296,13 @@ class Prepost(Pass):
             notes["pre"] = {"kind": "image", "input": plan.input_name, "layout": plan.layout, "size": plan.size}
             text_plan = None
         else:
-            text_plan = _TextPlan(pre, inputs, steps, needs_mask=any(isinstance(p, PoolPost) for p in options.post))
+            text_plan = _TextPlan(
+                pre,
+                inputs,
+                steps,
+                needs_mask=any(isinstance(p, PoolPost) for p in options.post),
+                directory=self.tokenizer_dir or Path(pre.tokenizer),
+            )
             pre_steps = [text_plan.step]
             raw_input = onnx.helper.make_tensor_value_info("text", onnx.TensorProto.STRING, [1])
             notes["pre"] = {
@@ -287,6 +334,7 @@ class Prepost(Pass):
             else:
                 assert text_plan is not None
                 verification = text_plan.verify(runner, options, ctx)
+        self.verified_inputs = (plan or text_plan).inputs  # type: ignore[union-attr]
         notes.update(verification)
         notes["outputs"] = [o.name for o in artifact.graph.output]
         notes["inputs"] = [{"name": raw_input.name, "dtype": "uint8" if plan is not None else "string"}]
@@ -611,6 +659,7 @@ class _ImagePlan:
             if "image" in sample:
                 user.append((f"sample:{i}", np.asarray(sample["image"], dtype=np.uint8).tobytes()))
         images = user or self._synthetic()
+        self.inputs = [{"image": np.frombuffer(data, np.uint8)} for _, data in images]
         checked = []
         chosen = runner.original_outputs.index(options.output) if options.output else 0
         for label, data in images:
@@ -684,7 +733,16 @@ def _encode(pixels: np.ndarray, fmt: str) -> bytes:
 
 
 class _TextPlan:
-    def __init__(self, pre: TextPre, inputs: dict[str, onnx.ValueInfoProto], steps: Any, *, needs_mask: bool) -> None:
+    def __init__(
+        self,
+        pre: TextPre,
+        inputs: dict[str, onnx.ValueInfoProto],
+        steps: Any,
+        *,
+        needs_mask: bool,
+        directory: Path,
+    ) -> None:
+        self.inputs: list[dict[str, np.ndarray]] = []
         unknown = sorted(set(inputs) - set(_ID_ROLES))
         if unknown or "input_ids" not in inputs:
             raise _fail(
@@ -701,9 +759,9 @@ class _TextPlan:
         if needs_mask and "attention_mask" not in self.outputs:
             self.outputs.append("attention_mask")
             self.dtypes["attention_mask"] = onnx.TensorProto.INT64
-        self.tokenizer = _load_tokenizer(pre.tokenizer)
+        self.tokenizer = _load_tokenizer(directory, shown=pre.tokenizer)
         self.tokenizer_class = type(self.tokenizer).__name__
-        self.max_length = pre.max_length or _default_max_length(Path(pre.tokenizer), self.tokenizer)
+        self.max_length = pre.max_length or _default_max_length(directory, self.tokenizer)
         try:
             from onnxruntime_extensions import gen_processing_models
 
@@ -771,7 +829,9 @@ class _TextPlan:
                     }
                 )
                 continue
-            got = runner.artifact.run(None, {"text": np.array([sentence], dtype=object)})
+            feed = {"text": np.array([sentence], dtype=object)}
+            got = runner.artifact.run(None, feed)
+            self.inputs.append(feed)
             model_feeds = {k: v for k, v in feeds.items() if k in runner.original_inputs}
             values = runner.original.run(None, model_feeds)
             expected = _apply_post(options.post, values, chosen, feeds.get("attention_mask"))
@@ -807,10 +867,11 @@ class _TextPlan:
         }
 
 
-def _load_tokenizer(path: str) -> Any:
-    directory = Path(path)
+def _load_tokenizer(directory: Path, shown: str) -> Any:
+    """The Hugging Face tokenizer in ``directory``; messages name it as the user did (``shown``), never by
+    the server's path."""
     if not directory.is_dir():
-        raise _fail("PREPOST_TOKENIZER_INVALID", f"tokenizer {path!r} is not a directory")
+        raise _fail("PREPOST_TOKENIZER_INVALID", f"tokenizer {shown[:200]!r} is not a directory")
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
@@ -827,7 +888,8 @@ def _load_tokenizer(path: str) -> Any:
     except Exception as exc:
         raise _fail(
             "PREPOST_TOKENIZER_INVALID",
-            f"the tokenizer directory does not load: {type(exc).__name__}: {str(exc)[:500]}",
+            f"the tokenizer directory {shown[:200]!r} does not load: {type(exc).__name__}: "
+            f"{str(exc).replace(str(directory), shown)[:500]}",
         ) from exc
     finally:
         for k, v in saved.items():

@@ -25,6 +25,7 @@ from passes.identity_elimination import IdentityElimination
 from passes.label_sparsity import LabelSparsity
 from passes.mixed_precision import MixedPrecision
 from passes.padding_elimination import PaddingElimination
+from passes.prepost import Prepost
 from passes.quantize_dynamic import QuantizeDynamic
 from passes.quantize_static import QuantizeStatic
 from passes.range_gather_to_slice import RangeGatherToSlice
@@ -55,6 +56,7 @@ PASSES: tuple[type[Pass], ...] = (
     FreeShapes,
     ExtractAdapters,
     ShapeProfile,
+    Prepost,  # opt-in only, never in a preset: it replaces the model's inputs
 )
 
 _BY_NAME: dict[str, type[Pass]] = {cls.name: cls for cls in PASSES}

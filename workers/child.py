@@ -105,6 +105,8 @@ def run(job_path: Path) -> int:
             samples_path=Path(job["samples_path"]) if job.get("samples_path") else None,
             job_id=job.get("job_id"),
             progress=progress,
+            # Files named by pass options (prepost's tokenizer) come from the upload only, never the server.
+            input_root=Path(job["model_path"]).parent,
         )
         progress("validating", 0.0)
         validate_model_dir(request.model_path, base)  # before any onnx/ORT parser (security.md T1-T10)

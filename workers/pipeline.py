@@ -47,7 +47,7 @@ from onnxforge.errors import InvalidModelError, PassError, RegressionError, Veri
 from passes._infra import Pass, PassContext, op_histogram
 from workers import report as report_mod
 from workers.benchmark import BenchmarkParams, Comparison, compare, host_info, measure
-from workers.verify import InputSet, Verifier, make_input_sets, providers_for
+from workers.verify import InputSet, Verifier, load_raw_samples, make_input_sets, providers_for
 
 if TYPE_CHECKING:
     from app.settings import PipelineSettings
@@ -73,6 +73,9 @@ class ResolvedPasses:
 PassResolver = Callable[[JobConfig, "PipelineSettings"], ResolvedPasses]
 AUTO_DEFAULT_BUDGET_S = 600.0
 RECIPE_KEY = META_PREFIX + "session"  # tune_session's recipe; kept through _stamp, used by benchmarks
+# Written by passes and kept through _stamp: tune_session's recipe, and prepost's note that the artifact needs
+# onnxruntime-extensions and how to register it (a consumer cannot load the model without it).
+KEPT_META = frozenset({RECIPE_KEY, META_PREFIX + "requires", META_PREFIX + "register"})
 
 
 @dataclasses.dataclass
@@ -86,6 +89,9 @@ class PipelineRequest:
     progress: ProgressFn | None = None  # (stage, fraction 0..1)
     # Where the passes come from; None: passes.registry (config.passes, else the preset). Tests inject.
     pass_resolver: PassResolver | None = None
+    # The service's job input dir (the upload or its extracted archive): file options of passes (prepost's
+    # tokenizer) must resolve inside it. None (the CLI): local paths are the user's own.
+    input_root: Path | None = None
 
 
 @dataclasses.dataclass
@@ -344,6 +350,11 @@ class _Run:
         self.side_files: dict[str, bytes] = {}
         self.verify_adapter: str | None = None
         self.candidates: list[dict[str, Any]] | None = None  # preset auto: every candidate tried
+        # Set once a pass replaced the model's inputs (prepost): from then on its stage is the reference of
+        # verification and of the gate, fed the raw inputs the pass verified.
+        self.rebase: dict[str, Any] | None = None
+        self.raw_sets: list[InputSet] | None = None  # the user's raw samples (samples.npz), if any
+        self.rebase_fallback = False
 
     # The stages ------------------------------------------------------------------------------------
 
@@ -359,17 +370,29 @@ class _Run:
         resolved = (req.pass_resolver or resolve_passes)(self.config, self.settings)
         self.resolved = resolved
         providers_for(self.target)  # a target this worker cannot serve fails before any work
+        every = [*resolved.passes, *(p for _, ps in resolved.variants or [] for p in ps)]
+        if req.input_root is not None:
+            for p in every:
+                confine = getattr(p, "confine_paths", None)
+                if confine is not None:
+                    confine(req.input_root)
+        raw_inputs = {k: v for p in every if getattr(p, "changes_inputs", False) for k, v in p.raw_inputs().items()}
+        if raw_inputs and req.samples_path is not None:
+            # samples.npz may hold the raw inputs (images, sentences) rather than the original's tensors
+            self.raw_sets = load_raw_samples(req.samples_path, raw_inputs)
+        samples_path = req.samples_path if self.raw_sets is None else None
         self.dynamic_axes = _proto_dynamic_axes(proto)
         input_sets = make_input_sets(
             _input_proto(proto, resolved),
             count=self.settings.verify_shape_sets,
             seed=self.config.seed,
             shapes=self.config.shapes,
-            samples_path=req.samples_path,
+            samples_path=samples_path,
         )
         names: set[str] = set()
         self.input_sets = [s for s in input_sets if not (s.name in names or names.add(s.name))]
-        self.origin = "shapes" if self.config.shapes else "samples" if req.samples_path else "generated"
+        self.original_sets = self.input_sets
+        self.origin = "shapes" if self.config.shapes else "samples" if samples_path else "generated"
         original_ir = ir.serde.deserialize_model(proto)
         del proto
         self.hist_before = op_histogram(original_ir)
@@ -406,6 +429,8 @@ class _Run:
                 artifact, verification, bisection = self._finalize(work, accepted, source_sha)
             self.progress("verifying", 1.0)
             benchmark, decision = self._gate(artifact, verification)
+            if self.rebase_fallback:
+                artifact, verification = self._rebase_artifact(work, source_sha)
             self.progress("reporting", 0.0)
             used_original = decision["used_original"]
             final_path, external, side = self._write_artifact(decision, artifact, source_external)
@@ -486,6 +511,11 @@ class _Run:
                 candidate = self._try_pass(index, p, record, accepted, accepted_p50, work)
             finally:
                 record.duration_s = time.perf_counter() - started
+            if candidate is None and getattr(p, "changes_inputs", False):
+                # The job asked for another interface (raw input): without this pass the upload would come back
+                # with the old one, and its client would break. Fail instead (PassErrors raised above keep
+                # their own codes).
+                raise PassError(f"{p.name} was not applied: {record.reason}", pass_name=p.name)
             if candidate is not None:
                 if accepted != self.req.model_path:
                     accepted.unlink(missing_ok=True)
@@ -579,11 +609,17 @@ class _Run:
         record.nodes_before = record.nodes_after = sum(before.values())
         record.latency_ms_p50_before = accepted_p50
         self.ctx.side_files = dict(self.side_files)  # a rolled-back pass's side files never survive it
+        changes_inputs = bool(getattr(p, "changes_inputs", False))
+        samples = self.ctx.samples
+        if changes_inputs:  # it verifies itself on raw samples (the user's, else its built-in ones)
+            self.ctx.samples = [s.feeds for s in self.raw_sets or []]
         try:
             result = p(model, self.ctx)
             after = op_histogram(result.model)
         except PassError as exc:
             record.status, record.reason = "failed", f"pass raised, rolled back: {exc.message}"
+            if changes_inputs:
+                raise  # with its own code: see _ledger
             return None
         except Exception as exc:  # a broken result (e.g. a graph op_histogram cannot walk)
             record.status, record.reason = (
@@ -591,6 +627,8 @@ class _Run:
                 f"pass broke the model, rolled back: {type(exc).__name__}: {exc}",
             )
             return None
+        finally:
+            self.ctx.samples = samples
         record.modified = bool(result.modified)
         record.counts = {k: int(v) for k, v in result.counts.items()}
         record.non_matches = [m.to_dict() for m in result.non_matches]
@@ -613,6 +651,8 @@ class _Run:
                 f"produced an invalid model: {type(exc).__name__}: {exc}",
             )
             return None
+        if changes_inputs and result.notes.get("changes_inputs"):
+            return self._rebase_on(index, p, record, path, side, verify_adapter)
         lost = lost_axes(self.dynamic_axes, path)
         if lost and p.name != "fix_shapes":
             record.status, record.reason = (
@@ -654,8 +694,88 @@ class _Run:
         )
         return path
 
+    def _rebase_on(  # noqa: PLR0917  (private helper of _try_pass)
+        self,
+        index: int,
+        p: Pass,
+        record: report_mod.PassRecord,
+        path: Path,
+        side: dict[str, bytes],
+        verify_adapter: str | None,
+    ) -> Path:
+        """Accept a pass that replaced the model's inputs (prepost) on its own verification, and make its stage
+        the reference of what follows.
+
+        The generic check feeds the old and the new model the same tensors, which cannot work here: the pass
+        compared its raw-input artifact with the original fed by the reference pre-processing (tokenizer,
+        Pillow + numpy) and raised if they differ. Later passes are verified against this stage, on the raw
+        inputs the pass verified (or the user's raw samples), and the gate measures against it too."""
+        sets = self.raw_sets or [
+            InputSet(f"raw {i} ({', '.join(f)})", f) for i, f in enumerate(getattr(p, "verified_inputs", [])[:8])
+        ]
+        if not sets:
+            raise VerificationError(f"{p.name} changed the inputs but gave no raw input to verify the later passes")
+        reference = path.with_name(f"reference-{index}.onnx")
+        shutil.copyfile(path, reference)
+        _write_side_files(reference, side)
+        self.verifier = Verifier(
+            reference,
+            sets,
+            self.resolved.tolerance,
+            target=self.target,
+            intra_op_threads=self.settings.intra_op_threads,
+        )
+        stats = measure(reference, sets, self.quick)
+        p50 = sum(st.p50_ms for st in stats) / len(stats)
+        notes = record.notes
+        record.verification = {
+            "ok": True,
+            "reason": None,
+            "by": p.name,
+            "max_abs": notes.get("max_abs_exact"),
+            "max_abs_lossy": notes.get("max_abs_lossy"),
+            "samples": len(notes.get("samples_checked", [])),
+        }
+        record.latency_ms_p50_after = p50
+        record.status = "applied"
+        record.reason = (
+            f"inputs changed to {notes.get('inputs')}: verified by the pass itself against the original fed by the "
+            f"reference pre-processing on {len(notes.get('samples_checked', []))} sample(s) "
+            f"(max abs {notes.get('max_abs_exact')}); later passes are verified against this model on its raw "
+            f"inputs; p50 {p50:.4g} ms on raw input, decoding/tokenizing included (not comparable with the "
+            f"previous stage)"
+        )
+        self.rebase = {"pass": p.name, "record": index, "kept": len(self.kept), "reference": reference, "p50": p50}
+        self.input_sets = sets
+        self.ctx.samples = [s.feeds for s in sets]
+        self.valid_positions = {}  # they named the old inputs
+        self.dynamic_axes = dynamic_axes(path)
+        self.side_files, self.verify_adapter = side, verify_adapter
+        return path
+
+    def _rebase_artifact(self, work: Path, source_sha: str) -> tuple[Path, Any]:
+        """The gate refused what the passes after the rebase made: hand back the rebased stage instead of the
+        upload (whose interface the job asked to replace); the later passes are marked rolled back."""
+        assert self.rebase is not None
+        cut = self.rebase["kept"] + 1
+        for record_index, _ in self.kept[cut:]:
+            self.records[record_index].status = "rolled_back"
+            self.records[record_index].reason = "the gate refused the passes after the input change; see decision"
+        self.kept = self.kept[:cut]
+        artifact = work / "artifact-rebased.onnx"
+        model = _load_ir(self.rebase["reference"])
+        self._stamp(model, [p for _, p in self.kept], source_sha)
+        _save_ir(model, artifact)
+        self.side_files = {
+            sfx: self.rebase["reference"].with_suffix(sfx).read_bytes()
+            for sfx in self.side_files
+            if self.rebase["reference"].with_suffix(sfx).exists()
+        }
+        _write_side_files(artifact, self.side_files)
+        return artifact, self.verifier.check(artifact, adapter=self._adapter(artifact))
+
     def _stamp(self, model: ir.Model, passes: Sequence[Pass], source_sha: str) -> None:
-        props = {k: v for k, v in model.metadata_props.items() if not k.startswith(META_PREFIX) or k == RECIPE_KEY}
+        props = {k: v for k, v in model.metadata_props.items() if not k.startswith(META_PREFIX) or k in KEPT_META}
         props[META_PREFIX + "version"] = onnxforge.__version__
         props[META_PREFIX + "preset"] = self.resolved.preset or ""
         props[META_PREFIX + "passes"] = json.dumps(
@@ -677,8 +797,17 @@ class _Run:
     def _replay(self, passes: Sequence[Pass], path: Path) -> Path:
         model = _load_ir(self.req.model_path)
         self.ctx.side_files = {}
-        for p in passes:
-            model = p(model, self.ctx).model
+        samples, self.ctx.samples = self.ctx.samples, [s.feeds for s in self.original_sets]
+        try:
+            for p in passes:
+                if getattr(p, "changes_inputs", False):  # as in the ledger: its raw samples, then its own
+                    self.ctx.samples = [s.feeds for s in self.raw_sets or []]
+                    model = p(model, self.ctx).model
+                    self.ctx.samples = samples
+                else:
+                    model = p(model, self.ctx).model
+        finally:
+            self.ctx.samples = samples
         _save_ir(model, path)
         for suffix in {*self.side_files, *self.ctx.side_files}:
             path.with_suffix(suffix).unlink(missing_ok=True)
@@ -702,6 +831,8 @@ class _Run:
             probe = work / "bisect.onnx"
 
             def fails(k: int, passes: list[Pass] = passes, probe: Path = probe) -> bool:
+                if self.rebase is not None and k <= self.rebase["kept"] + 1:
+                    return False  # up to the input change: verified on their own, against other inputs
                 replayed = self._replay(passes[:k], probe)
                 return not self.verifier.check(replayed, self.valid_positions, adapter=self._adapter(replayed)).ok
 
@@ -756,11 +887,22 @@ class _Run:
             )
             if self.config.fail_on_regression:
                 decision.update(result="failed", used_original=False, failed_pass=self.kept[-1][1].name)
+            else:
+                self._fall_back_to_rebase(decision)
+            return None, decision
+        if self.rebase is not None and len(self.kept) == self.rebase["kept"] + 1:
+            decision["gate"]["inputs_changed_by"] = self.rebase["pass"]
+            decision["reason"] = (
+                f"{self.rebase['pass']} replaced the model's inputs and verified itself against the reference "
+                "pre-processing; no later pass was kept, so there is nothing to time against (the uploaded model "
+                "takes other inputs)"
+            )
             return None, decision
         self.progress("benchmarking", 0.0)
         params = self.full if self.config.benchmark else self.quick
+        reference = self.rebase["reference"] if self.rebase is not None else self.req.model_path
         comparison = compare(
-            self.req.model_path,
+            reference,
             artifact,
             self.input_sets,
             params,
@@ -784,12 +926,28 @@ class _Run:
             )
             if self.config.fail_on_regression:
                 decision.update(result="failed", used_original=False)
+            else:
+                self._fall_back_to_rebase(decision)
         else:
             decision["reason"] = (
                 f"verified within tolerance and not slower beyond noise (speedup {comparison.speedup:.3f}, "
                 f"{len(self.kept)} pass(es) kept)"
             )
         return comparison.to_dict() if self.config.benchmark else None, decision
+
+    def _fall_back_to_rebase(self, decision: dict[str, Any]) -> None:
+        """After an input change the upload is no fallback (its client sends other inputs): the stage right after
+        the input-changing pass is, as it passed that pass's own verification."""
+        if self.rebase is None:
+            return
+        self.rebase_fallback = True
+        decision["gate"]["inputs_changed_by"] = self.rebase["pass"]
+        after = f"the model right after {self.rebase['pass']} is returned"
+        reason = decision["reason"]
+        reason = (
+            reason.replace("the uploaded model is returned", after) if "is returned" in reason else f"{reason}; {after}"
+        )
+        decision.update(result="optimized", used_original=False, reason=reason)
 
     def _raise(self, decision: dict[str, Any], json_path: Path) -> None:
         detail = {"report_json": str(json_path), "reason": decision["reason"]}
@@ -829,7 +987,9 @@ class _Run:
             p50_before, p50_after = benchmark["p50_ms_original"], benchmark["p50_ms_optimized"]
             speedup = benchmark["speedup"]
         else:
-            p50_before = self.baseline_p50
+            # After an input change the upload's latency (tensors in) compares with nothing: the stage right
+            # after the change (raw input in) is the baseline.
+            p50_before = self.rebase["p50"] if self.rebase is not None else self.baseline_p50
             p50_after = self.records[self.kept[-1][0]].latency_ms_p50_after if self.kept else self.baseline_p50
             speedup = p50_before / p50_after if p50_after else None
         if decision["used_original"]:
@@ -854,7 +1014,12 @@ class _Run:
             "config": self.config.model_dump(mode="json"),
             "preset": self.resolved.preset,
             "tolerance": self.resolved.tolerance.model_dump(mode="json"),
-            "input_sets": [_input_set_entry(s, self.origin) for s in self.input_sets],
+            "input_sets": [_input_set_entry(s, self.origin) for s in self.original_sets]
+            + (  # after an input change: the raw inputs the later passes and the gate used (the pass's own)
+                [_input_set_entry(s, "samples" if self.raw_sets else "generated") for s in self.input_sets]
+                if self.rebase is not None
+                else []
+            ),
             "baseline": self.baseline,
             "passes": [r.to_dict() for r in self.records],
             "verification": verification.to_dict(),

@@ -53,6 +53,9 @@ from onnxforge.errors import InvalidModelError, TooLargeError
 
 SAFE_LOCATION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum"})
+# Not ai.onnx.contrib / com.microsoft.extensions (onnxruntime-extensions): only the prepost pass may create
+# nodes there, in an artifact the service built; an upload that uses them is refused here (T9), so no session
+# ever registers that library for an upload's sake (workers/verify.py needs_extensions).
 ALLOWED_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
 DENIED_OPS = frozenset({("com.microsoft", "PyOp"), ("com.microsoft", "EPContext")})
 # Names the pipeline writes into the output directory; an external-data file must not collide with them.

