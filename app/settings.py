@@ -138,6 +138,12 @@ class WorkerSettings(_Section):
     child_cpu_seconds: int = Field(3000, ge=10, description="CPU-time limit of one attempt's child, seconds.")
     child_wall_seconds: int = Field(3300, ge=10, description="Wall-clock limit of one attempt's child, seconds.")
     child_file_mb: int = Field(8192, ge=16, description="Largest file the child may write, MiB.")
+    gpu_mem_limit_mb: int = Field(
+        0,
+        ge=0,
+        description="GPU memory one job's sessions may take on the CUDA EP (gpu_mem_limit, arena kSameAsRequested), "
+        "MiB; 0: no limit beyond the GPU.",
+    )
 
 
 class PipelineSettings(_Section):

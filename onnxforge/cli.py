@@ -101,11 +101,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(_settings(), host=args.host, port=args.port)
 
 
+def worker_concurrency(settings: Settings, queues: Sequence[str] | None, requested: int | None) -> int | None:
+    """The pool size of ``onnxforge worker``: on the gpu queue one job per visible GPU (workers/gpu.py), at most
+    ``requested``; elsewhere ``requested`` (None: worker.concurrency)."""
+    from workers.gpu import gpu_concurrency, visible_gpus
+
+    chosen = list(queues or settings.worker.queues)
+    return gpu_concurrency(requested, chosen, visible_gpus()) if "gpu" in chosen else requested
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from onnxforge.server import run_worker
 
+    settings = _settings()
     queues = [q.strip() for q in args.queues.split(",") if q.strip()] if args.queues else None
-    return run_worker(_settings(), queues=queues, concurrency=args.concurrency, loglevel=args.loglevel)
+    concurrency = worker_concurrency(settings, queues, args.concurrency)
+    return run_worker(settings, queues=queues, concurrency=concurrency, loglevel=args.loglevel)
 
 
 def cmd_passes(args: argparse.Namespace) -> int:
@@ -316,10 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
         "worker",
         help="run a Celery worker that executes optimization jobs",
         description="Run a Celery worker (prefork pool) consuming the given queues. Each job attempt runs in "
-        "a separate, resource-limited child process.",
+        "a separate, resource-limited child process (a fresh interpreter, exec'd). On the gpu queue the pool "
+        "runs one job per visible GPU (CUDA_VISIBLE_DEVICES, else nvidia-smi) and pins each job's child to "
+        "its GPU.",
     )
     p.add_argument("--queues", metavar="cpu,gpu", help="queues to consume (default: worker.queues)")
-    p.add_argument("--concurrency", type=int, metavar="N", help="jobs at once (default: worker.concurrency)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="jobs at once (default: worker.concurrency; on the gpu queue the GPU count, and never above it)",
+    )
     p.add_argument("--loglevel", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     p.set_defaults(func=cmd_worker)
 

@@ -19,6 +19,13 @@ CPU arena growth (``provider_options["CPUExecutionProvider"]["arena_extend_strat
 option in ORT; ``load`` realises it with a shared, process-wide CPU arena (``create_and_register_allocator``
 + ``session.use_env_allocators``). The first strategy registered in a process stays for its lifetime.
 
+CUDA graphs (``provider_options["CUDAExecutionProvider"]["enable_cuda_graph"] = "1"``; the GPU benchmark
+writes it for models with static input shapes when the captured graph is faster): ORT then replays one
+captured launch sequence on fixed device addresses, so the session must be run with I/O binding on inputs
+and outputs that stay where they are, which ``BoundRun`` does (``update`` copies new values into the same
+buffers). ``load`` skips the recipe's warm-up calls for such a session: a plain ``run`` would capture the
+graph on temporary buffers.
+
 ``python -m onnxforge.runtime --measure spec.json`` is the measurement child ``shape_profile`` and
 ``bench/shape_profile.py`` start, one fresh process per measurement (peak RSS only grows in a process):
 it opens the session, replays a call trace and prints per-call latency, first-seen-shape flags and peak
@@ -85,6 +92,9 @@ PROVIDER_OPTIONS: dict[str, dict[str, Any]] = {
         "cudnn_conv_algo_search": frozenset({"EXHAUSTIVE", "HEURISTIC", "DEFAULT"}),
         "do_copy_in_default_stream": _BOOL_STR,
         "cudnn_conv_use_max_workspace": _BOOL_STR,
+        # Written by the GPU benchmark only for models with static input shapes whose capture it checked;
+        # such a session must be run with I/O binding (``BoundRun``): see the module docstring.
+        "enable_cuda_graph": _BOOL_STR,
     },
 }
 
@@ -413,6 +423,62 @@ def warmup_feeds(session: Any, entry: Mapping[str, Sequence[int]]) -> dict[str, 
     return feeds
 
 
+def cuda_graph_enabled(recipe: Mapping[str, Any] | None) -> bool:
+    """True when a sanitized recipe turns CUDA graphs on."""
+    options = (recipe or {}).get("provider_options", {}).get("CUDAExecutionProvider", {})
+    return str(options.get("enable_cuda_graph", "0")) == "1"
+
+
+class BoundRun:
+    """One feed bound to a session with I/O binding: the inputs copied to ``device`` once, outputs on the
+    device. ``run()`` runs and waits for the outputs (``synchronize_outputs``), so a timer around it measures
+    the model, not host<->device copies; ``outputs()`` copies them to the host.
+
+    ``output_shapes`` (name -> (shape, numpy dtype)): outputs preallocated once at fixed addresses, which a
+    CUDA graph session needs; None: ORT allocates each output on ``device`` per run. ``update(feeds)`` copies
+    new values of the same shapes into the bound input buffers (addresses unchanged)."""
+
+    def __init__(
+        self,
+        session: Any,
+        feeds: Mapping[str, np.ndarray],
+        device: str = "cpu",
+        device_id: int = 0,
+        output_shapes: Mapping[str, tuple[Sequence[int], Any]] | None = None,
+    ) -> None:
+        import onnxruntime as ort
+
+        self.session = session
+        self.device, self.device_id = device, device_id
+        self.binding = session.io_binding()
+        self.inputs = {
+            name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), device, device_id)
+            for name, value in feeds.items()
+        }
+        for name, value in self.inputs.items():
+            self.binding.bind_ortvalue_input(name, value)
+        self.fixed_outputs: dict[str, Any] = {}
+        for output in session.get_outputs():
+            if output_shapes is None:
+                self.binding.bind_output(output.name, device, device_id)
+                continue
+            shape, dtype = output_shapes[output.name]
+            value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, device, device_id)
+            self.fixed_outputs[output.name] = value
+            self.binding.bind_ortvalue_output(output.name, value)
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+        self.binding.synchronize_outputs()
+
+    def update(self, feeds: Mapping[str, np.ndarray]) -> None:
+        for name, value in feeds.items():
+            self.inputs[name].update_inplace(np.ascontiguousarray(value))
+
+    def outputs(self) -> list[np.ndarray]:
+        return list(self.binding.copy_outputs_to_cpu())
+
+
 def session_from_recipe(
     path: str | os.PathLike[str],
     recipe: Mapping[str, Any] | None,
@@ -427,7 +493,9 @@ def session_from_recipe(
     recipe = recipe or {}
     options = session_options(recipe, **overrides)
     session = ort.InferenceSession(str(path), sess_options=options, providers=_providers(recipe, providers))
-    if warmup:
+    if warmup and cuda_graph_enabled(recipe) and recipe.get("warmup"):
+        _warn("warm-up calls are skipped: with CUDA graphs the first BoundRun captures the graph")
+    elif warmup:
         for entry in recipe.get("warmup", []):
             feeds = warmup_feeds(session, entry)
             if feeds is None:

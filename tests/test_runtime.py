@@ -189,3 +189,33 @@ def test_load_applies_cuda_provider_options_on_a_gpu(tmp_path):
     options = session.get_provider_options()["CUDAExecutionProvider"]
     assert options["arena_extend_strategy"] == "kSameAsRequested"
     assert options["gpu_mem_limit"] == str(2 << 30)
+
+
+def test_sanitize_keeps_cuda_graph_flag_only_when_it_is_zero_or_one():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", runtime.RecipeWarning)
+        good = runtime.sanitize_recipe({"provider_options": {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}})
+    assert runtime.cuda_graph_enabled(good)
+    with pytest.warns(runtime.RecipeWarning, match="enable_cuda_graph"):
+        bad = runtime.sanitize_recipe({"provider_options": {"CUDAExecutionProvider": {"enable_cuda_graph": "yes"}}})
+    assert not runtime.cuda_graph_enabled(bad)
+
+
+def test_load_skips_warmup_calls_when_the_recipe_enables_cuda_graphs(tmp_path):
+    warmup = [{"input_ids": [2, 16], "attention_mask": [2, 16], "token_type_ids": [2, 16]}]
+    graph = with_metadata(
+        tmp_path,
+        recipe_json(provider_options={"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}, warmup=warmup),
+        name="graph.onnx",
+    )
+    with pytest.warns(runtime.RecipeWarning, match="warm-up calls are skipped"):
+        session = runtime.load(graph, ["CPUExecutionProvider"])
+    plain = with_metadata(tmp_path, recipe_json(warmup=warmup), name="plain.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", runtime.RecipeWarning)  # the same warm-up runs without a graph
+        runtime.load(plain)
+    feeds = {"input_ids": np.ones((1, 5), np.int64), "attention_mask": np.ones((1, 5), np.int64),
+             "token_type_ids": np.zeros((1, 5), np.int64)}  # fmt: skip
+    bound = runtime.BoundRun(session, feeds)
+    bound.run()
+    np.testing.assert_array_equal(bound.outputs()[0], session.run(None, feeds)[0])

@@ -6,6 +6,16 @@ clock speed, cache state or a noisy neighbour hits both models alike, and each b
 ratio b/a. Sessions are built with ORT's default optimizations (ORT_ENABLE_ALL), i.e. what a user who
 deploys the artifact gets; verification, by contrast, turns them off.
 
+Execution: on GPU targets (``cuda``, ``tensorrt``) every timed run uses I/O binding: each input set is copied
+to the device once, outputs stay on the device, and a run is ``run_with_iobinding`` + ``synchronize_outputs``,
+so the figures measure the model rather than host<->device copies. The same ``BoundRun`` (onnxforge/runtime.py)
+works with the CPU EP; there plain ``run`` stays the default (``BenchmarkParams.io_binding=None``: by target)
+because binding gains nothing measurable when the "device" is host memory. On ``cuda`` a full benchmark also
+tries the candidate as a CUDA graph (``try_cuda_graph``: static input shapes; capture on the first bound runs,
+outputs checked against the run without the graph, then an interleaved A/B) and keeps it only when it is
+faster beyond noise; the choice and its reason go into ``Comparison.execution`` (the report's benchmark
+section) and ``Comparison.recipe_b`` (the session recipe that gives users the graph).
+
 Stopping: after ``warmup`` untimed runs of each, at least ``min_runs`` timed runs each, then more while the
 time budget ``max_seconds`` lasts, up to ``max_runs``.
 
@@ -35,13 +45,15 @@ import gc
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 
+from onnxforge.runtime import BoundRun
+from workers.gpu import cuda_graph_eligibility, device_for, is_gpu_target, with_cuda_graph
 from workers.verify import InputSet, make_session
 
 NOISY_CV = 0.10
@@ -58,6 +70,12 @@ class BenchmarkParams:
     max_runs: int = 1000
     target: str = "cpu"
     intra_op_threads: int = 0
+    io_binding: bool | None = None  # None: by target (GPU targets bind, CPU runs plain ``run``)
+    cuda_graph: bool = True  # on target cuda with I/O binding: try the candidate as a CUDA graph
+
+    @property
+    def uses_io_binding(self) -> bool:
+        return is_gpu_target(self.target) if self.io_binding is None else self.io_binding
 
     @classmethod
     def from_settings(cls, settings: Any, *, target: str, quick: bool = False) -> BenchmarkParams:
@@ -71,6 +89,7 @@ class BenchmarkParams:
                 max_runs=runs,
                 target=target,
                 intra_op_threads=settings.intra_op_threads,
+                cuda_graph=False,  # the per-pass ledger compares passes; the graph is decided once, at the end
             )
         return cls(
             warmup=settings.benchmark_warmup,
@@ -199,10 +218,36 @@ class ShapeComparison:
 
 
 @dataclasses.dataclass
+class CudaGraphChoice:
+    """Whether the candidate runs as a CUDA graph, and why (never a failure: a refusal is a reason)."""
+
+    tried: bool = False
+    captured: bool = False  # ORT built the session, captured and replayed it with matching outputs
+    used: bool = False  # captured and faster beyond noise than the same session without the graph
+    reason: str | None = None
+    speedup: float | None = None  # median(without graph) / median(with graph), when timed
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
 class Comparison:
     shapes: list[ShapeComparison]
     mode: str  # "quick" (ledger) or "full"
     params: BenchmarkParams
+    cuda_graph: CudaGraphChoice = dataclasses.field(default_factory=CudaGraphChoice)
+    recipe_b: dict[str, Any] | None = None  # the candidate's session recipe as measured (with the graph if used)
+
+    @property
+    def execution(self) -> dict[str, Any]:
+        """How the sessions were run: for the report, so figures from different set-ups are not compared."""
+        device, device_id = device_for(self.params.target)
+        return {
+            "io_binding": self.params.uses_io_binding,
+            "device": f"{device}:{device_id}" if self.params.uses_io_binding else "host feeds",
+            "cuda_graph": self.cuda_graph.to_dict(),
+        }
 
     @property
     def pooled(self) -> Verdict:
@@ -235,20 +280,68 @@ class Comparison:
             "p50_ms_original": self.p50_a_ms,
             "p50_ms_optimized": self.p50_b_ms,
             "params": dataclasses.asdict(self.params),
+            "execution": self.execution,
             "shapes": [s.to_dict() for s in self.shapes],
         }
+
+
+class Runs:
+    """How one session runs each input set: plain ``run`` on host feeds, a ``BoundRun`` per input set, or
+    (CUDA graph) one ``BoundRun`` whose fixed buffers get each set's values copied in when the set changes.
+    ``select(i)`` returns the call to time for input set ``i``; copies happen there, outside the timer."""
+
+    def __init__(
+        self,
+        session: Any,
+        feeds: Sequence[dict[str, np.ndarray]],
+        params: BenchmarkParams,
+        *,
+        output_shapes: Mapping[str, tuple[Sequence[int], Any]] | None = None,
+    ) -> None:
+        self.session = session
+        self.feeds = list(feeds)
+        self.bound = params.uses_io_binding
+        self.device, self.device_id = device_for(params.target)
+        self.graph = output_shapes is not None
+        self._output_shapes = output_shapes
+        self._runs: dict[int, BoundRun] = {}
+        self._current: int | None = None
+
+    def select(self, index: int) -> Callable[[], Any]:
+        if not self.bound:
+            feed = self.feeds[index]
+            return lambda: self.session.run(None, feed)
+        if self.graph:
+            if not self._runs:
+                self._runs[0] = BoundRun(
+                    self.session, self.feeds[index], self.device, self.device_id, self._output_shapes
+                )
+            elif self._current != index:
+                self._runs[0].update(self.feeds[index])
+            self._current = index
+            return self._runs[0].run
+        if index not in self._runs:
+            self._runs[index] = BoundRun(self.session, self.feeds[index], self.device, self.device_id)
+        return self._runs[index].run
+
+    def outputs(self, index: int) -> list[np.ndarray]:
+        """The outputs of input set ``index`` (runs it once)."""
+        if not self.bound:
+            return list(self.session.run(None, self.feeds[index]))
+        self.select(index)()
+        return self._runs[0 if self.graph else index].outputs()
 
 
 def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _session_with_memory(
+def _prepared(
     path: Path,
     feeds: Sequence[dict[str, np.ndarray]],
     params: BenchmarkParams,
-    recipe: dict[str, Any] | None = None,
-) -> tuple[Any, float]:
+    recipe: Mapping[str, Any] | None = None,
+) -> tuple[Runs, float]:
     """Create a session and run its warm-ups; the RSS growth meanwhile (sampled after each step), in MiB.
 
     Approximate by nature (allocator caches, the other session alive beside it), but it tells a model that
@@ -259,18 +352,89 @@ def _session_with_memory(
     session = make_session(
         path, target=params.target, intra_op_threads=params.intra_op_threads, optimize=True, recipe=recipe
     )
+    runs = Runs(session, feeds, params)
     peak = max(peak, _rss())
     for _ in range(max(1, params.warmup)):
-        for feed in feeds:
-            session.run(None, feed)
+        for index in range(len(feeds)):
+            runs.select(index)()
             peak = max(peak, _rss())
-    return session, (peak - base) / (1 << 20)
+    return runs, (peak - base) / (1 << 20)
 
 
-def _time_one(session: Any, feed: dict[str, np.ndarray]) -> float:
+def _time_one(run: Callable[[], Any]) -> float:
     start = time.perf_counter_ns()
-    session.run(None, feed)
+    run()
     return (time.perf_counter_ns() - start) / 1e6
+
+
+GRAPH_RTOL, GRAPH_ATOL = 1e-3, 1e-4  # same kernels replayed: anything beyond float noise is a broken replay
+
+
+def try_cuda_graph(
+    path: Path,
+    runs_plain: Runs,
+    params: BenchmarkParams,
+    recipe: Mapping[str, Any] | None = None,
+) -> tuple[CudaGraphChoice, Runs | None]:
+    """Try ``path`` as a CUDA graph against ``runs_plain`` (the same model and recipe, I/O-bound, no graph).
+
+    Eligible when the target is cuda and every input dim is static. The try: create the session with
+    ``enable_cuda_graph=1`` (ORT refuses nodes outside the CUDA EP), run each input set through one set of
+    fixed buffers (the capture happens on the first runs), compare the outputs with the run without the
+    graph, then time both interleaved on the first input set. Used only when faster beyond noise; every
+    refusal or failure is a reason, never an error. Returns (choice, the graph runs when used)."""
+    dims = {i.name: list(i.shape) for i in runs_plain.session.get_inputs()}
+    reason = cuda_graph_eligibility(dims, params.target)
+    if reason is None and not runs_plain.bound:
+        reason = "CUDA graphs need I/O binding, which this benchmark was told not to use"
+    if reason is not None:
+        return CudaGraphChoice(reason=reason), None
+    choice = CudaGraphChoice(tried=True)
+    try:
+        reference = [runs_plain.outputs(i) for i in range(len(runs_plain.feeds))]
+        names = [o.name for o in runs_plain.session.get_outputs()]
+        shapes = {n: (r.shape, r.dtype) for n, r in zip(names, reference[0], strict=True)}
+        session = make_session(
+            path,
+            target=params.target,
+            intra_op_threads=params.intra_op_threads,
+            optimize=True,
+            recipe=with_cuda_graph(recipe),
+        )
+        graph = Runs(session, runs_plain.feeds, params, output_shapes=shapes)
+        for _ in range(max(2, params.warmup)):  # ORT captures after its own few regular runs
+            graph.select(0)()
+        for index, expected in enumerate(reference):
+            got = graph.outputs(index)
+            for name, want, have in zip(names, expected, got, strict=True):
+                if want.shape != have.shape or not np.allclose(
+                    have, want, rtol=GRAPH_RTOL, atol=GRAPH_ATOL, equal_nan=True
+                ):
+                    choice.reason = f"the graph replay gives other values for {name!r} on input set {index}"
+                    return choice, None
+    except Exception as exc:  # ORT's refusal (CPU nodes, control flow) or a capture failure: a reason
+        choice.reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return choice, None
+    choice.captured = True
+    plain, replay = runs_plain.select(0), graph.select(0)
+    for _ in range(params.warmup):
+        plain()
+        replay()
+    a_ms, b_ms = [], []
+    for block in range(max(params.min_runs, 10)):
+        if block % 2 == 0:
+            a_ms.append(_time_one(plain))
+            b_ms.append(_time_one(replay))
+        else:
+            b_ms.append(_time_one(replay))
+            a_ms.append(_time_one(plain))
+    verdict = slower_beyond_noise(a_ms, b_ms)
+    choice.speedup = verdict.speedup
+    if not verdict.faster:
+        choice.reason = f"not faster beyond noise (speedup {verdict.speedup:.3f}, margin {verdict.margin:.3f})"
+        return choice, None
+    choice.used = True
+    return choice, graph
 
 
 def compare(
@@ -286,25 +450,31 @@ def compare(
     """Benchmark A (original) against B (candidate), interleaved, per input set. A recipe (tune_session's
     ``onnxforge.session``) sets that model's session options and EP options."""
     feeds = [s.feeds for s in input_sets]
-    session_a, mem_a = _session_with_memory(path_a, feeds, params, recipe_a)
-    session_b, mem_b = _session_with_memory(path_b, feeds, params, recipe_b)
+    runs_a, mem_a = _prepared(path_a, feeds, params, recipe_a)
+    runs_b, mem_b = _prepared(path_b, feeds, params, recipe_b)
+    graph_choice = CudaGraphChoice(reason="only tried on target cuda in a full benchmark")
+    measured_recipe = recipe_b
+    if params.target == "cuda" and params.cuda_graph:
+        graph_choice, graph_runs = try_cuda_graph(path_b, runs_b, params, recipe_b)
+        if graph_runs is not None:
+            runs_b, measured_recipe = graph_runs, with_cuda_graph(recipe_b)
     results = []
     for index, input_set in enumerate(input_sets):
-        feed = input_set.feeds
+        run_a, run_b = runs_a.select(index), runs_b.select(index)
         for _ in range(params.warmup):
-            session_a.run(None, feed)
-            session_b.run(None, feed)
+            run_a()
+            run_b()
         a_ms: list[float] = []
         b_ms: list[float] = []
         start = time.perf_counter()
         block = 0
         while True:
             if (block + index) % 2 == 0:
-                a_ms.append(_time_one(session_a, feed))
-                b_ms.append(_time_one(session_b, feed))
+                a_ms.append(_time_one(run_a))
+                b_ms.append(_time_one(run_b))
             else:
-                b_ms.append(_time_one(session_b, feed))
-                a_ms.append(_time_one(session_a, feed))
+                b_ms.append(_time_one(run_b))
+                a_ms.append(_time_one(run_a))
             block += 1
             if block >= params.max_runs:
                 break
@@ -319,21 +489,22 @@ def compare(
                 np.asarray(b_ms) / np.asarray(a_ms),
             )
         )
-    del session_a, session_b
+    del runs_a, runs_b
     gc.collect()
-    return Comparison(results, mode, params)
+    return Comparison(results, mode, params, graph_choice, measured_recipe)
 
 
 def measure(path: Path, input_sets: Sequence[InputSet], params: BenchmarkParams) -> list[LatencyStats]:
     """One model alone (the ledger's baseline): stats per input set."""
     feeds = [s.feeds for s in input_sets]
-    session, mem = _session_with_memory(path, feeds, params)
+    runs, mem = _prepared(path, feeds, params)
     out = []
-    for feed in feeds:
+    for index in range(len(feeds)):
+        run = runs.select(index)
         samples = []
         start = time.perf_counter()
         while True:
-            samples.append(_time_one(session, feed))
+            samples.append(_time_one(run))
             if len(samples) >= params.max_runs:
                 break
             if len(samples) >= params.min_runs and time.perf_counter() - start >= params.max_seconds:

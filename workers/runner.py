@@ -203,6 +203,13 @@ def child_env(settings: Settings, home: Path) -> dict[str, str]:
     return env
 
 
+def _gpu_env(settings: Settings) -> dict[str, str]:
+    """A GPU job's child: its pool slot's one GPU and the job's GPU memory limit (workers/gpu.py)."""
+    from workers.gpu import child_gpu_env, pool_index
+
+    return child_gpu_env(pool_index(), mem_limit_mb=settings.worker.gpu_mem_limit_mb)
+
+
 def _killpg(proc: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30.0)):
@@ -468,7 +475,7 @@ def _run_attempt(
         proc = subprocess.Popen(
             [sys.executable, "-m", "workers.child", str(base / "job.json")],
             cwd=base,
-            env=child_env(settings, base),
+            env=child_env(settings, base) if cpu_only else {**child_env(settings, base), **_gpu_env(settings)},
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

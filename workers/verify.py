@@ -485,6 +485,9 @@ def make_session(
         except ImportError:
             pass
         options, providers = apply_recipe(dict(recipe), options, target=target)
+    from workers.gpu import session_providers  # the job's GPU memory limit and device, in every session
+
+    providers = session_providers(providers, target)
     return ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
 
 
