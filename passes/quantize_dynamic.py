@@ -19,9 +19,11 @@ and are slower on x86. Default op types are ``MatMul`` and ``Attention``: quanti
 
 Attention: ORT's ``AttentionQuant`` leaves an Attention with ``qkv_hidden_sizes`` in float, and ``QAttention``
 has no ``attention_bias`` input, so the Attention that onnxscript's fusion emits for transformers-5 exports
-(both) cannot be quantized; such nodes get a NonMatch saying so. Their packed QKV projection stays float
-(a quarter of the encoder's linear FLOPs): a fusion that stops at MultiHeadAttention with separate Q/K/V
-MatMuls would let this pass quantize them.
+(both) cannot be quantized; such nodes get a NonMatch saying so. Their packed QKV projection would stay float
+(a quarter of the encoder's linear FLOPs), so the ``int8`` preset runs ``fuse_transformer`` with
+``attention="mha", pack_qkv=True`` first: MultiHeadAttention keeps the attention core fused and the Q|K|V
+projection is one constant-weight MatMul, which this pass turns into one ``DynamicQuantizeMatMul`` (one
+activation quantization, one GEMM of width 3·hidden instead of three).
 
 Refuses (no change, with a reason) when ``nodes_to_exclude`` names a node the graph does not have, when no
 node can be quantized, and when the accuracy budget is missed even with ``max_exclusions`` nodes in float.
@@ -72,6 +74,10 @@ class QuantizeDynamic(Pass):
         unknown = q.unknown_node_names(model, options.nodes_to_exclude)
         if unknown:
             return PassResult(q.unchanged(model), False, {"nodes_quantized": 0}, unknown, {"decision": "refused"})
+        unfused = 0
+        if "MatMul" in options.op_types and _transposed_weight_sites(model):
+            model = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # functional: input untouched
+            unfused = unfuse_transposed_weights(model)
         candidates, non_matches = _candidates(model, options)
         notes: dict[str, Any] = {
             "weight_type": options.weight_type,
@@ -80,6 +86,7 @@ class QuantizeDynamic(Pass):
             "reduce_range": options.reduce_range,
             "op_types": list(options.op_types),
             "candidates": len(candidates),
+            "fused_matmuls_unfused": unfused,
         }
         if not candidates:
             reason = f"no node of op types {', '.join(options.op_types)} with a constant weight to quantize"
@@ -117,6 +124,44 @@ class QuantizeDynamic(Pass):
         return PassResult(out.model, True, out.counts, non_matches, out.notes)
 
 
+def unfuse_transposed_weights(model: ir.Model) -> int:
+    """``com.microsoft::FusedMatMul(x, W, transB=1)`` with a constant W -> ``MatMul(x, W^T)``; returns the count.
+
+    ORT's quantizer knows MatMul, not FusedMatMul. onnxscript's fusions (fuse_transformer) turn a tied LM head,
+    ``MatMul(x, Transpose(embedding))``, into such a FusedMatMul because folding the Transpose would copy the
+    table; left so, the largest MatMul of a masked-LM or GPT-2 stays float. Here the copy is wanted: the
+    quantized model keeps an int8 copy of it (and the float table for the embedding Gather)."""
+    sites = _transposed_weight_sites(model)
+    for node, weight in sites:
+        name = f"{weight.name}_transposed_for_{node.name or 'matmul'}"
+        tensor = ir.tensor(weight.const_value.numpy().T.copy(), name=name)
+        value = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+        model.graph.register_initializer(value)
+        matmul = ir.node("MatMul", [node.inputs[0], value], name=node.name or name)
+        matmul.outputs[0].shape, matmul.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+        model.graph.insert_before(node, matmul)
+        ir.convenience.replace_all_uses_with(node.outputs[0], matmul.outputs[0])
+        model.graph.remove(node, safe=True)
+    return len(sites)
+
+
+def _transposed_weight_sites(model: ir.Model) -> list[tuple[ir.Node, ir.Value]]:
+    sites = []
+    for node in model.graph:
+        if node.op_type != "FusedMatMul" or node.domain != "com.microsoft" or len(node.inputs) != 2:
+            continue
+        weight = node.inputs[1]
+        attrs = {name: attr.value for name, attr in node.attributes.items()}
+        if weight is None or weight.const_value is None or len(weight.const_value.shape) != 2:
+            continue
+        if attrs.get("transB", 0) != 1 or attrs.get("alpha", 1.0) != 1.0 or node.outputs[0].is_graph_output():
+            continue
+        if any(attrs.get(name, 0) for name in ("transA", "transBatchA", "transBatchB")):
+            continue
+        sites.append((node, weight))
+    return sites
+
+
 def _candidates(model: ir.Model, options: QuantizeDynamicOptions) -> tuple[list[str], list[NonMatch]]:
     excluded = set(options.nodes_to_exclude)
     found, non_matches = [], []
@@ -143,8 +188,8 @@ def _candidates(model: ir.Model, options: QuantizeDynamicOptions) -> tuple[list[
             non_matches.append(
                 NonMatch(
                     "Attention with qkv_hidden_sizes or inputs past mask_index (attention_bias, past) has no "
-                    "QAttention form in ORT: left float. Fusing to MultiHeadAttention with separate Q/K/V "
-                    "MatMuls lets those projections be quantized",
+                    "QAttention form in ORT: left float. fuse_transformer with attention='mha' (the int8 preset) "
+                    "keeps the Q/K/V MatMuls outside the attention op, so they are quantized",
                     node.name,
                     node.op_type,
                 )

@@ -116,15 +116,21 @@ _AFTER = [
 _SAFE = [*_CLEANUP, *_COMPUTE_ORDER, *_AFTER]
 # padding_elimination is exact on valid positions only (pad positions of token-aligned outputs become
 # zeros), so it is in `fast`, not `safe`.
-_FAST = [*_CLEANUP, *_COMPUTE_ORDER, "padding_elimination", *_AFTER]
+# fuse_transformer comes after the compute-order passes (they match the unfused graph) and before the final
+# dead_node_elimination; pack_qkv merges the Q/K/V projections wherever attention does not fuse into the
+# packed com.microsoft::Attention (bench/README.md, presets section, has the measurements).
+_FAST_FUSION = PassSpec(name="fuse_transformer", options={"pack_qkv": True})
+_FAST = [*_CLEANUP, *_COMPUTE_ORDER, "padding_elimination", *_AFTER[:-1], _FAST_FUSION, _AFTER[-1]]
 
 # Not exact: int8 moves outputs by about 1e-2 relative, float16 by about 1e-3 (more near fp16's limits).
 INT8_TOLERANCE = Tolerance(atol=5e-2, rtol=5e-2, min_cosine=0.99, max_mismatch_ratio=0.05)
 FP16_TOLERANCE = Tolerance(atol=1e-2, rtol=1e-2, min_cosine=0.999, max_mismatch_ratio=0.01)
-# ORT's fusions first (Attention is what quantize_dynamic turns into QAttention), then int8 weights.
+# Fusions first, stopping at MultiHeadAttention: QAttention has no attention_bias input, so a packed
+# Attention would keep its QKV projection float; with Q/K/V packed into one MatMul, quantize_dynamic makes
+# it one DynamicQuantizeMatMul (one activation quantization, one wide GEMM) and the attention core stays fused.
 _INT8 = [
     *_CLEANUP,
-    PassSpec(name="fuse_transformer", options={"engines": ["ort"]}),
+    PassSpec(name="fuse_transformer", options={"attention": "mha", "pack_qkv": True}),
     "quantize_dynamic",
     "dead_node_elimination",
 ]
@@ -174,10 +180,13 @@ PRESETS: dict[str, Preset] = {
 
 # Pass lists of the auto candidates that are not presets of their own.
 AUTO_VARIANTS: dict[str, list[PassSpec]] = {
+    # fast fuses attention fully; this variant leaves the attention core to ORT's kernels, which can be the
+    # faster choice on CPUs at short sequences.
     "fast+fuse_transformer": [
-        *PRESETS["fast"].specs[:-1],
-        PassSpec(name="fuse_transformer"),
-        PRESETS["fast"].specs[-1],
+        PassSpec(name="fuse_transformer", options={"attention": "none", "pack_qkv": True})
+        if spec == _FAST_FUSION
+        else spec
+        for spec in PRESETS["fast"].specs
     ],
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.parser
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from onnxforge.errors import InvalidPassOptionsError
 from passes._fusion_families import detect_family
 from passes._infra import PassContext, op_histogram
-from passes.fuse_transformer import FuseTransformer, gemm_to_matmul
+from passes.fuse_transformer import FuseTransformer, gemm_to_matmul, pack_qkv
 from tests.models.build_hf import make_inputs
 from tests.passes._util import MLP_CLEANUP, MODELS
 
@@ -169,3 +170,105 @@ def test_fuse_transformer_reports_closest_partial_match_when_gelu_form_unknown_t
     reason = result.notes["missing"]["gelu"]
     assert reason.startswith("expected 2, achieved 0; closest onnxscript gelu match:")
     assert "nodes matched at" in reason
+
+
+# ------------------------------------------------------------------------------- attention modes, pack_qkv
+
+QKV_TEXT = """
+<ir_version: 9, opset_import: ["" : 18]>
+qkv (float[B, S, 8] x) => (float[B, S, 4] y) <float[8, 4] wq = {%s}, float[8, 4] wk = {%s}, float[8, 4] wv = {%s},
+                                              float[4] bq = {%s}, float[4] bk = {%s}, float[4] bv = {%s}> {
+    [q_mm] qm = MatMul(x, wq)
+    [q_add] q = Add(qm, bq)
+    [k_mm] km = MatMul(x, wk)
+    [k_add] k = Add(km, bk)
+    [v_mm] vm = MatMul(x, wv)
+    [v_add] v = Add(bv, vm)
+    [qk] qk = Mul(q, k)
+    [out] y = Add(qk, v)
+}
+"""
+
+
+def qkv_model(v_reads_slice: bool = False) -> onnx.ModelProto:
+    """Three projections of one activation x, with bias Adds (one with the bias first), mixed after; with
+    ``v_reads_slice`` the V projection reads x[..., :4] instead (another activation)."""
+    rng = np.random.default_rng(0)
+    v_rows = 4 if v_reads_slice else 8
+    values = [", ".join(f"{v:.4f}" for v in rng.standard_normal(n)) for n in (32, 32, 4 * v_rows, 4, 4, 4)]
+    text = QKV_TEXT % tuple(values)
+    if v_reads_slice:
+        text = text.replace("float[8, 4] wv", "float[4, 4] wv").replace("MatMul(x, wv)", "MatMul(xs, wv)")
+        text = text.replace("[v_mm]", "[cut] xs = Slice(x, zero, four, two)\n    [v_mm]")
+        text = text.replace("float[4] bq", "int64[1] zero = {0}, int64[1] four = {4}, int64[1] two = {2}, float[4] bq")
+    return onnx.parser.parse_model(text)
+
+
+def run_disabled(model: ir.Model | onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    proto = model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model)
+    return session(ir.serde.deserialize_model(proto)).run(None, feeds)
+
+
+def test_pack_qkv_merges_three_projections_into_one_matmul_when_they_share_the_activation():
+    """q, k, v = x @ Wq + bq, x @ Wk + bk, bv + x @ Wv  ==>  Split(x @ [Wq|Wk|Wv] + [bq|bk|bv])."""
+    proto = qkv_model()
+    model = ir.serde.deserialize_model(proto)
+    assert pack_qkv(model) == 1
+    ops = op_histogram(model)
+    assert ops["MatMul"] == 1 and ops["Split"] == 1 and ops["Add"] == 2  # packed bias + the final y = qk + v
+    matmul = next(n for n in model.graph if n.op_type == "MatMul")
+    assert matmul.inputs[1].const_value.shape == (8, 12)
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)}
+    np.testing.assert_allclose(run_disabled(model, feeds)[0], run_disabled(proto, feeds)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_pack_qkv_packs_only_the_projections_of_one_activation_when_another_reads_a_slice():
+    """wv reads a slice of x, so only q and k share an activation: they pack (a 2-way Split), v stays; a lone
+    projection packs with nothing."""
+    proto = qkv_model(v_reads_slice=True)
+    model = ir.serde.deserialize_model(proto)
+    assert pack_qkv(model) == 1
+    split = next(n for n in model.graph if n.op_type == "Split")
+    assert len(split.outputs) == 2
+    assert op_histogram(model)["MatMul"] == 2
+    feeds = {"x": np.random.default_rng(2).standard_normal((1, 3, 8)).astype(np.float32)}
+    np.testing.assert_allclose(run_disabled(model, feeds)[0], run_disabled(proto, feeds)[0], rtol=1e-6, atol=1e-6)
+    single = ir.serde.deserialize_model(parse_single_projection())
+    assert pack_qkv(single) == 0
+
+
+def parse_single_projection() -> onnx.ModelProto:
+    return onnx.parser.parse_model(
+        """
+        <ir_version: 9, opset_import: ["" : 18]>
+        one (float[2, 3] x) => (float[2, 3] y) <float[3, 3] w = {1, 0, 0, 0, 1, 0, 0, 0, 1}> {
+            y = MatMul(x, w)
+        }
+        """
+    )
+
+
+def test_fuse_transformer_stops_at_multi_head_attention_when_attention_mha():
+    """attention='mha': MultiHeadAttention, no packed Attention; the Q/K/V MatMuls stay (packed into one by
+    pack_qkv) so quantize_dynamic can quantize them."""
+    result = FuseTransformer({"attention": "mha", "pack_qkv": True, "engines": ["onnxscript"]})(load("bert_encoder"))
+    ops = op_histogram(result.model)
+    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS
+    assert "com.microsoft::Attention" not in ops and "Softmax" not in ops
+    assert result.counts["packed_qkv"] == LAYERS and ops["Split"] == LAYERS
+    assert result.notes["attention_mode"] == "mha"
+    assert_same_outputs("bert_encoder", result.model)
+
+
+def test_fuse_transformer_leaves_attention_core_to_ort_when_attention_none():
+    """attention='none': Skip-LayerNorm and GELU fuse, the attention core stays standard ops, and the report
+    does not list attention as missing (it was not asked for)."""
+    result = FuseTransformer({"attention": "none", "engines": ["onnxscript"]})(load("roberta_cls"))
+    ops = op_histogram(result.model)
+    assert ops["Softmax"] == LAYERS
+    assert not any(op.endswith("Attention") for op in ops)
+    assert result.counts["fused_skip_layer_norm"] >= 2 * LAYERS and result.counts["fused_gelu"] == LAYERS
+    assert "attention" not in result.notes["expected"] and "attention" not in result.notes["missing"]
+    assert "packed_qkv" not in result.counts
+    assert_same_outputs("roberta_cls", result.model)

@@ -267,3 +267,67 @@ def test_attention_without_a_qattention_form_is_named_not_counted():
     result = QuantizeDynamic()(ir.serde.deserialize_model(model), PassContext())
     assert not result.modified
     assert result.non_matches[0].node == "attn" and "no QAttention form" in result.non_matches[0].reason
+
+
+def test_packed_qkv_projection_becomes_one_int8_matmul_when_fused_to_multi_head_attention():
+    """The int8 preset's order: fuse_transformer(attention='mha', pack_qkv) keeps the attention core fused and
+    leaves one Q|K|V MatMul per layer, which quantize_dynamic turns into one MatMulInteger on one quantized
+    activation (QAttention cannot take the exporter's attention_bias, so a packed Attention would stay float)."""
+    from passes.fuse_transformer import FuseTransformer
+
+    fused = FuseTransformer({"attention": "mha", "pack_qkv": True, "engines": ["onnxscript"]})(ir.load(BERT)).model
+    result = QuantizeDynamic()(fused, PassContext(samples=bert_samples()))
+    after = ops(result.model)
+    assert after["MultiHeadAttention"] == 2
+    # per layer: packed Q|K|V, output projection, FFN up, FFN down; no float MatMul with a constant weight left
+    assert result.counts["nodes_quantized"] == 8 == after["MatMulInteger"]
+    assert "MatMul" not in after
+    packed = [n for n in result.model.graph if n.op_type == "MatMulInteger" and n.inputs[1].const_value.shape[1] == 96]
+    assert len(packed) == 2  # hidden 32: [32, 3 * 32] int8 weights
+    assert all(n.inputs[1].const_value.dtype == ir.DataType.INT8 for n in packed)
+    proto, quantized = ir.serde.serialize_model(ir.load(BERT)), ir.serde.serialize_model(result.model)
+    for i, (b, s) in enumerate([(1, 7), (3, 20)]):
+        feeds = make_inputs("bert_encoder", b, s, pad_fraction=0.25, seed=20 + i, size="tiny")
+        assert q.compare_arrays(run(proto, feeds)[0], run(quantized, feeds)[0]).cosine >= 0.99
+
+
+def fused_matmul_head() -> onnx.ModelProto:
+    """y = Relu(FusedMatMul(x, W, transB=1)) with a constant W [6, 8]: a tied LM head after onnxscript's fusions."""
+    rng = np.random.default_rng(3)
+    weight = numpy_helper.from_array(rng.standard_normal((6, 8)).astype(np.float32), "table")
+    nodes = [
+        helper.make_node("FusedMatMul", ["x", "table"], ["h"], name="head", domain="com.microsoft", transB=1),
+        helper.make_node("Relu", ["h"], ["y"], name="act"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "fused_head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 6])],
+        [weight],
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+def test_fused_matmul_with_transposed_constant_weight_is_quantized_when_op_types_include_matmul():
+    """FusedMatMul(x, W, transB=1) -> MatMul(x, W^T) -> MatMulInteger: the tied LM head gets int8 weights, the
+    input model keeps its FusedMatMul (functional pass)."""
+    proto = fused_matmul_head()
+    model = ir.serde.deserialize_model(proto)
+    rng = np.random.default_rng(4)
+    samples = [{"x": rng.standard_normal((r, 8)).astype(np.float32)} for r in (3, 5)]
+    result = QuantizeDynamic()(model, PassContext(samples=samples))
+    after = ops(result.model)
+    assert result.notes["fused_matmuls_unfused"] == 1 and result.counts["nodes_quantized"] == 1
+    assert after["MatMulInteger"] == 1 and "FusedMatMul" not in after
+    assert ops(model)["FusedMatMul"] == 1
+    for feeds in samples:
+        assert q.compare_arrays(run(proto, feeds)[0], run(result.model, feeds)[0]).cosine >= 0.99
+
+
+def test_fused_matmul_stays_when_matmul_is_not_an_op_type_to_quantize():
+    model = ir.serde.deserialize_model(fused_matmul_head())
+    result = QuantizeDynamic({"op_types": ["Gather"]})(model, PassContext(samples=[{"x": np.ones((2, 8), np.float32)}]))
+    assert not result.modified
+    assert ops(result.model)["FusedMatMul"] == 1

@@ -93,12 +93,14 @@ def test_int8_and_fp16_presets_resolve_with_pass_options_when_named(fast_setting
     names = [p.name for p in int8.passes]
     assert names.index("fuse_transformer") < names.index("quantize_dynamic")
     fuse = next(p for p in int8.passes if p.name == "fuse_transformer")
-    assert list(fuse.options.engines) == ["ort"]
+    # Stops at MultiHeadAttention with Q/K/V packed: the projections stay MatMuls that quantize_dynamic turns
+    # into one DynamicQuantizeMatMul (QAttention has no attention_bias input).
+    assert fuse.options.attention == "mha" and fuse.options.pack_qkv is True
     assert int8.tolerance == registry.PRESETS["int8"].tolerance
     fp16 = resolve_passes(JobConfig(preset="fp16"), fast_settings)
     assert "mixed_precision" in [p.name for p in fp16.passes]
     assert registry.get_preset("int8").to_dict()["pass_specs"][3] == PassSpec(
-        name="fuse_transformer", options={"engines": ["ort"]}
+        name="fuse_transformer", options={"attention": "mha", "pack_qkv": True}
     ).model_dump(mode="json")
 
 
