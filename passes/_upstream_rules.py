@@ -83,6 +83,19 @@ def same_dim(a: Dim | object, b: Dim | object) -> bool:
     return False
 
 
+def same_input(a: ir.Value | None, b: ir.Value | None) -> bool:
+    """The same value, or two constants with equal type, shape and contents: the copies of one slice or one
+    reshape that meet on a shared value may be merged only when this holds for all their other inputs."""
+    if a is b:
+        return True
+    ta = ir.convenience.get_const_tensor(a) if a is not None else None
+    tb = ir.convenience.get_const_tensor(b) if b is not None else None
+    if ta is None or tb is None or ta.dtype != tb.dtype:
+        return False
+    x, y = ta.numpy(), tb.numpy()
+    return x.shape == y.shape and bool(np.array_equal(x, y))
+
+
 def _dims(value: ir.Value | None) -> list[Dim] | None:
     if value is None or value.shape is None:
         return None

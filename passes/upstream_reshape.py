@@ -44,7 +44,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label
-from passes._upstream_rules import POINTWISE, Dim, FreshNames, drop_orphans, same_dim
+from passes._upstream_rules import POINTWISE, Dim, FreshNames, drop_orphans, same_dim, same_input
 
 _ONNX = ("", "ai.onnx")
 _NORMS = ("LayerNormalization", "Softmax", "LogSoftmax")
@@ -118,17 +118,6 @@ def _opset(node: ir.Node) -> int:
     return 1 if graph is None else graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1))
 
 
-def _same_constant(a: ir.Value | None, b: ir.Value | None) -> bool:
-    if a is b:
-        return True
-    ta = ir.convenience.get_const_tensor(a) if a is not None else None
-    tb = ir.convenience.get_const_tensor(b) if b is not None else None
-    if ta is None or tb is None or ta.dtype != tb.dtype:
-        return False
-    x, y = ta.numpy(), tb.numpy()
-    return x.shape == y.shape and bool(np.array_equal(x, y))
-
-
 def _twins(reshape: ir.Node, data: ir.Value) -> list[ir.Node] | None:
     """The other readers of ``data`` when every one is the same flatten as ``reshape``, else None.
 
@@ -146,7 +135,7 @@ def _twins(reshape: ir.Node, data: ir.Value) -> list[ir.Node] | None:
             or other.domain not in _ONNX
             or use.idx != 0
             or other.attributes.get_int("allowzero", 0) != allowzero
-            or not _same_constant(other.inputs[1], reshape.inputs[1])
+            or not same_input(other.inputs[1], reshape.inputs[1])
             or _entry(other) is not None
         ):
             return None

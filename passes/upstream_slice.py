@@ -56,7 +56,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label
-from passes._upstream_rules import Dim, FreshNames, Move, SliceInfo, drop_orphans, rule_for, same_dim
+from passes._upstream_rules import Dim, FreshNames, Move, SliceInfo, drop_orphans, rule_for, same_dim, same_input
 
 _ONNX = ("", "ai.onnx")
 
@@ -126,18 +126,6 @@ def _entry(node: ir.Node) -> SliceInfo | str | None:
     return SliceInfo(node, axis, scalar=False, length=out_shape[axis] if out_shape is not None else None)
 
 
-def _same_input(a: ir.Value | None, b: ir.Value | None) -> bool:
-    """The same value, or two constants with equal type, shape and contents."""
-    if a is b:
-        return True
-    ta = ir.convenience.get_const_tensor(a) if a is not None else None
-    tb = ir.convenience.get_const_tensor(b) if b is not None else None
-    if ta is None or tb is None or ta.dtype != tb.dtype:
-        return False
-    x, y = ta.numpy(), tb.numpy()
-    return x.shape == y.shape and bool(np.array_equal(x, y))
-
-
 def _twins(s: SliceInfo, data: ir.Value) -> list[ir.Node] | None:
     """The other readers of ``data`` when every one is the same slice as S, else None.
 
@@ -157,7 +145,7 @@ def _twins(s: SliceInfo, data: ir.Value) -> list[ir.Node] | None:
             or (info.axis, info.scalar) != (s.axis, s.scalar)
             or {k: v.value for k, v in other.attributes.items() if k != "axis"} != attrs
             or len(other.inputs) != len(s.node.inputs)
-            or not all(_same_input(a, b) for a, b in zip(other.inputs[1:], s.node.inputs[1:], strict=True))
+            or not all(same_input(a, b) for a, b in zip(other.inputs[1:], s.node.inputs[1:], strict=True))
             or other.outputs[0].is_graph_output()
         ):
             return None
