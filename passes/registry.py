@@ -32,6 +32,7 @@ from passes.range_gather_to_slice import RangeGatherToSlice
 from passes.shape_inference import ShapeInference
 from passes.shape_profile import ShapeProfile
 from passes.tune_session import TuneSession
+from passes.unfuse_skip_layernorm import UnfuseSkipLayerNorm
 from passes.upstream_reshape import UpstreamReshape
 from passes.upstream_slice import UpstreamSlice
 
@@ -47,6 +48,7 @@ PASSES: tuple[type[Pass], ...] = (
     UpstreamSlice,
     RangeGatherToSlice,
     FuseTransformer,
+    UnfuseSkipLayerNorm,
     QuantizeDynamic,
     QuantizeStatic,
     Float16,
@@ -119,8 +121,18 @@ _SAFE = [*_CLEANUP, *_COMPUTE_ORDER, *_AFTER]
 # fuse_transformer comes after the compute-order passes (they match the unfused graph) and before the final
 # dead_node_elimination; pack_qkv merges the Q/K/V projections wherever attention does not fuse into the
 # packed com.microsoft::Attention (bench/README.md, presets section, has the measurements).
+# unfuse_skip_layernorm follows the fusions: on CPU, ORT's SkipLayerNormalization kernel is 7-11x slower than
+# Sum + LayerNormalization (bench/README.md, skip-layernorm section); it changes nothing on GPU targets.
 _FAST_FUSION = PassSpec(name="fuse_transformer", options={"pack_qkv": True})
-_FAST = [*_CLEANUP, *_COMPUTE_ORDER, "padding_elimination", *_AFTER[:-1], _FAST_FUSION, _AFTER[-1]]
+_FAST = [
+    *_CLEANUP,
+    *_COMPUTE_ORDER,
+    "padding_elimination",
+    *_AFTER[:-1],
+    _FAST_FUSION,
+    "unfuse_skip_layernorm",
+    _AFTER[-1],
+]
 
 # Not exact: int8 moves outputs by about 1e-2 relative, float16 by about 1e-3 (more near fp16's limits).
 INT8_TOLERANCE = Tolerance(atol=5e-2, rtol=5e-2, min_cosine=0.99, max_mismatch_ratio=0.05)
@@ -131,6 +143,7 @@ FP16_TOLERANCE = Tolerance(atol=1e-2, rtol=1e-2, min_cosine=0.999, max_mismatch_
 _INT8 = [
     *_CLEANUP,
     PassSpec(name="fuse_transformer", options={"attention": "mha", "pack_qkv": True}),
+    "unfuse_skip_layernorm",
     "quantize_dynamic",
     "dead_node_elimination",
 ]
