@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # name -> (module, what it measures). Order: the cheapest first, so a broken setup fails early.
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "skip_layernorm": ("bench.skip_layernorm", "issue 5: SkipLayerNormalization vs Sum + LayerNorm on the CPU EP"),
     "seed_passes": ("bench.seed_passes", "issue 4: ORT default vs the seed passes on bench-size models"),
     "presets": ("bench.presets", "issue 5: presets vs ORT default, ORT's transformers optimizer, onnxsim, int8"),
     "adapters_prepost": ("bench.adapters_prepost", "issue 10: adapter extraction and in-graph pre/post-processing"),
@@ -31,7 +32,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 ON_DEMAND: dict[str, tuple[str, str]] = {
     "reliability": ("bench.reliability", "issue 6: chaos, Redis restart, uploads, load (needs a subcommand)"),
 }
-DEFAULT = ("seed_passes", "presets", "adapters_prepost", "shape_profile")
+DEFAULT = ("skip_layernorm", "seed_passes", "presets", "adapters_prepost", "shape_profile")
 
 
 def _available(module: str) -> bool:
