@@ -48,10 +48,10 @@ if str(REPO) not in sys.path:
 import onnx  # noqa: E402
 import onnx_ir as ir  # noqa: E402
 
+from bench._report import write_blocks  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
 
-README = REPO / "bench" / "README.md"
 LORA = REPO / "tests" / "models" / "lora"
 MARKERS = {
     "adapters": ("<!-- adapters-table:start -->", "<!-- adapters-table:end -->"),
@@ -441,22 +441,9 @@ def _machine(args: argparse.Namespace, command: str) -> str:
 
 
 def write_readme(blocks: dict[str, str]) -> None:
-    """Replace this script's marked blocks in bench/README.md (others' sections untouched); append the section
-    with both blocks when the markers are absent. One read, one write."""
-    text = README.read_text(encoding="utf-8") if README.exists() else "# Benchmarks\n"
-    missing = []
-    for key, block in blocks.items():
-        start, end = MARKERS[key]
-        if start in text and end in text:
-            before, rest = text.split(start, 1)
-            _, after = rest.split(end, 1)
-            text = f"{before}{start}\n{block}{end}{after}"
-        else:
-            missing.append(f"{start}\n{block}{end}\n")
-    if missing:
-        heading = "" if SECTION.splitlines()[0] in text else SECTION + "\n"
-        text = text.rstrip() + "\n\n" + heading + "\n".join(missing)
-    README.write_text(text, encoding="utf-8")
+    """Replace this script's marked blocks in bench/README.md (others' sections untouched); append them under
+    the section heading when the markers are absent."""
+    write_blocks({MARKERS[key]: block for key, block in blocks.items()}, heading=SECTION)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # bench scripts may run as files rather than with python -m
     sys.path.insert(0, str(REPO))
 
-README = REPO / "bench" / "README.md"
+from bench._report import unmarked, write_blocks  # noqa: E402
+
 OUT = REPO / "bench" / "out" / "gpu"
 TABLE_START = "<!-- gpu-table:start -->"
 TABLE_END = "<!-- gpu-table:end -->"
@@ -189,15 +190,8 @@ def render(rows: Sequence[dict[str, Any]], command: str, info: dict[str, Any], a
 
 
 def write_readme(block: str) -> None:
-    """Replace only the gpu-table block, reading and writing the file in one go (others own other blocks)."""
-    text = README.read_text(encoding="utf-8") if README.exists() else "# Benchmarks\n"
-    if TABLE_START in text and TABLE_END in text:
-        before, rest = text.split(TABLE_START, 1)
-        _, after = rest.split(TABLE_END, 1)
-        text = before + block + after
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    README.write_text(text, encoding="utf-8")
+    """Replace only the gpu-table block (others own other blocks)."""
+    write_blocks({(TABLE_START, TABLE_END): unmarked(block, TABLE_START, TABLE_END)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,6 +56,7 @@ if str(REPO) not in sys.path:
 import onnx  # noqa: E402
 import onnx_ir as ir  # noqa: E402
 
+from bench._report import unmarked, write_blocks  # noqa: E402
 from bench.models import BENCH_MODELS, ensure_bench_model, make_inputs  # noqa: E402
 from onnxforge.config import EXACT_TOLERANCE  # noqa: E402
 from onnxforge.runtime import read_recipe  # noqa: E402
@@ -67,7 +68,6 @@ from workers.benchmark import LatencyStats, host_info, slower_beyond_noise  # no
 from workers.verify import compare_output, make_session  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "presets"
-README = REPO / "bench" / "README.md"
 TABLE_START = "<!-- presets-table:start -->"
 TABLE_END = "<!-- presets-table:end -->"
 BATCH, SEQ = 1, 128
@@ -395,15 +395,8 @@ def render(rows: Sequence[dict[str, Any]], command: str, info: dict[str, Any], a
 
 
 def write_readme(block: str) -> None:
-    """Replace this script's marked block (or append it), reading and writing the file in one go."""
-    text = README.read_text(encoding="utf-8") if README.exists() else ""
-    if TABLE_START in text and TABLE_END in text:
-        before, rest = text.split(TABLE_START, 1)
-        _, after = rest.split(TABLE_END, 1)
-        text = before + block + after
-    else:
-        text = (text.rstrip() + "\n\n" if text else "# Benchmarks\n\n") + block + "\n"
-    README.write_text(text, encoding="utf-8")
+    """Replace this script's marked block in bench/README.md (or append it); other blocks stay as they are."""
+    write_blocks({(TABLE_START, TABLE_END): unmarked(block, TABLE_START, TABLE_END)})
 
 
 def main(argv: list[str] | None = None) -> int:

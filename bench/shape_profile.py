@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from bench._report import write_blocks
 from bench.models import ensure_bench_model
 from passes._infra import PassContext
 from passes.shape_profile import (
@@ -53,7 +54,6 @@ from passes.shape_profile import (
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "shape_profile"
 SVG = ROOT / "bench" / "shape_profile.svg"
-README = ROOT / "bench" / "README.md"
 START, END = "<!-- shape-profile-table:start -->", "<!-- shape-profile-table:end -->"
 
 
@@ -232,10 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if not args.no_write:
         SVG.write_text(_svg(notes, check))
-        text = README.read_text()
-        if START in text and END in text:
-            head, rest = text.split(START, 1)
-            README.write_text(head + START + "\n" + table + "\n" + END + rest.split(END, 1)[1])
+        write_blocks({(START, END): table})
     return 0
 
 
