@@ -140,7 +140,14 @@ def unfuse_transposed_weights(model: ir.Model) -> int:
         matmul = ir.node("MatMul", [node.inputs[0], value], name=node.name or name)
         matmul.outputs[0].shape, matmul.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
         model.graph.insert_before(node, matmul)
-        ir.convenience.replace_all_uses_with(node.outputs[0], matmul.outputs[0])
+        old = node.outputs[0]
+        for index, output in enumerate(model.graph.outputs):
+            if output is old:  # GPT-2's tied head writes `logits` itself: the MatMul takes over the name
+                output_name = old.name
+                old.name = f"{output_name}_fused_matmul"
+                matmul.outputs[0].name = output_name
+                model.graph.outputs[index] = matmul.outputs[0]
+        ir.convenience.replace_all_uses_with(old, matmul.outputs[0])
         model.graph.remove(node, safe=True)
     return len(sites)
 
@@ -154,7 +161,7 @@ def _transposed_weight_sites(model: ir.Model) -> list[tuple[ir.Node, ir.Value]]:
         attrs = {name: attr.value for name, attr in node.attributes.items()}
         if weight is None or weight.const_value is None or len(weight.const_value.shape) != 2:
             continue
-        if attrs.get("transB", 0) != 1 or attrs.get("alpha", 1.0) != 1.0 or node.outputs[0].is_graph_output():
+        if attrs.get("transB", 0) != 1 or attrs.get("alpha", 1.0) != 1.0:
             continue
         if any(attrs.get(name, 0) for name in ("transA", "transBatchA", "transBatchB")):
             continue

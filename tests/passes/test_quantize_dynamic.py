@@ -326,6 +326,22 @@ def test_fused_matmul_with_transposed_constant_weight_is_quantized_when_op_types
         assert q.compare_arrays(run(proto, feeds)[0], run(result.model, feeds)[0]).cosine >= 0.99
 
 
+def test_fused_matmul_is_quantized_and_output_keeps_its_name_when_it_is_a_graph_output():
+    """GPT-2's tied head writes the ``logits`` graph output itself: the quantized head writes it, same name."""
+    proto = fused_matmul_head()
+    del proto.graph.node[1]  # no Relu: the FusedMatMul's output is the graph output
+    proto.graph.node[0].output[0] = "y"
+    model = ir.serde.deserialize_model(proto)
+    rng = np.random.default_rng(5)
+    samples = [{"x": rng.standard_normal((r, 8)).astype(np.float32)} for r in (3, 5)]
+    result = QuantizeDynamic()(model, PassContext(samples=samples))
+    assert result.notes["fused_matmuls_unfused"] == 1 and result.counts["nodes_quantized"] == 1
+    assert [o.name for o in result.model.graph.outputs] == ["y"]
+    assert ops(result.model)["MatMulInteger"] == 1
+    for feeds in samples:
+        assert q.compare_arrays(run(proto, feeds)[0], run(result.model, feeds)[0]).cosine >= 0.99
+
+
 def test_fused_matmul_stays_when_matmul_is_not_an_op_type_to_quantize():
     model = ir.serde.deserialize_model(fused_matmul_head())
     result = QuantizeDynamic({"op_types": ["Gather"]})(model, PassContext(samples=[{"x": np.ones((2, 8), np.float32)}]))
