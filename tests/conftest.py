@@ -86,20 +86,33 @@ def redis_prefix() -> str:
     return f"onnxforge-test-{uuid.uuid4().hex[:12]}:"
 
 
-@pytest.fixture(scope="session")
-def redis_url(redis_server: str, redis_prefix: str) -> Iterator[str]:
-    """The broker URL for tests (db 11). Every key under this session's prefix is deleted afterwards."""
+def _delete_keys(url: str, prefix: str) -> None:
     import redis
 
-    url = f"{redis_server}/{REDIS_DB}"
-    yield url
     client = redis.Redis.from_url(url)
     try:
-        keys = list(client.scan_iter(match=f"{redis_prefix}*", count=500))
+        keys = list(client.scan_iter(match=f"{prefix}*", count=500))
         if keys:
             client.delete(*keys)
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: str, redis_prefix: str) -> Iterator[str]:
+    """The broker URL for tests (db 11). Every key under this session's prefix is deleted afterwards."""
+    url = f"{redis_server}/{REDIS_DB}"
+    yield url
+    _delete_keys(url, redis_prefix)
+
+
+@pytest.fixture
+def redis_test_prefix(redis_url: str, redis_prefix: str) -> Iterator[str]:
+    """A key prefix of this test's own under the session's: tests that count queue messages see only
+    theirs. Its keys are deleted when the test ends."""
+    own = f"{redis_prefix}{uuid.uuid4().hex[:8]}:"
+    yield own
+    _delete_keys(redis_url, own)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,21 +24,9 @@ from workers.dispatch import Dispatcher
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def prefix(redis_url: str, redis_prefix: str) -> Iterator[str]:
-    own = f"{redis_prefix}t15-{uuid.uuid4().hex[:8]}:"
-    yield own
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{own}*", count=500))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
 @pytest.mark.integration
-def test_enqueued_message_carries_only_the_job_id_as_json_when_distributed(tmp_path, redis_url, prefix):
+def test_enqueued_message_carries_only_the_job_id_as_json_when_distributed(tmp_path, redis_url, redis_test_prefix):
+    prefix = redis_test_prefix
     settings = Settings(storage={"data_dir": tmp_path}, broker={"url": redis_url, "key_prefix": prefix})
     job_id = str(uuid.uuid4())
     with Dispatcher(settings) as dispatcher:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -72,20 +70,12 @@ def clock() -> ShiftedClock:
 
 
 @pytest.fixture
-def distributed(tmp_path: Path, redis_url: str, redis_prefix: str) -> Iterator[Settings]:
-    prefix = f"{redis_prefix}rec-{uuid.uuid4().hex[:8]}:"
-    yield Settings(
+def distributed(tmp_path: Path, redis_url: str, redis_test_prefix: str) -> Settings:
+    return Settings(
         storage={"data_dir": tmp_path / "data"},
-        broker={"url": redis_url, "key_prefix": prefix},
+        broker={"url": redis_url, "key_prefix": redis_test_prefix},
         worker={"lease_seconds": LEASE},
     )
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=500))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
 
 
 @pytest.fixture
