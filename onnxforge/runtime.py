@@ -41,7 +41,7 @@ import resource
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,31 @@ def _check_value(kind: Any, value: Any) -> Any:
 # -------------------------------------------------------------------------------------- the recipe
 
 
+def _whitelisted(
+    entries: Any, allowed: Mapping[str, Any], what: str, check: Callable[[Any, Any], Any]
+) -> dict[str, Any]:
+    """The entries whose name ``allowed`` lists and whose value ``check(allowed[name], value)`` accepts; a
+    RecipeWarning for each other one."""
+    clean: dict[str, Any] = {}
+    if not isinstance(entries, Mapping):
+        return clean
+    for name, value in entries.items():
+        if name not in allowed:
+            _warn(f"{RECIPE_KEY}: {what} {name!r} is not allowed; ignored")
+            continue
+        try:
+            clean[name] = check(allowed[name], value)
+        except ValueError as exc:
+            _warn(f"{RECIPE_KEY}: {what} {name!r} {exc}; ignored")
+    return clean
+
+
+def _one_of(choices: Collection[str], value: Any) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"expects one of {sorted(choices)}")
+    return value
+
+
 def sanitize_recipe(recipe: Any) -> dict[str, Any]:
     """The applicable part of an untrusted recipe: whitelisted names, checked values; a RecipeWarning for
     each entry dropped. Warm-up shapes are checked for form here and against the model in ``load``."""
@@ -147,26 +172,9 @@ def sanitize_recipe(recipe: Any) -> dict[str, Any]:
     for key in recipe:
         if key not in RECIPE_KEYS:
             _warn(f"{RECIPE_KEY}: unknown key {key!r} ignored")
-    options = recipe.get("session_options") or {}
-    if isinstance(options, Mapping):
-        for name, value in options.items():
-            if name not in SESSION_OPTIONS:
-                _warn(f"{RECIPE_KEY}: session option {name!r} is not allowed; ignored")
-                continue
-            try:
-                clean["session_options"][name] = _check_value(SESSION_OPTIONS[name], value)
-            except ValueError as exc:
-                _warn(f"{RECIPE_KEY}: session option {name!r} {exc}; ignored")
-    config = recipe.get("session_config") or {}
-    if isinstance(config, Mapping):
-        for name, value in config.items():
-            if name not in SESSION_CONFIG:
-                _warn(f"{RECIPE_KEY}: session config key {name!r} is not allowed; ignored")
-                continue
-            if not isinstance(value, str) or value not in SESSION_CONFIG[name]:
-                _warn(f"{RECIPE_KEY}: session config {name!r} expects one of {sorted(SESSION_CONFIG[name])}")
-                continue
-            clean["session_config"][name] = value
+    options, config = recipe.get("session_options"), recipe.get("session_config")
+    clean["session_options"] = _whitelisted(options, SESSION_OPTIONS, "session option", _check_value)
+    clean["session_config"] = _whitelisted(config, SESSION_CONFIG, "session config key", _one_of)
     providers = recipe.get("provider_options") or {}
     if isinstance(providers, Mapping):
         for provider, opts in providers.items():
@@ -174,14 +182,9 @@ def sanitize_recipe(recipe: Any) -> dict[str, Any]:
             if allowed is None or not isinstance(opts, Mapping):
                 _warn(f"{RECIPE_KEY}: options for provider {provider!r} are not allowed; ignored")
                 continue
-            for name, value in opts.items():
-                if name not in allowed:
-                    _warn(f"{RECIPE_KEY}: {provider} option {name!r} is not allowed; ignored")
-                    continue
-                try:
-                    clean["provider_options"].setdefault(provider, {})[name] = str(_check_value(allowed[name], value))
-                except ValueError as exc:
-                    _warn(f"{RECIPE_KEY}: {provider} option {name!r} {exc}; ignored")
+            checked = _whitelisted(opts, allowed, f"{provider} option", _check_value)
+            if checked:
+                clean["provider_options"][provider] = {name: str(value) for name, value in checked.items()}
     warmup = recipe.get("warmup") or []
     if isinstance(warmup, list):
         for entry in warmup[:MAX_WARMUP_CALLS]:
