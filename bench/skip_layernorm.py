@@ -44,6 +44,7 @@ from bench._report import machine_line, write_blocks  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
 
 START, END = "<!-- skip-layernorm-table:start -->", "<!-- skip-layernorm-table:end -->"
+HEADING = "### SkipLayerNormalization on the CPU EP: `python -m bench.skip_layernorm`"
 FORMS = ("skip_layernorm", "add_layernorm", "sum_layernorm")
 
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, command.strip())
     print(table)
     if not args.no_write:
-        write_blocks({(START, END): table}, heading="## SkipLayerNormalization on the CPU EP (unfuse_skip_layernorm)")
+        write_blocks({(START, END): table}, heading=HEADING)
     return 0
 
 
