@@ -57,14 +57,20 @@ def test_latency_stats_flags_noisy_when_cv_exceeds_ten_percent() -> None:
 
 
 def test_compare_agrees_within_stated_noise_when_both_sides_are_the_same_model(mlp_path: Path) -> None:
+    """An A/A comparison lands outside its own 95% interval about one time in twenty by construction, more on a
+    loaded machine: of three independent comparisons at most one may disagree (false alarm ~1% at 5% each)."""
     sets = generate_input_sets(onnx.load(str(mlp_path)), 2)
     params = BenchmarkParams(warmup=3, min_runs=60, max_seconds=0.3, max_runs=400, intra_op_threads=1)
-    result = compare(mlp_path, mlp_path, sets, params)
-    assert not result.slower
-    for shape in result.shapes:
-        assert abs(shape.verdict.ratio - 1.0) <= shape.verdict.margin, shape.to_dict()
-        assert shape.a.runs == shape.b.runs >= 60
-        assert shape.a.peak_rss_delta_mb is not None
+    disagreeing = []
+    for _ in range(3):
+        result = compare(mlp_path, mlp_path, sets, params)
+        for shape in result.shapes:
+            assert shape.a.runs == shape.b.runs >= 60
+            assert shape.a.peak_rss_delta_mb is not None
+        outside = [s.to_dict() for s in result.shapes if abs(s.verdict.ratio - 1.0) > s.verdict.margin]
+        if result.slower or outside:
+            disagreeing.append(outside or "slower")
+    assert len(disagreeing) <= 1, disagreeing
 
 
 def test_compare_says_slower_when_candidate_has_200_extra_nodes(mlp_path: Path, slow_mlp_path: Path) -> None:
