@@ -19,7 +19,7 @@ from app.settings import PipelineSettings
 from onnxforge.config import JobConfig
 from onnxforge.errors import InvalidModelError, RegressionError
 from passes._infra import Pass
-from tests.workers.conftest import AddReluChain, Crash, DropReluChain, FlipSign, Idle, resolver
+from tests.workers.conftest import MODELS, AddReluChain, Crash, DropReluChain, FlipSign, Idle, resolver
 from workers.pipeline import PipelineRequest, PipelineResult, bisect_first_failing, run_pipeline
 from workers.verify import generate_input_sets
 
@@ -224,3 +224,18 @@ def test_pipeline_keeps_upload_intact_when_output_dir_is_the_upload_dir(
     model.write_bytes(mlp_path.read_bytes())
     result = _run(model, tmp_path, fast_settings, Idle())
     assert result.used_original and model.read_bytes() == mlp_path.read_bytes()
+
+
+def test_pipeline_verifies_and_times_unfuse_skip_layernorm_when_fast_fusions_made_skip_layernorms(
+    tmp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    """The fast preset's tail on a real export: fuse_transformer makes SkipLayerNormalization, the new pass takes
+    every one apart, and the ledger verifies it (exact) and decides on its measured latency."""
+    config = JobConfig(passes=["fuse_transformer", "unfuse_skip_layernorm"])
+    result = run_pipeline(PipelineRequest(MODELS / "hf_bert_encoder.onnx", tmp_path / "out", config, fast_settings))
+    entry = _by_name(result)["unfuse_skip_layernorm"]
+    assert entry["verification"]["ok"] is True, entry
+    assert entry["counts"]["skip_layernorms_unfused"] == 4  # two layers, two residual LayerNorms each
+    assert entry["status"] in ("applied", "rolled_back"), entry
+    if entry["status"] == "rolled_back":
+        assert entry["reason"].startswith("slower beyond noise"), entry["reason"]
