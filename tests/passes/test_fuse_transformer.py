@@ -7,19 +7,15 @@ import numpy as np
 import onnx
 import onnx.parser
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from onnxforge.errors import InvalidPassOptionsError
 from passes._fusion_families import detect_family
 from passes._infra import PassContext, op_histogram
 from passes.fuse_transformer import FuseTransformer, gemm_to_matmul, pack_qkv
-from tests.models.build_hf import make_inputs
-from tests.passes._util import MLP_CLEANUP, MODELS
+from tests.passes._util import MLP_CLEANUP, MODELS, assert_same_outputs, session
 
 LAYERS = 2  # every tiny model
-# (batch, sequence, share of padding): right-padded masks, as tokenizers produce them
-SHAPES = ((1, 5, 0.0), (3, 7, 0.3), (2, 17, 0.5), (4, 24, 0.25))
 _CACHE: dict[str, tuple[ir.Model, object]] = {}
 
 
@@ -32,25 +28,6 @@ def fused(name: str):
     if name not in _CACHE:
         _CACHE[name] = FuseTransformer()(load(name))
     return _CACHE[name]
-
-
-def session(model: ir.Model | str) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    source = model if isinstance(model, str) else ir.serde.serialize_model(model).SerializeToString()
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-
-
-def assert_same_outputs(name: str, optimized: ir.Model, atol: float = 1e-4) -> None:
-    """Original and optimized give the same outputs at 1e-4 on padded batches of several shapes."""
-    reference, candidate = session(str(MODELS / f"hf_{name}.onnx")), session(optimized)
-    inputs = {i.name for i in reference.get_inputs()}
-    for batch, seq, pad in SHAPES:
-        feeds = {k: v for k, v in make_inputs(name, batch, seq, pad_fraction=pad, size="tiny").items() if k in inputs}
-        for ref, got in zip(reference.run(None, feeds), candidate.run(None, feeds), strict=True):
-            assert ref.shape == got.shape
-            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=atol, err_msg=f"{name} at {batch}x{seq}")
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
@@ -14,12 +13,9 @@ import pytest
 from passes._infra import PassContext
 from passes.fuse_transformer import FuseTransformer
 from passes.unfuse_skip_layernorm import UnfuseSkipLayerNorm
-from tests.models.build_hf import make_inputs
 from tests.numerics import assert_equivalent
-from tests.passes._util import MODELS, apply, checked, ops, parse
+from tests.passes._util import MODELS, apply, assert_same_outputs, checked, ops, parse
 
-# (batch, sequence, share of padding), other shapes than the export's example
-SHAPES = ((1, 5, 0.0), (3, 7, 0.3), (2, 17, 0.5))
 SLN = "com.microsoft::SkipLayerNormalization"  # as op_histogram names it
 
 
@@ -37,22 +33,6 @@ def _ort_optimized_ops(model: ir.Model | onnx.ModelProto, tmp_path: Path) -> dic
     return counts
 
 
-def _same_outputs(name: str, optimized: ir.Model, atol: float = 1e-4) -> None:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    reference = ort.InferenceSession(str(MODELS / f"hf_{name}.onnx"), options, providers=["CPUExecutionProvider"])
-    candidate = ort.InferenceSession(
-        ir.serde.serialize_model(optimized).SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    inputs = {i.name for i in reference.get_inputs()}
-    for batch, seq, pad in SHAPES:
-        feeds = {k: v for k, v in make_inputs(name, batch, seq, pad_fraction=pad, size="tiny").items() if k in inputs}
-        for ref, got in zip(reference.run(None, feeds), candidate.run(None, feeds), strict=True):
-            assert ref.shape == got.shape
-            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=atol, err_msg=f"{name} at {batch}x{seq}")
-
-
 @pytest.mark.parametrize("name", ["bert_encoder", "roberta_cls", "gpt2"])
 def test_unfuse_skip_layernorm_replaces_every_fused_node_when_fuse_transformer_made_them(name, tmp_path):
     """fuse_transformer's SkipLayerNormalization nodes (post-LN BERT/RoBERTa, pre-LN GPT-2 whose residual sum
@@ -68,7 +48,7 @@ def test_unfuse_skip_layernorm_replaces_every_fused_node_when_fuse_transformer_m
     assert after["Sum"] >= before[SLN]
     assert after["LayerNormalization"] == before.get("LayerNormalization", 0) + before[SLN]
     assert "SkipLayerNormalization" not in _ort_optimized_ops(result.model, tmp_path)
-    _same_outputs(name, result.model)
+    assert_same_outputs(name, result.model)
 
 
 def test_unfuse_skip_layernorm_guards_residual_adds_when_export_is_unfused(tmp_path):
@@ -82,7 +62,7 @@ def test_unfuse_skip_layernorm_guards_residual_adds_when_export_is_unfused(tmp_p
     assert result.counts["skip_layernorms_unfused"] == 0
     assert result.counts["residual_adds_guarded"] >= 4  # two blocks, two residual LayerNorms each
     assert "SkipLayerNormalization" not in _ort_optimized_ops(model, tmp_path)
-    _same_outputs("bert_encoder", model, atol=1e-5)
+    assert_same_outputs("bert_encoder", model, atol=1e-5)
 
 
 SLN_WITH_EVERYTHING = """
