@@ -48,5 +48,19 @@ def is_output_of(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
     return any(out is value for out in graph.outputs)
 
 
+def take_graph_output(graph: ir.Graph | ir.Function, old: ir.Value, new: ir.Value, suffix: str) -> bool:
+    """Where ``old`` is an output of ``graph``, ``new`` takes its place and its name, so the signature is
+    unchanged; ``old`` keeps a name with ``suffix`` (names stay unique). Whether ``old`` was an output."""
+    taken = False
+    for index, output in enumerate(graph.outputs):
+        if output is old:
+            name = old.name
+            old.name = f"{name}{suffix}"
+            new.name = name
+            graph.outputs[index] = new
+            taken = True
+    return taken
+
+
 def is_input_of(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
     return any(inp is value for inp in graph.inputs)

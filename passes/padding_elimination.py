@@ -60,7 +60,7 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import node_label
+from passes._match import node_label, take_graph_output
 from passes._padding_rules import (
     BINARY,
     PadReads,
@@ -489,13 +489,7 @@ def _rewrite(graph: ir.Graph, plan: _Plan, pad: int | None) -> None:
         graph.insert_after(producer, emit.take())
         for use in readers:
             use.node.replace_input_with(use.idx, padded)
-        if value.is_graph_output():
-            name = value.name
-            value.name = f"{name}/unpadded"
-            padded.name = name
-            for i, out in enumerate(graph.outputs):
-                if out is value:
-                    graph.outputs[i] = padded
+        take_graph_output(graph, value, padded, "/unpadded")
 
     for value, original in plan.inside.items():
         value.shape = ir.Shape([valid.tokens, *[_dim(d) for d in original[2:]]])

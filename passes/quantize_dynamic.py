@@ -41,6 +41,7 @@ from pydantic import Field
 
 from passes import _quantization as q
 from passes._infra import NonMatch, Pass, PassContext, PassResult
+from passes._match import take_graph_output
 
 DynamicOpType = Literal["MatMul", "Attention", "Conv", "Gather", "LSTM", "EmbedLayerNormalization"]
 # Which input must be a constant for ORT to quantize the node (its weight).
@@ -141,12 +142,8 @@ def unfuse_transposed_weights(model: ir.Model) -> int:
         matmul.outputs[0].shape, matmul.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
         model.graph.insert_before(node, matmul)
         old = node.outputs[0]
-        for index, output in enumerate(model.graph.outputs):
-            if output is old:  # GPT-2's tied head writes `logits` itself: the MatMul takes over the name
-                output_name = old.name
-                old.name = f"{output_name}_fused_matmul"
-                matmul.outputs[0].name = output_name
-                model.graph.outputs[index] = matmul.outputs[0]
+        # GPT-2's tied head writes `logits` itself: the MatMul takes over the name.
+        take_graph_output(model.graph, old, matmul.outputs[0], "_fused_matmul")
         ir.convenience.replace_all_uses_with(old, matmul.outputs[0])
         model.graph.remove(node, safe=True)
     return len(sites)

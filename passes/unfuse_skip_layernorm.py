@@ -29,7 +29,7 @@ from typing import ClassVar
 import onnx_ir as ir
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import node_label
+from passes._match import node_label, take_graph_output
 
 _ONNX_DOMAINS = ("", "ai.onnx")
 # SkipLayerNormalization's epsilon when the attribute is absent (onnxruntime contrib_defs.h).
@@ -115,7 +115,7 @@ def _unfuse(graph: ir.Graph, node: ir.Node) -> str | None:
         if old is None:
             continue
         _copy_type(old, new)
-        _take_graph_output(graph, old, new)
+        take_graph_output(graph, old, new, "_unfused")
         ir.convenience.replace_all_uses_with(old, new)
     graph.remove(node, safe=True)
     return None
@@ -151,13 +151,3 @@ def _is_constant(value: ir.Value) -> bool:
 
 def _copy_type(source: ir.Value, target: ir.Value) -> None:
     target.type, target.shape = source.type, source.shape
-
-
-def _take_graph_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
-    """Where ``old`` was a graph output, ``new`` takes its place and its name: the signature is unchanged."""
-    for index, output in enumerate(graph.outputs):
-        if output is old:
-            name = old.name
-            old.name = f"{name}_unfused"
-            new.name = name
-            graph.outputs[index] = new
