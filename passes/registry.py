@@ -121,7 +121,7 @@ _SAFE = [*_CLEANUP, *_COMPUTE_ORDER, *_AFTER]
 # fuse_transformer comes after the compute-order passes (they match the unfused graph) and before the final
 # dead_node_elimination; pack_qkv merges the Q/K/V projections wherever attention does not fuse into the
 # packed com.microsoft::Attention (bench/README.md, presets section, has the measurements).
-# unfuse_skip_layernorm follows the fusions: on CPU, ORT's SkipLayerNormalization kernel is 7-11x slower than
+# unfuse_skip_layernorm follows the fusions: on CPU, ORT's SkipLayerNormalization kernel is 6-14x slower than
 # Sum + LayerNormalization (bench/README.md, skip-layernorm section); it changes nothing on GPU targets.
 _FAST_FUSION = PassSpec(name="fuse_transformer", options={"pack_qkv": True})
 _FAST = [
