@@ -45,9 +45,10 @@ browser: ## Install chromium and chromium-driver for the console's browser test 
 		|| echo "make browser: apt-get could not install chromium chromium-driver" \
 			"(the console's browser test fails until they are installed)" >&2
 
-lint: $(STAMP) ## Lint with ruff
+lint: $(STAMP) ## Lint with ruff and check the floors (import-linter contracts in pyproject.toml)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 fmt: $(STAMP) ## Format with ruff
 	$(BIN)/ruff format .

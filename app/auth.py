@@ -11,7 +11,7 @@ a slow password hash would protect.
 
 Open mode (no token, every caller is tenant ``default``) is for a developer's own machine. ``auth.open_mode``
 unset means open only when no keys are configured and ``api.host`` is a loopback address; true is refused
-with a non-loopback host or with keys configured (app/settings.py). Because ``uvicorn --host`` and
+with a non-loopback host or with keys configured (core/settings.py). Because ``uvicorn --host`` and
 ``onnxforge serve --host`` can bind elsewhere than ``api.host`` says, open mode also checks, per request,
 that the connection arrived on a loopback address; any other is refused with 401.
 
@@ -25,26 +25,16 @@ import dataclasses
 import hashlib
 import hmac
 import ipaddress
-import json
 import logging
-import re
-import secrets
-import tomllib
-from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from onnxforge.errors import ErrorKind, InvalidConfigError, OnnxforgeError
+from core.errors import ErrorKind, InvalidConfigError, OnnxforgeError
+from core.keys import DEFAULT_TENANT, load_keys_file
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from core.settings import Settings
 
 log = logging.getLogger("onnxforge.api")
-
-DEFAULT_TENANT = "default"
-KEY_PREFIX = "ofk_"
-TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class AuthenticationError(OnnxforgeError):
@@ -61,56 +51,6 @@ class AuthenticationError(OnnxforgeError):
     def challenge(self) -> str:
         """The ``WWW-Authenticate`` value (RFC 6750 section 3: no error code when no token was sent)."""
         return 'Bearer realm="onnxforge"' + (', error="invalid_token"' if self.invalid_token else "")
-
-
-def hash_key(key: str) -> str:
-    """The SHA-256 (hex) that the operator configures for ``key``."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def new_key() -> str:
-    """A fresh random API key (256 bits)."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def check_key_mapping(mapping: object, source: str) -> dict[str, list[str]]:
-    """Validate ``{tenant: [sha256 hex, ...]}``; hashes are lower-cased. Raises ValueError naming ``source``."""
-    if not isinstance(mapping, Mapping):
-        raise ValueError(f"{source}: expected an object mapping each tenant to a list of SHA-256 hashes")
-    checked: dict[str, list[str]] = {}
-    for tenant, hashes in mapping.items():
-        if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
-            raise ValueError(f"{source}: tenant {str(tenant)[:64]!r} must match {TENANT_PATTERN.pattern}")
-        if isinstance(hashes, str) or not isinstance(hashes, list):
-            raise ValueError(f"{source}: tenant {tenant!r} needs a list of SHA-256 hashes")
-        digests = []
-        for value in hashes:
-            digest = value.strip().lower() if isinstance(value, str) else ""
-            if not _SHA256_HEX.fullmatch(digest):
-                # Never echo the value: it may be a plaintext key pasted by mistake.
-                raise ValueError(
-                    f"{source}: tenant {tenant!r} has an entry that is not a SHA-256 hash (64 hex digits); "
-                    "configure hashes, never keys: `onnxforge keys hash` prints the hash of a key"
-                )
-            digests.append(digest)
-        checked[tenant] = digests
-    return checked
-
-
-def load_keys_file(path: Path) -> dict[str, list[str]]:
-    """Read a keys file: JSON (``.json``) or TOML (``.toml``), both ``tenant = [hashes]`` at the top level."""
-    suffix = path.suffix.lower()
-    if suffix not in (".json", ".toml"):
-        raise ValueError(f"auth.keys_file {path}: the name must end in .json or .toml")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"auth.keys_file {path}: cannot read it ({exc.strerror})") from exc
-    try:
-        data: Any = json.loads(raw) if suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
-        raise ValueError(f"auth.keys_file {path}: not valid {suffix[1:].upper()} ({exc})") from None
-    return check_key_mapping(data, f"auth.keys_file {path}")
 
 
 class KeyRing:

@@ -13,9 +13,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.auth import Authenticator
 from app.services.jobs import JobService
-from app.settings import Settings
-from app.storage import BlobStore
-from app.store import JobStore
+from core.settings import Settings
+from core.storage import BlobStore
+from core.store import JobStore
 
 # Documents the scheme in OpenAPI (the Authorize button of /docs); app/auth.py decides, not FastAPI.
 _bearer = HTTPBearer(

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from app.auth import AuthenticationError
-from onnxforge.errors import ErrorKind, OnnxforgeError
+from core.errors import ErrorKind, OnnxforgeError
 
 log = logging.getLogger("onnxforge.api")
 

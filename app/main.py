@@ -24,10 +24,10 @@ from app.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from app.metrics import ServiceMetrics
 from app.schemas import Problem
 from app.services.jobs import Dispatcher, JobService
-from app.settings import Settings, get_settings
-from app.storage import BlobStore
-from app.store import JobStore
-from onnxforge.errors import InvalidConfigError
+from core.errors import InvalidConfigError
+from core.settings import Settings, get_settings
+from core.storage import BlobStore
+from core.store import JobStore
 
 log = logging.getLogger("onnxforge.api")
 
@@ -36,7 +36,7 @@ _STALE_TMP_SECONDS = 24 * 3600
 
 
 def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None = None) -> FastAPI:
-    """Build the API. ``dispatcher`` overrides workers.dispatch.Dispatcher (tests pass a recorder).
+    """Build the API. ``dispatcher`` overrides core.broker.Dispatcher (tests pass a recorder).
 
     Raises InvalidConfigError when the API keys cannot be loaded or are required and missing (app/auth.py).
     """
@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
             blobs.sweep_tmp(_STALE_TMP_SECONDS)
             active = dispatcher
             if active is None:
-                from workers.dispatch import Dispatcher as CeleryDispatcher  # deferred: pulls in Celery
+                from core.broker import Dispatcher as CeleryDispatcher  # deferred: pulls in Celery
 
                 active = owned = CeleryDispatcher(settings)
             app.state.settings = settings

@@ -35,9 +35,9 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.settings import Settings
-from app.store import STATES, Job, JobStore
-from onnxforge.errors import UnavailableError
+from core.errors import UnavailableError
+from core.settings import Settings
+from core.store import STATES, Job, JobStore
 
 log = logging.getLogger("onnxforge.api")
 
@@ -71,7 +71,7 @@ class QueueDepth:
             return None
 
     def _filesystem(self) -> dict[str, int]:
-        from workers.celery_app import queue_dirs  # deferred: pulls in Celery
+        from core.broker import queue_dirs  # deferred: pulls in Celery
 
         counts = dict.fromkeys(_QUEUES, 0)
         # kombu's filesystem transport names a message "<ms>_<uuid>.<queue>.msg".

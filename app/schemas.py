@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.store import Job
+from core.store import Job
 
 JobState = Literal["queued", "running", "succeeded", "failed", "canceled"]
 

@@ -8,7 +8,7 @@ every fine-tuning shares), the ``.onnx_adapter`` size (what one more fine-tuning
 model), and the max abs difference of the artifact, under ONNX Runtime, with no adapter against the base
 model's torch output and with the adapter active against peft's output. Cases: the committed tiny peft BERT
 (``tests/models/lora``, references in its ``expected.npz``; adapter ``two`` converted with
-``onnxforge.adapters.convert_peft``), and all-MiniLM-L6-v2 with a seeded LoRA r=8 on query and value of its
+``core.adapters.convert_peft``), and all-MiniLM-L6-v2 with a seeded LoRA r=8 on query and value of its
 six layers, exported by the TorchScript exporter here (references from torch and peft).
 
 **Prepost.** Each row times two ways of serving the same raw input, both ORT at its default level
@@ -102,7 +102,7 @@ def _session(model: Path | bytes, threads: int, *, extensions: bool = False, opt
 
 
 def _extract(model_path: Path, out: Path) -> tuple[Path, Path, dict[str, Any]]:
-    from onnxforge.adapters import ADAPTER_SUFFIX
+    from core.adapters import ADAPTER_SUFFIX
     from passes.extract_adapters import ExtractAdapters
 
     ctx = PassContext()
@@ -117,7 +117,7 @@ def _extract(model_path: Path, out: Path) -> tuple[Path, Path, dict[str, Any]]:
 def _max_abs(
     session: Any, feeds: Sequence[dict[str, np.ndarray]], expected: Sequence[np.ndarray], adapter: Any
 ) -> float:
-    from onnxforge.adapters import run_options
+    from core.adapters import run_options
 
     options, _active = run_options(adapter)
     return max(
@@ -135,7 +135,7 @@ def _adapter_row(
     second: tuple[Path, list[np.ndarray]] | None,
     out: Path,
 ) -> dict[str, Any]:
-    from onnxforge.adapters import convert_peft
+    from core.adapters import convert_peft
 
     path, adapter, notes = _extract(source, out)
     session = _session(path, 1, optimize=False)

@@ -84,8 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _optimize(model: Path, preset: str, out_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from app.settings import PipelineSettings
-    from onnxforge.config import JobConfig
+    from core.config import JobConfig
+    from core.settings import PipelineSettings
     from workers.pipeline import PipelineRequest, run_pipeline
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -119,8 +119,8 @@ def _shapes(model: Path, args: argparse.Namespace) -> dict[str, list[int]]:
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from bench.models import ensure_bench_model, make_inputs
+    from core.recipe import read_recipe
     from workers.benchmark import BenchmarkParams, compare
-    from workers.pipeline import read_recipe
     from workers.verify import InputSet
 
     model = ensure_bench_model(name)
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_GPU
     import onnxruntime as ort
 
-    from workers.hardware import _gpus
+    from core.hardware import _gpus
 
     info = {
         "gpu": ", ".join(_gpus()) or "unknown GPU",

@@ -14,7 +14,7 @@ ort_int8           ORT ``quantize_dynamic`` with its defaults on ort_transformer
 fast, int8         the onnxforge preset's passes applied in order (``passes.registry.build_passes``, as
                    ``bench/seed_passes.py`` does) with the benchmark feeds as ``PassContext(samples=...)``;
                    a ``tune_session`` recipe in the result is applied to its session as
-                   ``onnxforge.runtime.load`` applies it (``workers.verify.make_session(recipe=...)``)
+                   ``core.runtime.load`` applies it (``workers.verify.make_session(recipe=...)``)
 =================  =====================================================================================
 
 **Verified**: each variant's session (as timed) runs the benchmark feeds; every float output is compared with
@@ -58,13 +58,14 @@ import onnx_ir as ir  # noqa: E402
 
 from bench._report import unmarked, write_blocks  # noqa: E402
 from bench.models import BENCH_MODELS, ensure_bench_model, make_inputs  # noqa: E402
-from onnxforge.config import EXACT_TOLERANCE  # noqa: E402
-from onnxforge.runtime import read_recipe  # noqa: E402
+from core.config import EXACT_TOLERANCE  # noqa: E402
+from core.recipe import read_recipe  # noqa: E402
+from core.verdict import LatencyStats, slower_beyond_noise  # noqa: E402
 from passes import _fusion_families as fam  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
 from passes._quantization import compare_arrays  # noqa: E402
 from passes.registry import build_passes, get_preset  # noqa: E402
-from workers.benchmark import LatencyStats, host_info, slower_beyond_noise  # noqa: E402
+from workers.benchmark import host_info  # noqa: E402
 from workers.verify import compare_output, make_session  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "presets"

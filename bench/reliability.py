@@ -337,7 +337,7 @@ def fetch_artifact(client: httpx.Client, url: str, job_id: str) -> tuple[str, st
 
 
 def blob_path(data_dir: Path, sha: str) -> Path:
-    from app.storage import BlobStore
+    from core.storage import BlobStore
 
     return Path(BlobStore(data_dir / "blobs").path(sha))
 

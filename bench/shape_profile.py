@@ -7,8 +7,8 @@ Run ``python -m bench.shape_profile [--pass-repeats N] [--repeats N] [--calls N]
    1..8, sequence 8..512 (the position table's 512). It measures every CPU candidate in fresh processes
    (``--pass-repeats`` rounds, interleaved) and writes the winner into the artifact's ``onnxforge.session``.
 2. **Check.** On a *different* 40-call random-size trace (seed ``--seed + 1``), ORT's default session on
-   the original model and ``onnxforge.runtime.load`` on the artifact (recipe and warm-up applied) each
-   replay the trace in a fresh process (``python -m onnxforge.runtime --measure``), ``--repeats`` times,
+   the original model and ``core.runtime.load`` on the artifact (recipe and warm-up applied) each
+   replay the trace in a fresh process (``python -m core.runtime --measure``), ``--repeats`` times,
    alternating which goes first. Reported: peak RSS of the process (``ru_maxrss``; the process holds
    numpy and onnxruntime and the trace, the same for both), trace time (sum of the 40 call latencies, the
    warm-up not included), the median of the per-round trace-time ratios, first-call latency and spikes.
@@ -274,7 +274,7 @@ def _table(notes: dict[str, Any], check: dict[str, Any], args: argparse.Namespac
         f"| ORT default | {d['peak_rss_mb']:.1f}; {d['peak_rss_mb_runs']} | {d['load_peak_rss_mb']:.1f} | "
         f"{d['trace_s']:.2f}; {d['trace_s_runs']} | "
         f"{d['load_s']:.2f} | {d['first_call_ms']:.0f} | {len(d['spikes'])} |",
-        f"| `onnxforge.runtime.load` ({check['recipe_name']}) | {r['peak_rss_mb']:.1f}; {r['peak_rss_mb_runs']} | "
+        f"| `core.runtime.load` ({check['recipe_name']}) | {r['peak_rss_mb']:.1f}; {r['peak_rss_mb_runs']} | "
         f"{r['load_peak_rss_mb']:.1f} | "
         f"{r['trace_s']:.2f}; {r['trace_s_runs']} | {r['load_s']:.2f} | {r['first_call_ms']:.0f} | "
         f"{len(r['spikes'])} |",

@@ -1,3 +1,5 @@
 """onnxforge: verified, measured ONNX graph optimization as a service."""
 
-__version__ = "0.1.0"
+from core.version import __version__
+
+__all__ = ["__version__"]

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from onnxforge.errors import ErrorKind, InvalidInputError, OnnxforgeError
+from core.errors import ErrorKind, InvalidInputError, OnnxforgeError
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from core.settings import Settings
 
 _INPUT_KINDS = {ErrorKind.INVALID_INPUT, ErrorKind.NOT_FOUND, ErrorKind.TOO_LARGE}
 
@@ -32,7 +32,7 @@ ONNXFORGE_<SECTION>__<FIELD> environment variables (see deploy/env.example).
 
 
 def _settings() -> Settings:
-    from app.settings import get_settings
+    from core.settings import get_settings
 
     return get_settings()
 
@@ -70,7 +70,7 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_names(config: dict[str, Any]) -> Any:
     """Parse the config and resolve every pass and preset name before anything runs."""
-    from onnxforge.config import JobConfig
+    from core.config import JobConfig
     from passes.registry import build_passes, get_preset
 
     job_config = JobConfig.parse(config)
@@ -177,7 +177,7 @@ def print_summary(report: dict[str, Any]) -> None:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from onnxforge.config import JobConfig
+    from core.config import JobConfig
 
     model = Path(args.model)
     if not model.is_file():
@@ -264,7 +264,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_adapters_convert(args: argparse.Namespace) -> int:
-    from onnxforge.adapters import ADAPTER_SUFFIX, convert_peft
+    from core.adapters import ADAPTER_SUFFIX, convert_peft
 
     model, out = Path(args.model), Path(args.output)
     if not model.is_file():
@@ -286,7 +286,7 @@ def cmd_adapters_convert(args: argparse.Namespace) -> int:
 def cmd_keys(args: argparse.Namespace) -> int:
     import getpass
 
-    from app.auth import hash_key, new_key  # no FastAPI: app/auth.py is plain Python
+    from core.keys import hash_key, new_key
 
     if args.action == "new":
         key = new_key()

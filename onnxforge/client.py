@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from onnxforge.errors import OnnxforgeError
+from core.errors import OnnxforgeError
 
 TERMINAL = frozenset({"succeeded", "failed", "canceled"})
 

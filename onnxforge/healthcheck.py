@@ -39,10 +39,10 @@ def check_url(url: str, timeout: float) -> str | None:
 
 
 def check_worker() -> str | None:
-    from app.settings import get_settings
-    from app.store import JobStore
-    from onnxforge.errors import OnnxforgeError
-    from workers.dispatch import Dispatcher
+    from core.broker import Dispatcher
+    from core.errors import OnnxforgeError
+    from core.settings import get_settings
+    from core.store import JobStore
 
     settings = get_settings()
     try:

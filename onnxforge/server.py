@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from core.settings import Settings
 
 log = logging.getLogger("onnxforge.server")
 
@@ -45,8 +45,9 @@ def run_worker(
     loglevel: str | None = None,
 ) -> int:
     """Run a Celery worker (prefork pool) in this process until it is told to stop."""
-    from app.store import JobStore
-    from workers.celery_app import QUEUES, create_celery
+    from core.broker import QUEUES
+    from core.store import JobStore
+    from workers.celery_app import create_celery
 
     chosen = list(queues or settings.worker.queues)
     unknown = [q for q in chosen if q not in QUEUES]
@@ -146,13 +147,13 @@ def serve(settings: Settings, *, host: str | None = None, port: int | None = Non
     import uvicorn
 
     from app.main import create_app
-    from app.store import JobStore
+    from core.store import JobStore
 
     host = host or settings.api.host
     port = settings.api.port if port is None else port
     workers: EmbeddedWorkers | None = None
     if settings.embedded:
-        from workers.celery_app import queue_dirs
+        from core.broker import queue_dirs
 
         for path in queue_dirs(settings.storage.queue_dir).values():
             path.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from onnxforge.errors import InvalidPassOptionsError, PassError
+from core.errors import InvalidPassOptionsError, PassError
 
 Target = Literal["cpu", "cuda", "tensorrt"]
 

@@ -41,7 +41,7 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import Field
 
-from onnxforge.adapters import ADAPTER_SUFFIX, SLOTS_KEY, Slot, adapter_bytes, normalize_module, slots_json
+from core.adapters import ADAPTER_SUFFIX, SLOTS_KEY, Slot, adapter_bytes, normalize_module, slots_json
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 
 _DEFAULT = ("", "ai.onnx")

@@ -63,7 +63,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_common
 from pydantic import Field, model_validator
 
-from onnxforge.errors import ErrorKind, PassError
+from core.errors import ErrorKind, PassError
 from passes._infra import Pass, PassContext, PassOptions, PassResult
 
 REQUIRES = "onnxruntime-extensions"

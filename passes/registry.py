@@ -10,8 +10,8 @@ import difflib
 from collections.abc import Sequence
 from typing import Any
 
-from onnxforge.config import EXACT_TOLERANCE, PassSpec, Tolerance
-from onnxforge.errors import UnknownPassError
+from core.config import EXACT_TOLERANCE, PassSpec, Tolerance
+from core.errors import UnknownPassError
 from passes._infra import Pass
 from passes.common_subexpression_elimination import CommonSubexpressionElimination
 from passes.constant_folding import ConstantFolding

@@ -10,7 +10,7 @@ and keeps it. The right settings depend on the model and the traffic, so this pa
    sequence clamped to the model's position table when it has one.
 2. **Trace.** ``calls`` calls of random sizes (seeded), inputs made for their role (ids within the
    embedding table, right-padded masks).
-3. **Candidates.** Each replays the same trace in a **fresh process** (``python -m onnxforge.runtime
+3. **Candidates.** Each replays the same trace in a **fresh process** (``python -m core.runtime
    --measure``; a process's peak RSS never goes down), ``repeats`` times, interleaved (round r runs the
    candidates in an order rotated by r): ORT's defaults; a warm-up call at the largest shape;
    ``enable_mem_pattern`` off; the CPU arena off; both; initializers outside the arena; the CPU arena
@@ -23,7 +23,7 @@ and keeps it. The right settings depend on the model and the traffic, so this pa
    ``min_memory_saving_mb`` and more than the spread of the peaks, wins; otherwise the default stays.
 5. **Recipe.** The winner goes into ``metadata_props["onnxforge.session"]`` as JSON
    (``session_options``, ``session_config``, ``provider_options``, ``warmup``), which
-   ``onnxforge.runtime.load`` applies. The graph is not touched; with the default kept, nothing is written.
+   ``core.runtime.load`` applies. The graph is not touched; with the default kept, nothing is written.
 
 Notes: ``notes["shape_profile"]`` holds the ranges, the trace, every candidate's figures and a ``plot``
 block (per-call latency with spikes marked, peak memory per candidate) for the report.
@@ -49,8 +49,8 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import Field, field_validator
 
-from onnxforge.errors import PassError
-from onnxforge.runtime import RECIPE_KEY
+from core.errors import PassError
+from core.recipe import RECIPE_KEY
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 
 DEFAULT_BATCH = (1, 8)
@@ -247,14 +247,14 @@ class ShapeProfile(Pass):
 
 
 def run_child(spec: Mapping[str, Any], spec_path: Path, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run ``python -m onnxforge.runtime --measure`` on ``spec`` in a fresh process; its JSON result, or
+    """Run ``python -m core.runtime --measure`` on ``spec`` in a fresh process; its JSON result, or
     ``{"error": ...}`` when it failed (a candidate the runtime rejects, a crash, the time limit)."""
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "onnxforge.runtime", "--measure", str(spec_path)],
+            [sys.executable, "-m", "core.runtime", "--measure", str(spec_path)],
             capture_output=True,
             text=True,
             timeout=timeout_s,

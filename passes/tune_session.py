@@ -14,7 +14,7 @@ The winner is written into the model's ``metadata_props`` under ``onnxforge.sess
      "session_config":   {"session.intra_op.allow_spinning": "1"},
      "provider_options": {"CUDAExecutionProvider": {"cudnn_conv_algo_search": "HEURISTIC"}}}
 
-``apply_recipe`` turns it back into ``SessionOptions`` and a provider list (``onnxforge.runtime.load``
+``apply_recipe`` turns it back into ``SessionOptions`` and a provider list (``core.runtime.load``
 applies the same key); the pipeline benchmarks the final model with it, so the gate measures what users
 run. Default options fastest within noise: no change (no key written), except on TensorRT, whose engine
 and timing caches always pay on the next session (ORT PR #14767: 108.6 s -> 9.4 s builds).
@@ -38,15 +38,9 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import Field
 
+from core.recipe import RECIPE_KEY, apply_recipe, default_recipe, recipe_of
+from core.verdict import pooled_verdict
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-
-RECIPE_KEY = "onnxforge.session"
-_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-_FALLBACK = {
-    "cpu": ["CPUExecutionProvider"],
-    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
-}
 
 
 class TuneSessionOptions(PassOptions):
@@ -67,50 +61,6 @@ class TuneSessionOptions(PassOptions):
     write_default: bool = Field(
         False, description="Write the recipe even when the starting options win, so the artifact names its session."
     )
-
-
-def default_recipe(target: str = "cpu") -> dict[str, Any]:
-    return {
-        "session_options": {
-            "intra_op_num_threads": 0,
-            "inter_op_num_threads": 1,
-            "execution_mode": "ORT_SEQUENTIAL",
-            "graph_optimization_level": "ORT_ENABLE_ALL",
-        },
-        "session_config": {},
-        "provider_options": {} if target == "cpu" else {_PROVIDER[target]: {}},
-    }
-
-
-def read_recipe(model: ir.Model) -> dict[str, Any] | None:
-    text = model.metadata_props.get(RECIPE_KEY)
-    return json.loads(text) if text else None
-
-
-def apply_recipe(recipe: dict[str, Any], options: Any = None, *, target: str = "cpu") -> tuple[Any, list[Any]]:
-    """(SessionOptions, providers) from a recipe; ``options`` (a SessionOptions) is updated when given."""
-    import onnxruntime as ort
-
-    options = options or ort.SessionOptions()
-    for key, raw in (recipe.get("session_options") or {}).items():
-        value = raw
-        if key == "execution_mode":
-            value = ort.ExecutionMode.__members__[raw]
-        elif key == "graph_optimization_level":
-            value = ort.GraphOptimizationLevel.__members__[raw]
-        elif not hasattr(options, key):
-            raise ValueError(f"unknown session option {key!r} in the recipe")
-        setattr(options, key, value)
-    for key, value in (recipe.get("session_config") or {}).items():
-        options.add_session_config_entry(str(key), str(value))
-    available = set(ort.get_available_providers())
-    provider_options = recipe.get("provider_options") or {}
-    providers: list[Any] = []
-    for name in [*provider_options, *_FALLBACK.get(target, [])]:
-        if name in available and name not in [p[0] if isinstance(p, tuple) else p for p in providers]:
-            opts = provider_options.get(name)
-            providers.append((name, {k: str(v) for k, v in opts.items()}) if opts else name)
-    return options, providers or ["CPUExecutionProvider"]
 
 
 def _session(path: Path, recipe: dict[str, Any], target: str) -> Any:
@@ -146,7 +96,6 @@ def _faster(  # noqa: PLR0917  (private helper; one caller)
     path: Path, best: dict[str, Any], other: dict[str, Any], feeds: list[dict[str, Any]], target: str, runs: int
 ) -> tuple[bool, float]:
     """Interleaved A/B of two recipes on one model: (other faster beyond noise, median paired ratio)."""
-    from workers.benchmark import pooled_verdict
 
     a, b = _session(path, best, target), _session(path, other, target)
     pairs = []
@@ -193,7 +142,7 @@ class TuneSession(Pass):
                 ("provider_options", "CUDAExecutionProvider:tunable_op_enable", ["1"]),
             ]
         # Start from the recipe another pass (shape_profile) may have written; its other keys (warmup) stay.
-        existing = read_recipe(model) or {}
+        existing = recipe_of(model) or {}
         recipe = default_recipe(target)
         for section in ("session_options", "session_config", "provider_options"):
             recipe[section].update(existing.get(section) or {})

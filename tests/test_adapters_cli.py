@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from onnxforge.adapters import ADAPTER_SUFFIX, read_adapter, run_options
+from core.adapters import ADAPTER_SUFFIX, read_adapter, run_options
 from onnxforge.cli import main
 from passes._infra import PassContext
 from passes.extract_adapters import ExtractAdapters
@@ -101,7 +101,7 @@ def test_optimize_writes_model_and_adapter_side_by_side_when_extract_adapters_ru
 ):
     for key, value in FAST_ENV.items():
         monkeypatch.setenv(key, value)
-    from app.settings import get_settings
+    from core.settings import get_settings
 
     get_settings.cache_clear()
     out, report = tmp_path / "bert.opt.onnx", tmp_path / "report.json"

@@ -13,19 +13,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.auth import (
-    DEFAULT_TENANT,
-    AuthenticationError,
-    Authenticator,
-    KeyRing,
-    check_key_mapping,
-    hash_key,
-    load_keys_file,
-    new_key,
-)
-from app.settings import Settings
+from app.auth import AuthenticationError, Authenticator, KeyRing
+from core.errors import InvalidConfigError
+from core.keys import DEFAULT_TENANT, check_key_mapping, hash_key, load_keys_file, new_key
+from core.settings import Settings
 from onnxforge.cli import main
-from onnxforge.errors import InvalidConfigError
 
 KEY_A = "ofk_key-of-team-a"
 KEY_B = "ofk_key-of-team-b"

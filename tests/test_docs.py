@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.settings import render_env_example, render_markdown_table
+from core.settings import render_env_example, render_markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,12 +13,12 @@ def test_readme_settings_table_matches_settings_when_generated():
     readme = (ROOT / "README.md").read_text()
     start, end = "<!-- settings-table:start -->\n", "<!-- settings-table:end -->"
     table = readme[readme.index(start) + len(start) : readme.index(end)]
-    assert table == render_markdown_table(), "README settings table is stale: regenerate it from app.settings"
+    assert table == render_markdown_table(), "README settings table is stale: regenerate it from core.settings"
 
 
 def test_env_example_lists_every_setting_when_generated():
     assert (ROOT / "deploy" / "env.example").read_text() == render_env_example(), (
-        "deploy/env.example is stale: python -m app.settings --env > deploy/env.example"
+        "deploy/env.example is stale: python -m core.settings --env > deploy/env.example"
     )
 
 

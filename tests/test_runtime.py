@@ -1,4 +1,4 @@
-"""onnxforge.runtime: the ``onnxforge.session`` recipe is applied, whitelisted, and read without the weights."""
+"""core.runtime: the ``onnxforge.session`` recipe is applied, whitelisted, and read without the weights."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnxforge import runtime
+from core import recipe, runtime
 
 MODELS = Path(__file__).resolve().parent / "models"
 ENCODER = MODELS / "hf_bert_encoder.onnx"  # inputs [batch, sequence] int64, position table 128
@@ -21,7 +21,7 @@ def with_metadata(tmp_path: Path, value: str | None, name: str = "model.onnx", *
     model = onnx.load(str(ENCODER))
     props = dict(extra)
     if value is not None:
-        props[runtime.RECIPE_KEY] = value
+        props[recipe.RECIPE_KEY] = value
     onnx.helper.set_model_props(model, props)
     path = tmp_path / name
     onnx.save(model, str(path))
@@ -43,7 +43,7 @@ def test_load_applies_session_options_and_config_when_the_recipe_sets_them(tmp_p
         ),
     )
     with warnings.catch_warnings():
-        warnings.simplefilter("error", runtime.RecipeWarning)  # a valid recipe warns about nothing
+        warnings.simplefilter("error", recipe.RecipeWarning)  # a valid recipe warns about nothing
         session = runtime.load(path)
     options = session.get_session_options()
     assert options.enable_mem_pattern is False
@@ -59,13 +59,13 @@ def test_load_applies_session_options_and_config_when_the_recipe_sets_them(tmp_p
 def test_load_uses_ort_defaults_when_the_model_has_no_recipe(tmp_path):
     path = with_metadata(tmp_path, None, other="kept")
     with warnings.catch_warnings():
-        warnings.simplefilter("error", runtime.RecipeWarning)
+        warnings.simplefilter("error", recipe.RecipeWarning)
         session = runtime.load(path)
     defaults = ort.SessionOptions()
     options = session.get_session_options()
     assert options.enable_mem_pattern == defaults.enable_mem_pattern
     assert options.enable_cpu_mem_arena == defaults.enable_cpu_mem_arena
-    assert runtime.read_recipe(path) is None
+    assert recipe.read_recipe(path) is None
 
 
 def test_load_refuses_hostile_session_options_and_writes_no_file(tmp_path):
@@ -88,7 +88,7 @@ def test_load_refuses_hostile_session_options_and_writes_no_file(tmp_path):
             extra_key={"anything": 1},
         ),
     )
-    with pytest.warns(runtime.RecipeWarning) as caught:
+    with pytest.warns(recipe.RecipeWarning) as caught:
         session = runtime.load(path)
     session.run(None, runtime.warmup_feeds(session, {"input_ids": [1, 8]}))
     messages = " ".join(str(w.message) for w in caught)
@@ -115,7 +115,7 @@ def test_load_refuses_hostile_session_options_and_writes_no_file(tmp_path):
 )
 def test_load_ignores_invalid_recipe_values_with_a_warning(tmp_path, value):
     path = with_metadata(tmp_path, value)
-    with pytest.warns(runtime.RecipeWarning):
+    with pytest.warns(recipe.RecipeWarning):
         session = runtime.load(path)
     options = session.get_session_options()
     assert options.enable_mem_pattern is True
@@ -131,19 +131,19 @@ def test_warmup_feeds_bind_missing_inputs_from_shared_dims_and_refuse_huge_shape
         "token_type_ids": ((3, 20), np.int64),
     }
     assert feeds["attention_mask"].all() and not feeds["input_ids"].any()
-    with pytest.warns(runtime.RecipeWarning, match="elements"):
+    with pytest.warns(recipe.RecipeWarning, match="elements"):
         assert runtime.warmup_feeds(session, {"input_ids": [1 << 13, 1 << 13]}) is None
 
 
 def test_read_metadata_props_matches_onnx_without_loading_the_graph(tmp_path):
     path = with_metadata(tmp_path, recipe_json(warmup=[]), a="1", b="x" * 300)
     expected = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
-    assert runtime.read_metadata_props(path) == expected
-    assert runtime.read_metadata_props(ENCODER) == {p.key: p.value for p in onnx.load(str(ENCODER)).metadata_props}
+    assert recipe.read_metadata_props(path) == expected
+    assert recipe.read_metadata_props(ENCODER) == {p.key: p.value for p in onnx.load(str(ENCODER)).metadata_props}
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x0b\x00\x00")  # wire type 3 (group) at top level: not an ONNX model
     with pytest.raises(ValueError):
-        runtime.read_metadata_props(bad)
+        recipe.read_metadata_props(bad)
 
 
 def test_overrides_win_over_the_recipe_and_unknown_overrides_raise(tmp_path):
@@ -156,7 +156,7 @@ def test_overrides_win_over_the_recipe_and_unknown_overrides_raise(tmp_path):
 
 
 def test_provider_options_merge_into_matching_providers_and_the_callers_own_win():
-    recipe = runtime.sanitize_recipe(
+    sanitized = recipe.sanitize_recipe(
         {
             "provider_options": {
                 "CUDAExecutionProvider": {"gpu_mem_limit": 1 << 30, "arena_extend_strategy": "kSameAsRequested"}
@@ -164,14 +164,14 @@ def test_provider_options_merge_into_matching_providers_and_the_callers_own_win(
         }
     )
     merged = runtime._providers(
-        recipe, [("CUDAExecutionProvider", {"gpu_mem_limit": "2147483648"}), "CPUExecutionProvider"]
+        sanitized, [("CUDAExecutionProvider", {"gpu_mem_limit": "2147483648"}), "CPUExecutionProvider"]
     )
     assert merged == [
         ("CUDAExecutionProvider", {"gpu_mem_limit": "2147483648", "arena_extend_strategy": "kSameAsRequested"}),
         "CPUExecutionProvider",
     ]
-    with pytest.warns(runtime.RecipeWarning):
-        bad = runtime.sanitize_recipe(
+    with pytest.warns(recipe.RecipeWarning):
+        bad = recipe.sanitize_recipe(
             {"provider_options": {"CUDAExecutionProvider": {"gpu_mem_limit": -1, "device_id": 3}}}
         )
     assert bad["provider_options"] == {}
@@ -193,11 +193,11 @@ def test_load_applies_cuda_provider_options_on_a_gpu(tmp_path):
 
 def test_sanitize_keeps_cuda_graph_flag_only_when_it_is_zero_or_one():
     with warnings.catch_warnings():
-        warnings.simplefilter("error", runtime.RecipeWarning)
-        good = runtime.sanitize_recipe({"provider_options": {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}})
+        warnings.simplefilter("error", recipe.RecipeWarning)
+        good = recipe.sanitize_recipe({"provider_options": {"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}})
     assert runtime.cuda_graph_enabled(good)
-    with pytest.warns(runtime.RecipeWarning, match="enable_cuda_graph"):
-        bad = runtime.sanitize_recipe({"provider_options": {"CUDAExecutionProvider": {"enable_cuda_graph": "yes"}}})
+    with pytest.warns(recipe.RecipeWarning, match="enable_cuda_graph"):
+        bad = recipe.sanitize_recipe({"provider_options": {"CUDAExecutionProvider": {"enable_cuda_graph": "yes"}}})
     assert not runtime.cuda_graph_enabled(bad)
 
 
@@ -208,11 +208,11 @@ def test_load_skips_warmup_calls_when_the_recipe_enables_cuda_graphs(tmp_path):
         recipe_json(provider_options={"CUDAExecutionProvider": {"enable_cuda_graph": "1"}}, warmup=warmup),
         name="graph.onnx",
     )
-    with pytest.warns(runtime.RecipeWarning, match="warm-up calls are skipped"):
+    with pytest.warns(recipe.RecipeWarning, match="warm-up calls are skipped"):
         session = runtime.load(graph, ["CPUExecutionProvider"])
     plain = with_metadata(tmp_path, recipe_json(warmup=warmup), name="plain.onnx")
     with warnings.catch_warnings():
-        warnings.simplefilter("error", runtime.RecipeWarning)  # the same warm-up runs without a graph
+        warnings.simplefilter("error", recipe.RecipeWarning)  # the same warm-up runs without a graph
         runtime.load(plain)
     feeds = {"input_ids": np.ones((1, 5), np.int64), "attention_mask": np.ones((1, 5), np.int64),
              "token_type_ids": np.zeros((1, 5), np.int64)}  # fmt: skip

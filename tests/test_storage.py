@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.storage import BlobStore
-from onnxforge.errors import InvalidInputError, NotFoundError, TooLargeError
+from core.errors import InvalidInputError, NotFoundError, TooLargeError
+from core.storage import BlobStore
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import OperationalError
 
-from app.store import Job, JobStore
-from onnxforge.errors import ConflictError, NotFoundError, UnavailableError
+from core.errors import ConflictError, NotFoundError, UnavailableError
+from core.store import Job, JobStore
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 LEASE = 60

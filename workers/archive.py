@@ -23,7 +23,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO
 
-from onnxforge.errors import InvalidModelError
+from core.errors import InvalidModelError
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_MEMBERS = 64

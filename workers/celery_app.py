@@ -1,160 +1,35 @@
-"""The one Celery app, built from Settings: JSON only, late acks, explicit ``cpu``/``gpu`` queues.
+"""The workers' Celery app: the broker configuration of core/broker.py plus the registered task.
 
-``create_celery(settings)`` is the only constructor; callers pass the returned app explicitly (no
-``current_app``). ``onnxforge worker`` and the API's dispatcher each build their own from the same
-Settings. For ``celery -A workers.celery_app worker`` the module also exposes ``app``, built lazily from
-``get_settings()`` on first access (PEP 562), so importing this module never reads the environment.
-
-Two brokers:
-
-* **Distributed** (``broker.url`` set, Redis): every key carries ``broker.key_prefix``
-  (``global_keyprefix``), and ``visibility_timeout`` is set on the broker and result-backend transport
-  options alike (Celery ``redis.rst`` caveats; security.md T18).
-* **Embedded** (``broker.url`` unset): kombu's ``filesystem://`` transport under
-  ``<data_dir>/queue``. Producer and consumers use the same ``messages/`` folder, so the API process and
-  the worker processes that ``onnxforge serve`` starts share one queue; the queue name is part of each
-  message file's name, so ``cpu`` and ``gpu`` stay apart. A consumer takes a message by renaming it into
-  ``processed/`` (same file system, so the rename is atomic and exactly one consumer wins). Limits: the
-  transport has no broker-side acknowledgement; a message is gone from the queue once a worker took it,
-  so a worker killed with SIGKILL does not get it redelivered. ``reject_on_worker_lost`` still requeues
-  when a pool child dies under a live worker, and the job table's lease plus the reconciler
-  (workers/reconciler.py) re-enqueue whatever was lost. Remote control, events, gossip and mingle are
-  off in embedded mode: they rely on fanout queues that a dead worker would leave filling up on disk.
+``create_celery(settings)`` is the constructor the worker uses; callers pass the returned app explicitly
+(no ``current_app``). For ``celery -A workers.celery_app worker`` the module also exposes ``app``, built
+lazily from ``get_settings()`` on first access (PEP 562), so importing this module never reads the
+environment.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery
-from kombu import Exchange, Queue
+from core import broker
+from core.settings import get_settings
+from workers.tasks import register_tasks
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from celery import Celery
 
-TASK_NAME = "onnxforge.optimize"
-QUEUES: tuple[str, ...] = ("cpu", "gpu")
-EXCHANGE = Exchange("onnxforge", type="direct", durable=True)
-
-# Celery's own settings that do not depend on Settings (security.md (c)).
-_FIXED: dict[str, Any] = {
-    "task_serializer": "json",
-    "result_serializer": "json",
-    "accept_content": ["json"],
-    "result_accept_content": ["json"],
-    "event_serializer": "json",
-    "task_acks_late": True,
-    "task_reject_on_worker_lost": True,
-    "task_acks_on_failure_or_timeout": True,
-    "worker_prefetch_multiplier": 1,
-    "task_ignore_result": True,  # the job table is authoritative; nothing reads Celery results
-    "task_track_started": False,
-    "task_create_missing_queues": False,
-    "task_default_queue": "cpu",
-    "task_default_exchange": EXCHANGE.name,
-    "task_default_routing_key": "cpu",
-    "broker_connection_retry_on_startup": True,
-    "worker_pool": "prefork",  # never gevent/eventlet: they ignore visibility_timeout (T18)
-    "worker_cancel_long_running_tasks_on_connection_loss": True,
-    "worker_soft_shutdown_timeout": 60.0,
-    "worker_max_tasks_per_child": 50,
-    "worker_max_memory_per_child": 1_000_000,  # KiB; the heavy work runs in a separate child anyway
-    "enable_utc": True,
-}
+    from core.settings import Settings
 
 
-def queue_dirs(queue_dir: Path) -> dict[str, Path]:
-    """The filesystem transport's folders under ``storage.queue_dir``."""
-    return {
-        "messages": queue_dir / "messages",
-        "processed": queue_dir / "processed",
-        "control": queue_dir / "control",
-    }
-
-
-def _filesystem_options(settings: Settings) -> dict[str, Any]:
-    dirs = queue_dirs(settings.storage.queue_dir)
-    for path in dirs.values():
-        path.mkdir(parents=True, exist_ok=True)
-    return {
-        # Same folder in and out: the API writes where the workers read.
-        "data_folder_in": str(dirs["messages"]),
-        "data_folder_out": str(dirs["messages"]),
-        # store_processed keeps the "take" a same-file-system rename; with False kombu moves the file to
-        # /tmp, which may be another file system, where shutil.move copies and two consumers can both win.
-        "store_processed": True,
-        "processed_folder": str(dirs["processed"]),
-        "control_folder": str(dirs["control"]),
-        "polling_interval": 0.5,
-    }
-
-
-def celery_config(settings: Settings) -> dict[str, Any]:
-    """The complete Celery configuration for ``settings`` (a plain dict, so tests can assert on it)."""
-    worker = settings.worker
-    config: dict[str, Any] = dict(_FIXED)
-    config.update(
-        task_queues=tuple(Queue(name, EXCHANGE, routing_key=name) for name in QUEUES),
-        task_routes={TASK_NAME: {"queue": "cpu", "routing_key": "cpu"}},
-        task_time_limit=worker.task_time_limit,
-        # The runner's own wall limit (child_wall_seconds, validated below task_time_limit) fires first and
-        # fails the job with TIMEOUT; the soft limit, halfway to the hard one, is only the backstop.
-        task_soft_time_limit=(worker.task_time_limit + worker.child_wall_seconds + 1) // 2,
-        worker_concurrency=worker.concurrency,
-    )
-    if settings.embedded:
-        config.update(
-            broker_url="filesystem://localhost//",  # the host is unused; naming one silences a kombu warning
-            broker_transport_options=_filesystem_options(settings),
-            worker_enable_remote_control=False,
-            worker_send_task_events=False,
-        )
-    else:
-        visibility = settings.broker.visibility_timeout
-        timeout = settings.broker.connect_timeout
-        transport = {
-            "visibility_timeout": visibility,
-            "global_keyprefix": settings.broker.key_prefix,
-            "socket_connect_timeout": timeout,
-            "socket_timeout": max(timeout, 30.0),
-            "socket_keepalive": True,
-            "health_check_interval": 25,
-        }
-        config.update(
-            broker_url=settings.broker.url,
-            broker_transport_options=transport,
-            result_backend_transport_options={
-                "visibility_timeout": visibility,
-                "global_keyprefix": settings.broker.key_prefix,
-            },
-            visibility_timeout=visibility,
-            broker_connection_timeout=timeout,
-        )
-    return config
-
-
-def create_celery(settings: Settings, *, with_tasks: bool = True) -> Celery:
-    """Build the Celery app for ``settings``.
-
-    ``with_tasks=False`` gives a producer-only app (the API's dispatcher): it sends by task name and
-    needs neither the task code nor its imports.
-    """
-    app = Celery("onnxforge", set_as_current=False)
-    app.conf.update(celery_config(settings))
-    app.conf.onnxforge_settings = settings  # read back by tasks and signals of this app
-    if with_tasks:
-        from workers.tasks import register_tasks
-
-        register_tasks(app, settings)
+def create_celery(settings: Settings) -> Celery:
+    """The Celery app for ``settings`` with the optimize task registered."""
+    app = broker.create_celery(settings)
+    register_tasks(app, settings)
     return app
 
 
 def __getattr__(name: str) -> Any:
     # ``celery -A workers.celery_app`` looks up ``app`` (or ``celery``); build it on first access only.
     if name in {"app", "celery"}:
-        from app.settings import get_settings
-
         built = create_celery(get_settings())
         globals()["app"] = globals()["celery"] = built
         return built

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from onnxforge.errors import OnnxforgeError
+from core.errors import OnnxforgeError
 
 FAULT_ENV = "ONNXFORGE_TEST_CHILD_FAULT"
 
@@ -92,8 +92,8 @@ def run(job_path: Path) -> int:
         if fault:
             _inject_fault(fault, progress)
 
-        from app.settings import PipelineSettings
-        from onnxforge.config import JobConfig
+        from core.config import JobConfig
+        from core.settings import PipelineSettings
         from workers.pipeline import PipelineRequest, run_pipeline
         from workers.validate import validate_model_dir
 

@@ -66,7 +66,7 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
                 break
             out.append(gpu)
         return out
-    from workers.hardware import _gpus  # nvidia-smi or /proc: no CUDA context in the worker parent
+    from core.hardware import _gpus  # nvidia-smi or /proc: no CUDA context in the worker parent
 
     return [str(i) for i in range(len(_gpus()))]
 

@@ -41,16 +41,17 @@ from typing import TYPE_CHECKING, Any
 import onnx
 import onnx_ir as ir
 
-import onnxforge
-from onnxforge.config import EXACT_TOLERANCE, JobConfig, Tolerance
-from onnxforge.errors import InvalidModelError, PassError, RegressionError, VerificationError
+from core.config import EXACT_TOLERANCE, JobConfig, Tolerance
+from core.errors import InvalidModelError, PassError, RegressionError, VerificationError
+from core.recipe import RECIPE_KEY, read_recipe
+from core.version import __version__
 from passes._infra import Pass, PassContext, op_histogram
 from workers import report as report_mod
 from workers.benchmark import BenchmarkParams, Comparison, compare, host_info, measure
 from workers.verify import InputSet, Verifier, load_raw_samples, make_input_sets, providers_for
 
 if TYPE_CHECKING:
-    from app.settings import PipelineSettings
+    from core.settings import PipelineSettings
 
 MODEL_FILE = "model.onnx"
 # Above this many bytes of tensors, models are written with their weights in MODEL_FILE + ".data":
@@ -72,7 +73,6 @@ class ResolvedPasses:
 
 PassResolver = Callable[[JobConfig, "PipelineSettings"], ResolvedPasses]
 AUTO_DEFAULT_BUDGET_S = 600.0
-RECIPE_KEY = META_PREFIX + "session"  # tune_session's recipe; kept through _stamp, used by benchmarks
 # Written by passes and kept through _stamp: tune_session's recipe, and prepost's note that the artifact needs
 # onnxruntime-extensions and how to register it (a consumer cannot load the model without it).
 KEPT_META = frozenset({RECIPE_KEY, META_PREFIX + "requires", META_PREFIX + "register"})
@@ -224,17 +224,6 @@ def lost_axes(expected: dict[str, set[int]], path: Path) -> list[str]:
     return [
         f"{key} axis {axis}" for key, axes in sorted(expected.items()) for axis in sorted(axes - now.get(key, set()))
     ]
-
-
-def read_recipe(path: Path) -> dict[str, Any] | None:
-    """tune_session's recipe (metadata ``onnxforge.session``) of the model at ``path``, if it has one."""
-    proto = onnx.load(str(path), load_external_data=False)
-    for prop in proto.metadata_props:
-        if prop.key == RECIPE_KEY:
-            with contextlib.suppress(ValueError):
-                recipe = json.loads(prop.value)
-                return recipe if isinstance(recipe, dict) else None
-    return None
 
 
 def _session_entry(recipe: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -776,7 +765,7 @@ class _Run:
 
     def _stamp(self, model: ir.Model, passes: Sequence[Pass], source_sha: str) -> None:
         props = {k: v for k, v in model.metadata_props.items() if not k.startswith(META_PREFIX) or k in KEPT_META}
-        props[META_PREFIX + "version"] = onnxforge.__version__
+        props[META_PREFIX + "version"] = __version__
         props[META_PREFIX + "preset"] = self.resolved.preset or ""
         props[META_PREFIX + "passes"] = json.dumps(
             [{"name": p.name, "options": p.options.model_dump(mode="json")} for p in passes],
@@ -998,7 +987,7 @@ class _Run:
             "schema_version": report_mod.SCHEMA_VERSION,
             "job_id": self.req.job_id,
             "versions": {
-                "onnxforge": onnxforge.__version__,
+                "onnxforge": __version__,
                 "onnx": onnx.__version__,
                 "onnxruntime": ort.__version__,
                 "onnx_ir": ir.__version__,

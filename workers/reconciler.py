@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from onnxforge.errors import UnavailableError
-from workers.celery_app import QUEUES, queue_dirs
+from core.broker import QUEUES, Dispatcher, queue_dirs
+from core.errors import UnavailableError
 
 if TYPE_CHECKING:
-    from app.settings import Settings
-    from app.store import Job, JobStore
-    from workers.dispatch import Dispatcher
+    from core.broker import Dispatcher
+    from core.settings import Settings
+    from core.store import Job, JobStore
 
 log = logging.getLogger(__name__)
 

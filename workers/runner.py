@@ -43,15 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from onnxforge.errors import InvalidModelError, OnnxforgeError
+from core.errors import InvalidModelError, OnnxforgeError
+from core.hardware import hardware_class
 from workers.archive import SAFE_NAME, extract_archive
 from workers.child import FAULT_ENV
-from workers.hardware import hardware_class
 
 if TYPE_CHECKING:
-    from app.settings import Settings
-    from app.storage import BlobStore
-    from app.store import JobStore
+    from core.settings import Settings
+    from core.storage import BlobStore
+    from core.store import JobStore
 
 log = logging.getLogger(__name__)
 

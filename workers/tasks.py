@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
-from workers.celery_app import TASK_NAME
+from core.broker import TASK_NAME
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from app.settings import Settings
-    from app.storage import BlobStore
-    from app.store import JobStore
+    from core.settings import Settings
+    from core.storage import BlobStore
+    from core.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def worker_context(settings: Settings) -> WorkerContext:
     with _lock:
         ctx = _contexts.get(key)
         if ctx is None:
-            from app.storage import BlobStore
-            from app.store import JobStore
+            from core.storage import BlobStore
+            from core.store import JobStore
 
             store = JobStore(settings.database_url, schema=settings.database.schema_name)
             ctx = WorkerContext(pid, store, BlobStore(settings.storage.blobs_dir))
@@ -98,7 +98,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:
             return
-        from workers.dispatch import Dispatcher
+        from core.broker import Dispatcher
         from workers.reconciler import start_reconciler_thread
         from workers.webhooks import start_webhook_thread
 

@@ -49,7 +49,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from onnxforge.errors import InvalidModelError, TooLargeError
+from core.errors import InvalidModelError, TooLargeError
 
 SAFE_LOCATION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum"})

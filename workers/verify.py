@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import os
 import re
+import warnings
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,9 +32,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnxforge.adapters import run_options as run_options_with
-from onnxforge.config import Tolerance
-from onnxforge.errors import InvalidInputError, InvalidModelError, UnavailableError
+from core.adapters import run_options as run_options_with
+from core.config import Tolerance
+from core.errors import InvalidInputError, InvalidModelError, UnavailableError
+from core.recipe import apply_recipe, sanitize_recipe
 
 _PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
@@ -472,18 +474,10 @@ def make_session(
         register_extensions(options)
     providers: list[Any] = list(providers_for(target))
     if recipe:
-        from passes.tune_session import apply_recipe  # deferred: keeps verify importable without the passes
-
-        try:  # apply what onnxforge.runtime.load would: its whitelist drops what users would not get
-            import warnings
-
-            from onnxforge.runtime import sanitize_recipe
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                recipe = {k: v for k, v in sanitize_recipe(dict(recipe)).items() if k != "warmup"}
-        except ImportError:
-            pass
+        # Apply what core.runtime.load would: its whitelist drops what users would not get.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            recipe = {k: v for k, v in sanitize_recipe(dict(recipe)).items() if k != "warmup"}
         options, providers = apply_recipe(dict(recipe), options, target=target)
     from workers.gpu import session_providers  # the job's GPU memory limit and device, in every session
 

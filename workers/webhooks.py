@@ -4,7 +4,7 @@ A job submitted with a ``callback_url`` gets ``webhook_state = pending`` in its 
 terminal (whoever made it so: a worker, a cancel in the API, a cache hit, the WORKER_LOST cap), every
 worker's main process finds it here: ``webhook_loop`` polls ``store.due_webhooks`` every
 ``webhooks.poll_seconds``, takes an attempt with ``store.claim_webhook`` (compare-and-set, so exactly one
-worker sends each attempt), POSTs it (app/services/webhooks.py: destination checks, HMAC signature), and
+worker sends each attempt), POSTs it (core/webhooks.py: destination checks, HMAC signature), and
 records the outcome: delivered; or retried after ``retry_base_seconds * 2**(attempt-1)``; or, after
 ``webhooks.max_attempts``, failed with the last error.
 
@@ -22,11 +22,11 @@ import threading
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from app.services.webhooks import deliver
+from core.webhooks import deliver
 
 if TYPE_CHECKING:
-    from app.settings import Settings
-    from app.store import JobStore
+    from core.settings import Settings
+    from core.store import JobStore
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ class get the earlier job's artifact and reports at once, as a new job marked ca
         model: sha256 of the upload, samples: sha256 of samples.npz or null,
         config: the effective configuration (below),
         pipeline: the server's pipeline settings (benchmark runs, rollback default, folding cap, ...),
-        versions: workers.hardware.runtime_versions() (onnxforge, a hash of the optimizer's source,
+        versions: core.hardware.runtime_versions() (onnxforge, a hash of the optimizer's source,
                   onnx, onnx-ir, onnxruntime),
         queue: cpu or gpu })
 
@@ -20,7 +20,7 @@ option does not.
 
 **Hardware class.** Results depend on the machine: passes that are slower there are rolled back and the
 report holds its latencies. The API cannot know which worker will take a job, so each worker records its
-class on the jobs it completes (``hardware_class``, workers/hardware.py: CPU model and ISA flags or GPU name,
+class on the jobs it completes (``hardware_class``, core/hardware.py: CPU model and ISA flags or GPU name,
 CPUs available, and the worker's own tool versions). A cached result is reused only if its class is among
 the classes of the last ``cache.hardware_sample_jobs`` jobs that *ran* (not cached ones) on the same queue:
 a class of worker that still serves the queue, so the fresh run could have landed on the same kind of
@@ -38,9 +38,9 @@ import hashlib
 import json
 from typing import Any
 
-from app.settings import Settings
-from app.store import Job, JobStore
-from onnxforge.config import EXACT_TOLERANCE, JobConfig
+from core.config import EXACT_TOLERANCE, JobConfig
+from core.settings import Settings
+from core.store import Job, JobStore
 
 CACHE_KEY_VERSION = 1
 # JobConfig fields that do not change the artifact or report.
@@ -83,7 +83,7 @@ def cache_key(
     queue: str,
     settings: Settings,
 ) -> str:
-    from workers.hardware import runtime_versions  # no Celery: versions and a source hash only
+    from core.hardware import runtime_versions  # no Celery: versions and a source hash only
 
     material = {
         "v": CACHE_KEY_VERSION,

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from app.services import cache
 from app.services.uploads import Upload, UploadSlots
-from app.services.webhooks import check_destination
-from app.settings import Settings
-from app.storage import BlobStore
-from app.store import STATES, Job, JobStore
-from onnxforge.config import JobConfig
-from onnxforge.errors import ConflictError, InvalidInputError, OnnxforgeError, UnavailableError
+from core.config import JobConfig
+from core.errors import ConflictError, InvalidInputError, OnnxforgeError, UnavailableError
+from core.settings import Settings
+from core.storage import BlobStore
+from core.store import STATES, Job, JobStore
+from core.webhooks import check_destination
 
 if TYPE_CHECKING:
     from app.metrics import ServiceMetrics
@@ -32,7 +32,7 @@ _SAFE_STEM = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 class Dispatcher(Protocol):
-    """What the API needs of workers/dispatch.py's Dispatcher."""
+    """What the API needs of core/broker.py's Dispatcher."""
 
     def enqueue(self, job_id: str, queue: str) -> None: ...
 
@@ -100,7 +100,7 @@ class JobService:
         job and enqueue it.
 
         A ``callback_url`` is checked against the operator's webhook policy first (422
-        CALLBACK_URL_INVALID / CALLBACK_URL_NOT_ALLOWED, app/services/webhooks.py). A cache hit
+        CALLBACK_URL_INVALID / CALLBACK_URL_NOT_ALLOWED, core/webhooks.py). A cache hit
         (app/services/cache.py) is a new job, already succeeded, sharing the earlier job's results; nothing
         is enqueued. When the broker refuses the job, the row is deleted again and BROKER_UNAVAILABLE
         raised, so a client that gets an error never has a job it does not know about.

@@ -32,9 +32,9 @@ import anyio
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from app.settings import ApiSettings
-from app.storage import BlobStore, BlobWriter
-from onnxforge.errors import ErrorKind, InvalidInputError, InvalidModelError, OnnxforgeError, TooLargeError
+from core.errors import ErrorKind, InvalidInputError, InvalidModelError, OnnxforgeError, TooLargeError
+from core.settings import ApiSettings
+from core.storage import BlobStore, BlobWriter
 
 ModelFormat = Literal["onnx", "zip", "tar"]
 

@@ -21,10 +21,10 @@ import pytest
 import uvicorn
 
 from app.main import create_app
-from app.settings import Settings
-from app.storage import BlobStore
-from app.store import JobStore
-from onnxforge.errors import UnavailableError
+from core.errors import UnavailableError
+from core.settings import Settings
+from core.storage import BlobStore
+from core.store import JobStore
 
 MODEL_CAP = 256 << 10
 SAMPLES_CAP = 64 << 10

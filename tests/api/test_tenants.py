@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.auth import hash_key
 from app.main import create_app
-from app.store import Job
+from core.keys import hash_key
+from core.store import Job
 from tests.api.conftest import Live, make_settings, serve
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ import httpx
 import onnx
 import pytest
 
-from app.auth import hash_key
+from core.keys import hash_key
 from tests.api.conftest import make_settings, serve
 from tests.conftest import FAST_PIPELINE, MODELS, Services, service_env
 

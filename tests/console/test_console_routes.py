@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.api.console import STATIC_DIR
-from app.auth import hash_key
+from core.keys import hash_key
 from tests.api.conftest import Live, make_settings, serve
 
 pytestmark = pytest.mark.integration

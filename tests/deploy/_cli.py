@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.settings import Settings
+from core.settings import Settings
 
 
 def assert_cli_accepts(argv: list[str]) -> None:

@@ -699,8 +699,8 @@ def manifest_redis(tmp_path) -> Iterator[tuple[int, str, str]]:
 def test_the_list_keda_watches_holds_the_jobs_onnxforge_enqueues(manifest_redis, tmp_path):
     import redis
 
-    from app.settings import Settings
-    from workers.dispatch import Dispatcher
+    from core.broker import Dispatcher
+    from core.settings import Settings
 
     port, user, password = manifest_redis
     docs = render(K8S / "overlays" / "gpu")

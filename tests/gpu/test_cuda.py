@@ -15,9 +15,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from app.settings import PipelineSettings
-from onnxforge import runtime
-from onnxforge.config import JobConfig, Tolerance
+from core import runtime
+from core.config import JobConfig, Tolerance
+from core.settings import PipelineSettings
 from workers.benchmark import BenchmarkParams, compare
 from workers.gpu import MEM_LIMIT_ENV, with_cuda_graph
 from workers.pipeline import PipelineRequest, run_pipeline

@@ -10,7 +10,7 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
-from app.settings import Settings
+from core.settings import Settings
 from onnxforge.cli import worker_concurrency
 from workers import runner
 from workers.gpu import (

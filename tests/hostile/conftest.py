@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from app.settings import Settings
-from app.storage import BlobStore
-from app.store import JobStore
+from core.settings import Settings
+from core.storage import BlobStore
+from core.store import JobStore
 from workers.runner import run_job
 
 FAST = {"benchmark_warmup": 1, "benchmark_min_runs": 3, "benchmark_max_seconds": 0.3, "ledger_runs": 2}

@@ -17,9 +17,8 @@ import pytest
 import redis
 import yaml
 
-from app.settings import Settings
-from workers.celery_app import TASK_NAME
-from workers.dispatch import Dispatcher
+from core.broker import TASK_NAME, Dispatcher
+from core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from onnxforge.errors import InvalidModelError, OnnxforgeError, TooLargeError
+from core.errors import InvalidModelError, OnnxforgeError, TooLargeError
 from tests.hostile import fixtures as F
 from workers.validate import ValidationLimits, validate_model_dir
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.auth import hash_key
+from core.keys import hash_key
 from tests.conftest import FAST_PIPELINE, Services, service_env
 from tests.integration._flow import CONFIG, MODEL
 

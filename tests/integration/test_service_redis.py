@@ -16,10 +16,10 @@ import httpx
 import pytest
 from kombu import Producer
 
-from app.settings import Settings
+from core.broker import EXCHANGE, TASK_NAME, create_celery
+from core.settings import Settings
 from tests.conftest import FAST_PIPELINE, Services, service_env
 from tests.integration._flow import MODEL, check_job_flow, submit, wait
-from workers.celery_app import EXCHANGE, TASK_NAME, create_celery
 from workers.child import FAULT_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -53,7 +53,7 @@ def test_worker_refuses_pickle_message_and_keeps_running_when_sent_one(
     env = service_env(tmp_path / "data", broker_url=redis_url, key_prefix=redis_prefix)
     worker = services.worker(env, queues="cpu")
     settings = Settings(storage={"data_dir": tmp_path / "data"}, broker={"url": redis_url, "key_prefix": redis_prefix})
-    app = create_celery(settings, with_tasks=False)
+    app = create_celery(settings)
 
     with app.connection_for_write() as conn:
         Producer(conn.default_channel).publish(

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.services.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
+from core.webhooks import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
 from tests.api.conftest import make_settings, serve
 from tests.conftest import FAST_PIPELINE, Services, service_env
 from tests.integration._flow import CONFIG, MODEL, wait

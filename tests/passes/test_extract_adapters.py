@@ -14,10 +14,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from app.settings import PipelineSettings
-from onnxforge.adapters import ADAPTER_SUFFIX, SLOTS_KEY, read_adapter, read_slots, run_options
-from onnxforge.config import EXACT_TOLERANCE, JobConfig
-from onnxforge.errors import InvalidPassOptionsError
+from core.adapters import ADAPTER_SUFFIX, SLOTS_KEY, read_adapter, read_slots, run_options
+from core.config import EXACT_TOLERANCE, JobConfig
+from core.errors import InvalidPassOptionsError
+from core.settings import PipelineSettings
 from passes._infra import PassContext
 from passes.extract_adapters import ExtractAdapters
 from passes.registry import get_pass_class

@@ -9,7 +9,7 @@ import onnx.parser
 import onnx_ir as ir
 import pytest
 
-from onnxforge.errors import InvalidPassOptionsError
+from core.errors import InvalidPassOptionsError
 from passes._fusion_families import detect_family
 from passes._infra import PassContext, op_histogram
 from passes.fuse_transformer import FuseTransformer, gemm_to_matmul, pack_qkv

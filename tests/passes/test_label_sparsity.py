@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxforge.errors import InvalidPassOptionsError
+from core.errors import InvalidPassOptionsError
 from passes._infra import PassContext
 from passes.label_sparsity import LabelSparsity
 

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnxforge.errors import InvalidPassOptionsError
+from core.errors import InvalidPassOptionsError
 from passes._infra import PassContext
 from passes.padding_elimination import PaddingElimination
 from tests.passes._bert_like import build_bert, make_inputs

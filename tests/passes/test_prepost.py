@@ -25,7 +25,7 @@ import onnx_ir as ir
 import pytest
 from PIL import Image
 
-from onnxforge.errors import InvalidPassOptionsError, PassError
+from core.errors import InvalidPassOptionsError, PassError
 from passes._infra import PassContext
 from passes.prepost import BUILTIN_SENTENCES, META_REGISTER, META_REQUIRES, Prepost
 from tests.models.build_prepost import MINILM_TOKENIZER, ST_REFERENCE, ST_TINY_BERT, image_classifier, tiny_bert

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxforge.errors import InvalidPassOptionsError
+from core.errors import InvalidPassOptionsError
 from passes import _quantization as q
 from passes._infra import PassContext
 from passes.quantize_dynamic import QuantizeDynamic

@@ -10,7 +10,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnxforge.errors import InvalidPassOptionsError
+from core.errors import InvalidPassOptionsError
 from passes import _quantization as q
 from passes._infra import PassContext
 from passes.quantize_static import QuantizeStatic

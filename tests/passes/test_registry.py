@@ -6,8 +6,8 @@ import importlib
 
 import pytest
 
-from onnxforge.config import PassSpec
-from onnxforge.errors import InvalidPassOptionsError, UnknownPassError
+from core.config import PassSpec
+from core.errors import InvalidPassOptionsError, UnknownPassError
 from passes import registry
 
 

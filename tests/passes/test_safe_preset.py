@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from onnxforge.config import PassSpec
+from core.config import PassSpec
 from passes import registry
 from passes._infra import PassContext
 from tests.numerics import assert_equivalent

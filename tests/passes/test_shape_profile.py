@@ -11,8 +11,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from onnxforge import runtime
-from onnxforge.errors import InvalidPassOptionsError
+from core import recipe as core_recipe
+from core import runtime
+from core.errors import InvalidPassOptionsError
 from passes import shape_profile as sp
 from passes._infra import PassContext
 from passes.shape_profile import ShapeProfile
@@ -69,7 +70,7 @@ def test_pass_writes_the_recipe_that_lowers_peak_memory_without_slowing(monkeypa
     recipe = json.loads(model.metadata_props[sp.RECIPE_KEY])
     assert sorted(recipe) == ["provider_options", "session_config", "session_options", "warmup"]
     assert recipe["session_options"] == {"enable_mem_pattern": False}
-    assert runtime.sanitize_recipe(recipe) == recipe  # everything it writes, the runtime applies
+    assert core_recipe.sanitize_recipe(recipe) == recipe  # everything it writes, the runtime applies
     assert len(model.graph) == len(encoder().graph)  # no node touched
     path = tmp_path / "profiled.onnx"
     ir.save(model, path)

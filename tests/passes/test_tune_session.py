@@ -10,8 +10,9 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from core.recipe import RECIPE_KEY, apply_recipe, recipe_of
 from passes._infra import PassContext
-from passes.tune_session import RECIPE_KEY, TuneSession, apply_recipe, read_recipe
+from passes.tune_session import TuneSession
 from tests.passes._util import MLP_CLEANUP
 from workers.verify import generate_input_sets
 
@@ -33,13 +34,13 @@ def test_tune_session_writes_a_recipe_that_loads_when_applied():
     assert result.modified and len(list(model.graph)) == nodes  # the graph is untouched
     recipe = json.loads(model.metadata_props[RECIPE_KEY])
     assert {"session_options", "session_config", "provider_options"} <= set(recipe)
-    assert recipe == read_recipe(model) == result.notes["recipe"]
+    assert recipe == recipe_of(model) == result.notes["recipe"]
     assert result.counts["candidates"] == len(result.notes["candidates"]) >= 3
     options, providers = apply_recipe(recipe)
     path = MLP_CLEANUP  # same graph: the recipe must load with it
     session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     session.run(None, samples[0])
-    from onnxforge.runtime import sanitize_recipe  # what onnxforge.runtime.load applies keeps every key
+    from core.runtime import sanitize_recipe  # what core.runtime.load applies keeps every key
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -14,8 +14,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from app.settings import PipelineSettings
-from onnxforge.config import EXACT_TOLERANCE, JobConfig
+from core.config import EXACT_TOLERANCE, JobConfig
+from core.settings import PipelineSettings
 from passes._infra import NonMatch, Pass, PassContext, PassResult
 from workers.pipeline import ResolvedPasses
 

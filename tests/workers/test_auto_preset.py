@@ -10,8 +10,8 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from app.settings import PipelineSettings
-from onnxforge.config import JobConfig, PassSpec
+from core.config import JobConfig, PassSpec
+from core.settings import PipelineSettings
 from passes import registry
 from passes._infra import Pass, PassContext, PassResult
 from passes.fix_shapes import FixShapes

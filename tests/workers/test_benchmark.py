@@ -7,15 +7,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from app.settings import PipelineSettings
-from workers.benchmark import (
-    MIN_MARGIN,
-    BenchmarkParams,
-    LatencyStats,
-    compare,
-    host_info,
-    slower_beyond_noise,
-)
+from core.settings import PipelineSettings
+from core.verdict import MIN_MARGIN, LatencyStats, slower_beyond_noise
+from workers.benchmark import BenchmarkParams, compare, host_info
 from workers.verify import generate_input_sets
 
 

@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnxforge.runtime import BoundRun
+from core.runtime import BoundRun
 from workers.benchmark import BenchmarkParams, Runs, _prepared, compare, try_cuda_graph
 from workers.gpu import cuda_graph_eligibility
 from workers.verify import generate_input_sets, make_session

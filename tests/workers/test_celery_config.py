@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
-from app.store import JobStore
-from onnxforge.errors import InvalidInputError, UnavailableError
-from workers.celery_app import QUEUES, TASK_NAME, celery_config, create_celery, queue_dirs
-from workers.dispatch import Dispatcher
+from core.broker import QUEUES, TASK_NAME, Dispatcher, celery_config, queue_dirs
+from core.broker import create_celery as broker_celery
+from core.errors import InvalidInputError, UnavailableError
+from core.settings import Settings
+from core.store import JobStore
+from workers.celery_app import create_celery
 from workers.reconciler import prune_processed, reconcile_once
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,9 +140,9 @@ def test_dispatcher_refuses_unknown_queue_when_enqueueing(embedded):
 
 _CONSUMER = """
 import json, sys
-from app.settings import Settings
-from workers.celery_app import create_celery
-app = create_celery(Settings(storage={"data_dir": sys.argv[1]}), with_tasks=False)
+from core.settings import Settings
+from core.broker import create_celery
+app = create_celery(Settings(storage={"data_dir": sys.argv[1]}))
 got = {}
 with app.connection_for_read() as conn:
     channel = conn.default_channel
@@ -195,7 +196,7 @@ def test_reconcile_once_reenqueues_stale_queued_job_when_lease_window_passed(emb
 
 
 def test_prune_processed_deletes_only_old_message_files_when_embedded(embedded):
-    create_celery(embedded, with_tasks=False)  # creates the queue folders
+    broker_celery(embedded)  # creates the queue folders
     processed = queue_dirs(embedded.storage.queue_dir)["processed"]
     old, new = processed / "1_a.cpu.msg", processed / "2_b.cpu.msg"
     old.write_text("{}")

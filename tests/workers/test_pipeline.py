@@ -15,9 +15,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from app.settings import PipelineSettings
-from onnxforge.config import JobConfig
-from onnxforge.errors import InvalidModelError, RegressionError
+from core.config import JobConfig
+from core.errors import InvalidModelError, RegressionError
+from core.settings import PipelineSettings
 from passes._infra import Pass
 from tests.workers.conftest import MODELS, AddReluChain, Crash, DropReluChain, FlipSign, Idle, resolver
 from workers.pipeline import PipelineRequest, PipelineResult, bisect_first_failing, run_pipeline

@@ -26,9 +26,9 @@ import onnxruntime as ort
 import pytest
 from PIL import Image
 
-from app.settings import PipelineSettings
-from onnxforge.config import JobConfig
-from onnxforge.errors import InvalidInputError, InvalidModelError, PassError
+from core.config import JobConfig
+from core.errors import InvalidInputError, InvalidModelError, PassError
+from core.settings import PipelineSettings
 from passes._infra import Pass, PassContext, PassResult
 from passes.prepost import Prepost
 from tests.models.build_prepost import MINILM_TOKENIZER, image_classifier, tiny_bert

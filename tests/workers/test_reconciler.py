@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 import redis
 
-from app.settings import Settings
-from app.store import Job, JobStore
-from workers.celery_app import queue_dirs
-from workers.dispatch import Dispatcher
+from core.broker import Dispatcher, queue_dirs
+from core.settings import Settings
+from core.store import Job, JobStore
 from workers.reconciler import broker_view, job_id_of, reconcile_once, round_lock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,11 +37,11 @@ ROUNDS = 6
 _CONSUMER = """
 import sys, time
 from kombu import Queue
-from app.settings import Settings
-from workers.celery_app import EXCHANGE, create_celery
+from core.settings import Settings
+from core.broker import EXCHANGE, create_celery
 
 settings = Settings(storage={"data_dir": sys.argv[1]}, broker={"url": sys.argv[2], "key_prefix": sys.argv[3]})
-app = create_celery(settings, with_tasks=False)
+app = create_celery(settings)
 with app.connection_for_read() as conn:
     message = Queue("cpu", EXCHANGE, routing_key="cpu")(conn.default_channel).get(no_ack=False)
     print("taken" if message is not None else "empty", flush=True)

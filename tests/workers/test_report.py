@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from app.settings import PipelineSettings
-from onnxforge.config import JobConfig
+from core.config import JobConfig
+from core.settings import PipelineSettings
 from tests.workers.conftest import DropReluChain, FlipSign, Idle, resolver
 from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
 from workers.report import SCHEMA, SCHEMA_VERSION, render_html, validate_report

@@ -19,9 +19,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from app.settings import Settings
-from app.storage import BlobStore
-from app.store import JobStore
+from core.settings import Settings
+from core.storage import BlobStore
+from core.store import JobStore
 from workers.archive import extract_archive
 from workers.child import FAULT_ENV
 from workers.runner import classify_exit, deterministic_zip, run_job

@@ -7,7 +7,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from onnxforge.config import EXACT_TOLERANCE
+from core.config import EXACT_TOLERANCE
 from passes._infra import PassContext
 from passes.padding_elimination import PaddingElimination
 from passes.shape_inference import ShapeInference

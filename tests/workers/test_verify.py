@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnxforge.config import Tolerance
-from onnxforge.errors import InvalidInputError, UnavailableError
+from core.config import Tolerance
+from core.errors import InvalidInputError, UnavailableError
 from tests.workers.conftest import make_bert_like
 from workers.verify import (
     IGNORE_INDEX,

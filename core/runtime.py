@@ -26,7 +26,7 @@ and outputs that stay where they are, which ``BoundRun`` does (``update`` copies
 buffers). ``load`` skips the recipe's warm-up calls for such a session: a plain ``run`` would capture the
 graph on temporary buffers.
 
-``python -m onnxforge.runtime --measure spec.json`` is the measurement child ``shape_profile`` and
+``python -m core.runtime --measure spec.json`` is the measurement child ``shape_profile`` and
 ``bench/shape_profile.py`` start, one fresh process per measurement (peak RSS only grows in a process):
 it opens the session, replays a call trace and prints per-call latency, first-seen-shape flags and peak
 memory as JSON. It imports numpy and onnxruntime only, so every candidate starts from the same baseline.
@@ -41,62 +41,21 @@ import resource
 import sys
 import time
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-RECIPE_KEY = "onnxforge.session"
-RECIPE_KEYS = ("session_options", "session_config", "provider_options", "warmup")
-MAX_RECIPE_CHARS = 64 << 10
-MAX_WARMUP_CALLS = 4
-MAX_WARMUP_ELEMENTS = 1 << 25  # per input: 32 M elements (256 MiB of int64) at most
-_BOOL_STR = frozenset({"0", "1"})
-
-
-class RecipeWarning(UserWarning):
-    """A recipe entry was not applied (unknown, not allowed, or an invalid value)."""
-
-
-# -------------------------------------------------------------------------------------- whitelists
-
-_GRAPH_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
-_EXECUTION_MODES = ("ORT_SEQUENTIAL", "ORT_PARALLEL")
-
-# SessionOptions attribute -> kind. Nothing that names a file, a library or a log/profile destination.
-SESSION_OPTIONS: dict[str, Any] = {
-    "enable_mem_pattern": bool,
-    "enable_cpu_mem_arena": bool,
-    "enable_mem_reuse": bool,
-    "use_deterministic_compute": bool,
-    "intra_op_num_threads": (0, 1024),
-    "inter_op_num_threads": (0, 1024),
-    "execution_mode": _EXECUTION_MODES,
-    "graph_optimization_level": _GRAPH_LEVELS,
-}
-# Session config key -> allowed string values. Memory and threading knobs only.
-SESSION_CONFIG: dict[str, frozenset[str]] = {
-    "session.use_device_allocator_for_initializers": _BOOL_STR,
-    "session.disable_prepacking": _BOOL_STR,
-    "session.intra_op.allow_spinning": _BOOL_STR,
-    "session.inter_op.allow_spinning": _BOOL_STR,
-}
-_STRATEGIES = frozenset({"kNextPowerOfTwo", "kSameAsRequested"})
-# Provider -> option -> allowed values (a frozenset) or an (lo, hi) integer range.
-PROVIDER_OPTIONS: dict[str, dict[str, Any]] = {
-    "CPUExecutionProvider": {"arena_extend_strategy": _STRATEGIES},
-    "CUDAExecutionProvider": {
-        "arena_extend_strategy": _STRATEGIES,
-        "gpu_mem_limit": (1 << 20, 1 << 50),
-        "cudnn_conv_algo_search": frozenset({"EXHAUSTIVE", "HEURISTIC", "DEFAULT"}),
-        "do_copy_in_default_stream": _BOOL_STR,
-        "cudnn_conv_use_max_workspace": _BOOL_STR,
-        # Written by the GPU benchmark only for models with static input shapes whose capture it checked;
-        # such a session must be run with I/O binding (``BoundRun``): see the module docstring.
-        "enable_cuda_graph": _BOOL_STR,
-    },
-}
+from core.recipe import (
+    MAX_WARMUP_ELEMENTS,
+    SESSION_OPTIONS,
+    RecipeWarning,
+    check_value,
+    read_recipe,
+    sanitize_recipe,
+    warn_recipe,
+)
 
 _NP_TYPES = {
     "tensor(float)": np.float32,
@@ -114,197 +73,6 @@ _NP_TYPES = {
 }
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, RecipeWarning, stacklevel=3)
-
-
-def _check_value(kind: Any, value: Any) -> Any:
-    """The value to apply, or raise ValueError. ``kind``: bool, (lo, hi) ints, a tuple or set of strings."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"expects true or false, got {value!r}")
-    if isinstance(kind, tuple) and len(kind) == 2 and all(isinstance(k, int) for k in kind):
-        number = int(value) if isinstance(value, str) and value.isdigit() else value
-        if isinstance(number, int) and not isinstance(number, bool) and kind[0] <= number <= kind[1]:
-            return number
-        raise ValueError(f"expects an integer in {kind[0]}..{kind[1]}, got {value!r}")
-    if isinstance(value, str) and value in kind:
-        return value
-    raise ValueError(f"expects one of {sorted(kind)}, got {value!r}")
-
-
-# -------------------------------------------------------------------------------------- the recipe
-
-
-def _whitelisted(
-    entries: Any, allowed: Mapping[str, Any], what: str, check: Callable[[Any, Any], Any]
-) -> dict[str, Any]:
-    """The entries whose name ``allowed`` lists and whose value ``check(allowed[name], value)`` accepts; a
-    RecipeWarning for each other one."""
-    clean: dict[str, Any] = {}
-    if not isinstance(entries, Mapping):
-        return clean
-    for name, value in entries.items():
-        if name not in allowed:
-            _warn(f"{RECIPE_KEY}: {what} {name!r} is not allowed; ignored")
-            continue
-        try:
-            clean[name] = check(allowed[name], value)
-        except ValueError as exc:
-            _warn(f"{RECIPE_KEY}: {what} {name!r} {exc}; ignored")
-    return clean
-
-
-def _one_of(choices: Collection[str], value: Any) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"expects one of {sorted(choices)}")
-    return value
-
-
-def sanitize_recipe(recipe: Any) -> dict[str, Any]:
-    """The applicable part of an untrusted recipe: whitelisted names, checked values; a RecipeWarning for
-    each entry dropped. Warm-up shapes are checked for form here and against the model in ``load``."""
-    clean: dict[str, Any] = {"session_options": {}, "session_config": {}, "provider_options": {}, "warmup": []}
-    if not isinstance(recipe, Mapping):
-        _warn(f"{RECIPE_KEY} is not a JSON object; ignored")
-        return clean
-    for key in recipe:
-        if key not in RECIPE_KEYS:
-            _warn(f"{RECIPE_KEY}: unknown key {key!r} ignored")
-    options, config = recipe.get("session_options"), recipe.get("session_config")
-    clean["session_options"] = _whitelisted(options, SESSION_OPTIONS, "session option", _check_value)
-    clean["session_config"] = _whitelisted(config, SESSION_CONFIG, "session config key", _one_of)
-    providers = recipe.get("provider_options") or {}
-    if isinstance(providers, Mapping):
-        for provider, opts in providers.items():
-            allowed = PROVIDER_OPTIONS.get(provider)
-            if allowed is None or not isinstance(opts, Mapping):
-                _warn(f"{RECIPE_KEY}: options for provider {provider!r} are not allowed; ignored")
-                continue
-            checked = _whitelisted(opts, allowed, f"{provider} option", _check_value)
-            if checked:
-                clean["provider_options"][provider] = {name: str(value) for name, value in checked.items()}
-    warmup = recipe.get("warmup") or []
-    if isinstance(warmup, list):
-        for entry in warmup[:MAX_WARMUP_CALLS]:
-            ok = isinstance(entry, Mapping) and all(
-                isinstance(k, str)
-                and isinstance(v, list)
-                and len(v) <= 16
-                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1 << 20 for d in v)
-                for k, v in entry.items()
-            )
-            if ok:
-                clean["warmup"].append({k: list(v) for k, v in entry.items()})
-            else:
-                _warn(f"{RECIPE_KEY}: warm-up entry {str(entry)[:80]!r} is not {{input: [dims]}}; ignored")
-        if len(warmup) > MAX_WARMUP_CALLS:
-            _warn(f"{RECIPE_KEY}: only the first {MAX_WARMUP_CALLS} warm-up calls are run")
-    return clean
-
-
-def _read_varint(f: Any) -> int | None:
-    shift = result = 0
-    while True:
-        byte = f.read(1)
-        if not byte:
-            return None
-        b = byte[0]
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result
-        shift += 7
-        if shift > 63:
-            raise ValueError("malformed varint")
-
-
-def _parse_entry(data: bytes) -> tuple[str, str]:
-    """A StringStringEntryProto (key = 1, value = 2)."""
-    key = value = ""
-    pos = 0
-
-    def varint() -> int:
-        nonlocal pos
-        shift = result = 0
-        while True:
-            b = data[pos]
-            pos += 1
-            result |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return result
-            shift += 7
-
-    while pos < len(data):
-        tag = varint()
-        field, wire = tag >> 3, tag & 7
-        if wire == 2:
-            n = varint()
-            chunk = data[pos : pos + n].decode("utf-8", errors="replace")
-            pos += n
-            if field == 1:
-                key = chunk
-            elif field == 2:
-                value = chunk
-        elif wire == 0:
-            varint()
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError("malformed metadata entry")
-    return key, value
-
-
-def read_metadata_props(path: str | os.PathLike[str], *, max_entry_bytes: int = 1 << 20) -> dict[str, str]:
-    """``ModelProto.metadata_props`` (field 14) of an .onnx file, skipping the graph and its weights by seek:
-    constant memory whatever the model's size. Entries above ``max_entry_bytes`` are skipped."""
-    props: dict[str, str] = {}
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        while True:
-            tag = _read_varint(f)
-            if tag is None:
-                break
-            field, wire = tag >> 3, tag & 7
-            if wire == 0:
-                if _read_varint(f) is None:
-                    raise ValueError("truncated model file")
-            elif wire == 1:
-                f.seek(8, os.SEEK_CUR)
-            elif wire == 5:
-                f.seek(4, os.SEEK_CUR)
-            elif wire == 2:
-                length = _read_varint(f)
-                if length is None or f.tell() + length > size:
-                    raise ValueError("truncated model file")
-                if field == 14 and length <= max_entry_bytes:
-                    key, value = _parse_entry(f.read(length))
-                    props[key] = value
-                else:
-                    f.seek(length, os.SEEK_CUR)
-            else:
-                raise ValueError(f"not an ONNX model (wire type {wire} at top level)")
-    return props
-
-
-def read_recipe(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The model's ``onnxforge.session`` recipe, sanitized; None when it has none (or it is not JSON)."""
-    text = read_metadata_props(path).get(RECIPE_KEY)
-    if text is None:
-        return None
-    if len(text) > MAX_RECIPE_CHARS:
-        _warn(f"{RECIPE_KEY} is larger than {MAX_RECIPE_CHARS} characters; ignored")
-        return None
-    try:
-        raw = json.loads(text)
-    except ValueError:
-        _warn(f"{RECIPE_KEY} is not valid JSON; ignored")
-        return None
-    return sanitize_recipe(raw)
-
-
 # ------------------------------------------------------------------------------------- the session
 
 _ENV_ARENA: dict[str, str] = {}  # the process-wide CPU arena registered by load, if any: {"strategy": ...}
@@ -316,7 +84,7 @@ def _env_cpu_arena(strategy: str) -> bool:
 
     if "strategy" in _ENV_ARENA:
         if _ENV_ARENA["strategy"] != strategy:
-            _warn(f"the process-wide CPU arena already uses {_ENV_ARENA['strategy']}; {strategy} is not applied")
+            warn_recipe(f"the process-wide CPU arena already uses {_ENV_ARENA['strategy']}; {strategy} is not applied")
         return True
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     # OrtArenaCfg(max_mem, arena_extend_strategy 0 = kNextPowerOfTwo / 1 = kSameAsRequested,
@@ -325,7 +93,7 @@ def _env_cpu_arena(strategy: str) -> bool:
     try:
         ort.create_and_register_allocator(info, cfg)
     except Exception as exc:  # registered by someone else in this process
-        _warn(f"could not register the CPU arena ({exc}); the default arena is used")
+        warn_recipe(f"could not register the CPU arena ({exc}); the default arena is used")
         return False
     _ENV_ARENA["strategy"] = strategy
     return True
@@ -343,7 +111,7 @@ def session_options(recipe: Mapping[str, Any] | None = None, **overrides: Any) -
     for name, value in overrides.items():
         if name not in SESSION_OPTIONS:
             raise TypeError(f"unknown session option override {name!r} (known: {', '.join(SESSION_OPTIONS)})")
-        values[name] = _check_value(SESSION_OPTIONS[name], value)
+        values[name] = check_value(SESSION_OPTIONS[name], value)
     for name, value in values.items():
         if name == "graph_optimization_level":
             value = getattr(ort.GraphOptimizationLevel, value)  # noqa: PLW2901
@@ -389,14 +157,14 @@ def warmup_feeds(session: Any, entry: Mapping[str, Sequence[int]]) -> dict[str, 
     for name, shape in entry.items():
         spec = inputs.get(name)
         if spec is None:
-            _warn(f"warm-up names {name!r}, which is not an input of the model; warm-up call skipped")
+            warn_recipe(f"warm-up names {name!r}, which is not an input of the model; warm-up call skipped")
             return None
         if len(shape) != len(spec.shape):
-            _warn(f"warm-up gives {name!r} rank {len(shape)}, the model expects {len(spec.shape)}; skipped")
+            warn_recipe(f"warm-up gives {name!r} rank {len(shape)}, the model expects {len(spec.shape)}; skipped")
             return None
         for dim, size in zip(spec.shape, shape, strict=True):
             if isinstance(dim, int) and dim != size:
-                _warn(f"warm-up gives {name!r} size {size} where the model fixes {dim}; skipped")
+                warn_recipe(f"warm-up gives {name!r} size {size} where the model fixes {dim}; skipped")
                 return None
             if isinstance(dim, str):
                 bound.setdefault(dim, size)
@@ -404,7 +172,7 @@ def warmup_feeds(session: Any, entry: Mapping[str, Sequence[int]]) -> dict[str, 
     for name, spec in inputs.items():
         dtype = _dtype(spec.type)
         if dtype is None:
-            _warn(f"warm-up cannot make an input of type {spec.type} ({name!r}); skipped")
+            warn_recipe(f"warm-up cannot make an input of type {spec.type} ({name!r}); skipped")
             return None
         if name in entry:
             shape = list(entry[name])
@@ -416,10 +184,10 @@ def warmup_feeds(session: Any, entry: Mapping[str, Sequence[int]]) -> dict[str, 
                 elif isinstance(dim, str) and dim in bound:
                     shape.append(bound[dim])
                 else:
-                    _warn(f"warm-up leaves a dim of {name!r} unbound; skipped")
+                    warn_recipe(f"warm-up leaves a dim of {name!r} unbound; skipped")
                     return None
         if math.prod(shape) > MAX_WARMUP_ELEMENTS:
-            _warn(f"warm-up shape {shape} of {name!r} is above {MAX_WARMUP_ELEMENTS} elements; skipped")
+            warn_recipe(f"warm-up shape {shape} of {name!r} is above {MAX_WARMUP_ELEMENTS} elements; skipped")
             return None
         fill = np.ones if "mask" in name.lower() else np.zeros
         feeds[name] = fill(shape, dtype=dtype)
@@ -497,7 +265,7 @@ def session_from_recipe(
     options = session_options(recipe, **overrides)
     session = ort.InferenceSession(str(path), sess_options=options, providers=_providers(recipe, providers))
     if warmup and cuda_graph_enabled(recipe) and recipe.get("warmup"):
-        _warn("warm-up calls are skipped: with CUDA graphs the first BoundRun captures the graph")
+        warn_recipe("warm-up calls are skipped: with CUDA graphs the first BoundRun captures the graph")
     elif warmup:
         for entry in recipe.get("warmup", []):
             feeds = warmup_feeds(session, entry)
@@ -506,7 +274,7 @@ def session_from_recipe(
             try:
                 session.run(None, feeds)
             except Exception as exc:  # a shape the model cannot take: the session is still good
-                _warn(f"warm-up call {dict(entry)} failed ({type(exc).__name__}: {str(exc)[:200]}); skipped")
+                warn_recipe(f"warm-up call {dict(entry)} failed ({type(exc).__name__}: {str(exc)[:200]}); skipped")
     return session
 
 
@@ -629,7 +397,7 @@ def measure(spec: Mapping[str, Any]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2 or args[0] != "--measure":
-        print("usage: python -m onnxforge.runtime --measure spec.json", file=sys.stderr)
+        print("usage: python -m core.runtime --measure spec.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[1]).read_text(encoding="utf-8"))
     result = measure(spec)

@@ -66,10 +66,10 @@ def code_fingerprint() -> str:
 
 @cache
 def runtime_versions() -> dict[str, str | None]:
-    import onnxforge
+    from core.version import __version__
 
     return {
-        "onnxforge": onnxforge.__version__,
+        "onnxforge": __version__,
         "code": code_fingerprint(),
         "onnx": _version("onnx"),
         "onnx_ir": _version("onnx-ir", "onnx_ir"),

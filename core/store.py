@@ -56,7 +56,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-from onnxforge.errors import ConflictError, NotFoundError, UnavailableError
+from core.errors import ConflictError, NotFoundError, UnavailableError
 
 STATES = ("queued", "running", "succeeded", "failed", "canceled")
 TERMINAL_STATES = frozenset({"succeeded", "failed", "canceled"})

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from onnxforge.errors import InvalidInputError, NotFoundError, TooLargeError, UnavailableError
+from core.errors import InvalidInputError, NotFoundError, TooLargeError, UnavailableError
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _COPY_CHUNK = 1 << 20

@@ -42,9 +42,9 @@ import time
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
-from app.settings import WebhooksSettings
-from app.store import Job
-from onnxforge.errors import InvalidInputError
+from core.errors import InvalidInputError
+from core.settings import WebhooksSettings
+from core.store import Job
 
 SIGNATURE_HEADER = "X-Onnxforge-Signature"
 TIMESTAMP_HEADER = "X-Onnxforge-Timestamp"

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from onnxforge.errors import InvalidConfigError
+from core.errors import InvalidConfigError
 
 Target = Literal["cpu", "cuda", "tensorrt"]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxforge.errors import InvalidInputError
+from core.errors import InvalidInputError
 
 SLOTS_KEY = "lora.slots"  # not under "onnxforge.": the pipeline rewrites that namespace when it stamps
 ADAPTER_SUFFIX = ".onnx_adapter"
