@@ -103,7 +103,7 @@ def _session(model: Path | bytes, threads: int, *, extensions: bool = False, opt
 
 def _extract(model_path: Path, out: Path) -> tuple[Path, Path, dict[str, Any]]:
     from core.adapters import ADAPTER_SUFFIX
-    from passes.extract_adapters import ExtractAdapters
+    from passes.prepost.extract_adapters import ExtractAdapters
 
     ctx = PassContext()
     result = ExtractAdapters({})(ir.load(model_path), ctx)
@@ -289,7 +289,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def _image_bytes(h: int, w: int, fmt: str) -> bytes:
     from PIL import Image
 
-    from passes.prepost import _pattern
+    from passes.prepost.prepost import _pattern
 
     buf = io.BytesIO()
     Image.fromarray(_pattern(h, w, seed=4), "RGB").save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
@@ -316,7 +316,7 @@ def _pil_pre(data: bytes, resize: int | None, crop: int | None) -> np.ndarray:
 
 
 def _prepost(model: onnx.ModelProto, options: dict[str, Any]) -> bytes:
-    from passes.prepost import Prepost
+    from passes.prepost.prepost import Prepost
 
     result = Prepost(options)(ir.serde.deserialize_model(model), PassContext())
     return ir.serde.serialize_model(result.model).SerializeToString()

@@ -8,7 +8,7 @@ valid, the model as exported, loss and logits), in ONE process run, as these var
 =================  =====================================================================================
 ort_default        the export under ORT's default level (``ORT_ENABLE_ALL``): the baseline of every ratio
 ort_transformers   ``onnxruntime.transformers.optimizer.optimize_model`` with its defaults for the family
-                   (model_type from ``passes._fusion_families``; heads and hidden size from the graph)
+                   (model_type from ``passes.fusion._fusion_families``; heads and hidden size from the graph)
 onnxsim            ``onnxsim.simplify`` with its defaults
 ort_int8           ORT ``quantize_dynamic`` with its defaults on ort_transformers' output: the int8 baseline
 fast, int8         the onnxforge preset's passes applied in order (``passes.registry.build_passes``, as
@@ -61,9 +61,9 @@ from bench.models import BENCH_MODELS, ensure_bench_model, make_inputs  # noqa: 
 from core.config import EXACT_TOLERANCE  # noqa: E402
 from core.recipe import read_recipe  # noqa: E402
 from core.verdict import LatencyStats, slower_beyond_noise  # noqa: E402
-from passes import _fusion_families as fam  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
-from passes._quantization import compare_arrays  # noqa: E402
+from passes.fusion import _fusion_families as fam  # noqa: E402
+from passes.precision._quantization import compare_arrays  # noqa: E402
 from passes.registry import build_passes, get_preset  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
 from workers.verify import compare_output, make_session  # noqa: E402

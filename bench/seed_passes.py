@@ -54,7 +54,7 @@ from bench._report import unmarked, write_blocks  # noqa: E402
 from bench.models import ensure_bench_model, make_inputs  # noqa: E402
 from core.config import EXACT_TOLERANCE, PassSpec  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
-from passes.dead_node_elimination import DeadNodeElimination  # noqa: E402
+from passes.cleanup.dead_node_elimination import DeadNodeElimination  # noqa: E402
 from passes.registry import build_passes, get_preset  # noqa: E402
 from workers.benchmark import BenchmarkParams, compare, host_info  # noqa: E402
 from workers.verify import InputSet, Verifier, compare_output, make_session  # noqa: E402

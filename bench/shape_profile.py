@@ -38,7 +38,7 @@ import onnx_ir as ir
 from bench._report import write_blocks
 from bench.models import ensure_bench_model
 from passes._infra import PassContext
-from passes.shape_profile import (
+from passes.session.shape_profile import (
     ShapeProfile,
     _dim_plan,
     _draw,

@@ -1,6 +1,6 @@
 """Open an ONNX Runtime session the way the artifact's ``onnxforge.session`` recipe says.
 
-``shape_profile`` (passes/shape_profile.py) measures session settings on a random-size call trace and writes
+``shape_profile`` (passes/session/shape_profile.py) measures session settings on a random-size call trace and writes
 the one that lowers peak memory without slowing the trace into the model's ``metadata_props``::
 
     onnxforge.session = {"session_options": {"enable_mem_pattern": false},

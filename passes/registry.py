@@ -13,28 +13,28 @@ from typing import Any
 from core.config import EXACT_TOLERANCE, PassSpec, Tolerance
 from core.errors import UnknownPassError
 from passes._infra import Pass
-from passes.common_subexpression_elimination import CommonSubexpressionElimination
-from passes.constant_folding import ConstantFolding
-from passes.dead_node_elimination import DeadNodeElimination
-from passes.extract_adapters import ExtractAdapters
-from passes.fix_shapes import FixShapes
-from passes.float16 import Float16
-from passes.free_shapes import FreeShapes
-from passes.fuse_transformer import FuseTransformer
-from passes.identity_elimination import IdentityElimination
-from passes.label_sparsity import LabelSparsity
-from passes.mixed_precision import MixedPrecision
-from passes.padding_elimination import PaddingElimination
-from passes.prepost import Prepost
-from passes.quantize_dynamic import QuantizeDynamic
-from passes.quantize_static import QuantizeStatic
-from passes.range_gather_to_slice import RangeGatherToSlice
-from passes.shape_inference import ShapeInference
-from passes.shape_profile import ShapeProfile
-from passes.tune_session import TuneSession
-from passes.unfuse_skip_layernorm import UnfuseSkipLayerNorm
-from passes.upstream_reshape import UpstreamReshape
-from passes.upstream_slice import UpstreamSlice
+from passes.cleanup.common_subexpression_elimination import CommonSubexpressionElimination
+from passes.cleanup.constant_folding import ConstantFolding
+from passes.cleanup.dead_node_elimination import DeadNodeElimination
+from passes.cleanup.identity_elimination import IdentityElimination
+from passes.cleanup.shape_inference import ShapeInference
+from passes.compute_order.label_sparsity import LabelSparsity
+from passes.compute_order.padding_elimination import PaddingElimination
+from passes.compute_order.range_gather_to_slice import RangeGatherToSlice
+from passes.compute_order.upstream_reshape import UpstreamReshape
+from passes.compute_order.upstream_slice import UpstreamSlice
+from passes.fusion.fuse_transformer import FuseTransformer
+from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
+from passes.precision.float16 import Float16
+from passes.precision.mixed_precision import MixedPrecision
+from passes.precision.quantize_dynamic import QuantizeDynamic
+from passes.precision.quantize_static import QuantizeStatic
+from passes.prepost.extract_adapters import ExtractAdapters
+from passes.prepost.prepost import Prepost
+from passes.session.fix_shapes import FixShapes
+from passes.session.free_shapes import FreeShapes
+from passes.session.shape_profile import ShapeProfile
+from passes.session.tune_session import TuneSession
 
 PASSES: tuple[type[Pass], ...] = (
     ShapeInference,

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from core.adapters import ADAPTER_SUFFIX, read_adapter, run_options
 from onnxforge.cli import main
 from passes._infra import PassContext
-from passes.extract_adapters import ExtractAdapters
+from passes.prepost.extract_adapters import ExtractAdapters
 
 LORA = Path(__file__).resolve().parent / "models" / "lora"
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")

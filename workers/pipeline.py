@@ -236,7 +236,7 @@ def _session_entry(recipe: dict[str, Any] | None) -> dict[str, Any] | None:
 def _input_proto(proto: onnx.ModelProto, resolved: ResolvedPasses) -> onnx.ModelProto:
     """The model whose inputs the input sets are generated from: with fix_shapes requested, its I/O frozen
     the way the pass will freeze them, so that every set runs on the fixed model."""
-    from passes.fix_shapes import FixShapes
+    from passes.session.fix_shapes import FixShapes
 
     every = [*resolved.passes, *(p for _, ps in resolved.variants or [] for p in ps)]
     fixers = [p for p in every if isinstance(p, FixShapes)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from passes.common_subexpression_elimination import CommonSubexpressionElimination
+from passes.cleanup.common_subexpression_elimination import CommonSubexpressionElimination
 from tests.numerics import assert_equivalent
 from tests.passes._util import MLP_CLEANUP, apply, checked, node_names, ops, parse
 

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from passes._infra import PassContext
-from passes.constant_folding import ConstantFolding
+from passes.cleanup.constant_folding import ConstantFolding
 from tests.numerics import assert_equivalent
 from tests.passes._util import MLP_CLEANUP, apply, checked, node_names, ops, parse
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from passes.dead_node_elimination import DeadNodeElimination
+from passes.cleanup.dead_node_elimination import DeadNodeElimination
 from tests.numerics import assert_equivalent
 from tests.passes._util import MLP_CLEANUP, apply, checked, node_names, ops, parse
 

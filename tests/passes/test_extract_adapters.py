@@ -19,7 +19,7 @@ from core.config import EXACT_TOLERANCE, JobConfig
 from core.errors import InvalidPassOptionsError
 from core.settings import PipelineSettings
 from passes._infra import PassContext
-from passes.extract_adapters import ExtractAdapters
+from passes.prepost.extract_adapters import ExtractAdapters
 from passes.registry import get_pass_class
 from workers.pipeline import PipelineRequest, run_pipeline
 from workers.verify import InputSet, Verifier

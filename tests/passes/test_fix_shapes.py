@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from passes._infra import PassContext
-from passes.fix_shapes import FixShapes
+from passes.session.fix_shapes import FixShapes
 from tests.passes._util import parse
 
 

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from passes._infra import PassContext
-from passes.float16 import Float16
+from passes.precision.float16 import Float16
 from tests.passes._util import parse
 
 GPU = "CUDAExecutionProvider" in ort.get_available_providers()

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from passes._infra import PassContext
-from passes.free_shapes import FreeShapes
+from passes.session.free_shapes import FreeShapes
 from tests.passes._util import MLP_CLEANUP, parse
 
 

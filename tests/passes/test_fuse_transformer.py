@@ -10,9 +10,9 @@ import onnx_ir as ir
 import pytest
 
 from core.errors import InvalidPassOptionsError
-from passes._fusion_families import detect_family
 from passes._infra import PassContext, op_histogram
-from passes.fuse_transformer import FuseTransformer, gemm_to_matmul, pack_qkv
+from passes.fusion._fusion_families import detect_family
+from passes.fusion.fuse_transformer import FuseTransformer, gemm_to_matmul, pack_qkv
 from tests.passes._util import MLP_CLEANUP, MODELS, assert_same_outputs, session
 
 LAYERS = 2  # every tiny model

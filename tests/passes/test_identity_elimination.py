@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 
-from passes.identity_elimination import IdentityElimination
+from passes.cleanup.identity_elimination import IdentityElimination
 from tests.numerics import assert_equivalent
 from tests.passes._util import MLP_CLEANUP, apply, checked, node_names, ops, parse
 

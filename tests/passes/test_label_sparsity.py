@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from core.errors import InvalidPassOptionsError
 from passes._infra import PassContext
-from passes.label_sparsity import LabelSparsity
+from passes.compute_order.label_sparsity import LabelSparsity
 
 HIDDEN, CLASSES, IGNORE = 8, 11, -100
 

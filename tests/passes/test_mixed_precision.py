@@ -8,7 +8,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from passes._infra import PassContext
-from passes.mixed_precision import MixedPrecision
+from passes.precision.mixed_precision import MixedPrecision
 from tests.passes._util import parse
 
 

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from core.errors import InvalidPassOptionsError
 from passes._infra import PassContext
-from passes.padding_elimination import PaddingElimination
+from passes.compute_order.padding_elimination import PaddingElimination
 from tests.passes._bert_like import build_bert, make_inputs
 
 PREFIX = "padding_elimination/"

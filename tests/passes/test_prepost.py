@@ -27,7 +27,7 @@ from PIL import Image
 
 from core.errors import InvalidPassOptionsError, PassError
 from passes._infra import PassContext
-from passes.prepost import BUILTIN_SENTENCES, META_REGISTER, META_REQUIRES, Prepost
+from passes.prepost.prepost import BUILTIN_SENTENCES, META_REGISTER, META_REQUIRES, Prepost
 from tests.models.build_prepost import MINILM_TOKENIZER, ST_REFERENCE, ST_TINY_BERT, image_classifier, tiny_bert
 
 ortx = pytest.importorskip("onnxruntime_extensions")  # a declared dependency of the pass: never absent in CI

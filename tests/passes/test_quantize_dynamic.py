@@ -13,9 +13,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from core.errors import InvalidPassOptionsError
-from passes import _quantization as q
 from passes._infra import PassContext
-from passes.quantize_dynamic import QuantizeDynamic
+from passes.precision import _quantization as q
+from passes.precision.quantize_dynamic import QuantizeDynamic
 from tests.models.build_hf import make_inputs
 from tests.passes._util import MODELS
 
@@ -273,7 +273,7 @@ def test_packed_qkv_projection_becomes_one_int8_matmul_when_fused_to_multi_head_
     """The int8 preset's order: fuse_transformer(attention='mha', pack_qkv) keeps the attention core fused and
     leaves one Q|K|V MatMul per layer, which quantize_dynamic turns into one MatMulInteger on one quantized
     activation (QAttention cannot take the exporter's attention_bias, so a packed Attention would stay float)."""
-    from passes.fuse_transformer import FuseTransformer
+    from passes.fusion.fuse_transformer import FuseTransformer
 
     fused = FuseTransformer({"attention": "mha", "pack_qkv": True, "engines": ["onnxscript"]})(ir.load(BERT)).model
     result = QuantizeDynamic()(fused, PassContext(samples=bert_samples()))

@@ -11,9 +11,9 @@ import onnx_ir as ir
 import pytest
 
 from core.errors import InvalidPassOptionsError
-from passes import _quantization as q
 from passes._infra import PassContext
-from passes.quantize_static import QuantizeStatic
+from passes.precision import _quantization as q
+from passes.precision.quantize_static import QuantizeStatic
 from tests.models.build_hf import make_inputs
 from tests.passes.test_quantize_dynamic import BERT, bert_samples, outlier_model, outlier_samples, run
 

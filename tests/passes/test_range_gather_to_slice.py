@@ -1,4 +1,4 @@
-"""Tests of passes/range_gather_to_slice.py: structure, numerics, and the full (start, limit, delta) sweep.
+"""Tests of passes/compute_order/range_gather_to_slice.py: structure, numerics, the (start, limit, delta) sweep.
 
 The sweep builds one model per (delta, limit kind) with one ``Gather(data, Range(s, l, delta))`` branch per
 valid (s, l), so 24 models cover 6,912 branches and the file stays fast. Each optimized model runs under
@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.range_gather_to_slice import RangeGatherToSlice
+from passes.compute_order.range_gather_to_slice import RangeGatherToSlice
 from tests.numerics import assert_equivalent, to_proto
 
 N = 8  # data length on the gathered axis

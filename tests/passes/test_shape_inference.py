@@ -7,7 +7,7 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
-from passes.shape_inference import ShapeInference
+from passes.cleanup.shape_inference import ShapeInference
 from tests.numerics import assert_equivalent
 from tests.passes._util import MLP_CLEANUP, apply, checked, ops, parse
 

@@ -14,9 +14,9 @@ import pytest
 from core import recipe as core_recipe
 from core import runtime
 from core.errors import InvalidPassOptionsError
-from passes import shape_profile as sp
 from passes._infra import PassContext
-from passes.shape_profile import ShapeProfile
+from passes.session import shape_profile as sp
+from passes.session.shape_profile import ShapeProfile
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 ENCODER = MODELS / "hf_bert_encoder.onnx"  # [batch, sequence] ids, mask, token types; 128 positions

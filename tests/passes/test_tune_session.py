@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from core.recipe import RECIPE_KEY, apply_recipe, recipe_of
 from passes._infra import PassContext
-from passes.tune_session import TuneSession
+from passes.session.tune_session import TuneSession
 from tests.passes._util import MLP_CLEANUP
 from workers.verify import generate_input_sets
 

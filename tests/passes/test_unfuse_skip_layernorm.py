@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 
 from passes._infra import PassContext
-from passes.fuse_transformer import FuseTransformer
-from passes.unfuse_skip_layernorm import UnfuseSkipLayerNorm
+from passes.fusion.fuse_transformer import FuseTransformer
+from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
 from tests.numerics import assert_equivalent
 from tests.passes._util import MODELS, apply, assert_same_outputs, checked, ops, parse
 

@@ -1,5 +1,6 @@
-"""Tests of passes/upstream_reshape.py on ORT's Reshape cases (``compute_optimizer_test.cc``, spec 1.6) and on
-the LM-head chain it exists for: flatten moved up, then ``upstream_slice`` carries a row filter up the head.
+"""Tests of passes/compute_order/upstream_reshape.py on ORT's Reshape cases (``compute_optimizer_test.cc``,
+spec 1.6) and on the LM-head chain it exists for: flatten moved up, then ``upstream_slice`` carries a row filter
+up the head.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import onnxruntime as ort
 import pytest
 
 from passes._infra import PassResult
-from passes.upstream_reshape import UpstreamReshape
-from passes.upstream_slice import UpstreamSlice
+from passes.compute_order.upstream_reshape import UpstreamReshape
+from passes.compute_order.upstream_slice import UpstreamSlice
 from tests.numerics import assert_equivalent
 from tests.passes._ort_cases import BOOL, I64, F, build, node, weights
 
@@ -238,8 +239,8 @@ def test_hf_bert_mlm_row_filter_reaches_the_last_attention_when_copies_merge():
     output projection) and on the previous layer's output (the residual): only attention runs on all rows.
     """
     from passes._infra import PassContext
-    from passes.dead_node_elimination import DeadNodeElimination
-    from passes.label_sparsity import LabelSparsity
+    from passes.cleanup.dead_node_elimination import DeadNodeElimination
+    from passes.compute_order.label_sparsity import LabelSparsity
     from tests.models.build_hf import make_inputs
 
     path = Path(__file__).resolve().parents[1] / "models" / "hf_bert_mlm_loss.onnx"

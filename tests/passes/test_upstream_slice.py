@@ -1,5 +1,5 @@
-"""Tests of passes/upstream_slice.py on ORT's compute-optimizer cases (rebuilt in ``_ort_cases.py``) and on
-the cases where ORT's rules are unsound.
+"""Tests of passes/compute_order/upstream_slice.py on ORT's compute-optimizer cases (rebuilt in
+``_ort_cases.py``) and on the cases where ORT's rules are unsound.
 
 Each test asserts where the slice ended up (by node, op and inputs) and that the optimized model computes
 the same outputs as the original under ORT with graph optimizations off, on several random inputs, at
@@ -19,7 +19,7 @@ import pytest
 from onnx_ir.passes.common import CommonSubexpressionEliminationPass
 
 from passes._infra import PassResult
-from passes.upstream_slice import UpstreamSlice
+from passes.compute_order.upstream_slice import UpstreamSlice
 from tests.numerics import assert_equivalent, to_proto
 from tests.passes import _ort_cases as cases
 from tests.passes._ort_cases import BOOL, I64, F, build, node, weights

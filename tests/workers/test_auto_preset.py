@@ -14,8 +14,8 @@ from core.config import JobConfig, PassSpec
 from core.settings import PipelineSettings
 from passes import registry
 from passes._infra import Pass, PassContext, PassResult
-from passes.fix_shapes import FixShapes
-from passes.tune_session import TuneSession
+from passes.session.fix_shapes import FixShapes
+from passes.session.tune_session import TuneSession
 from tests.workers.conftest import MODELS, resolver
 from workers.pipeline import PipelineRequest, resolve_passes, run_pipeline
 from workers.report import validate_report

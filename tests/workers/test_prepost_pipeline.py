@@ -30,7 +30,7 @@ from core.config import JobConfig
 from core.errors import InvalidInputError, InvalidModelError, PassError
 from core.settings import PipelineSettings
 from passes._infra import Pass, PassContext, PassResult
-from passes.prepost import Prepost
+from passes.prepost.prepost import Prepost
 from tests.models.build_prepost import MINILM_TOKENIZER, image_classifier, tiny_bert
 from tests.workers.conftest import AddReluChain, resolver
 from workers.archive import extract_archive

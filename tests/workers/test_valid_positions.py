@@ -9,8 +9,8 @@ import onnx_ir as ir
 
 from core.config import EXACT_TOLERANCE
 from passes._infra import PassContext
-from passes.padding_elimination import PaddingElimination
-from passes.shape_inference import ShapeInference
+from passes.cleanup.shape_inference import ShapeInference
+from passes.compute_order.padding_elimination import PaddingElimination
 from workers.verify import Verifier, make_input_sets
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "hf_bert_encoder.onnx"

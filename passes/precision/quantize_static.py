@@ -11,7 +11,7 @@ ORT fuses the pattern into integer kernels (``QLinearMatMul``, ``MatMulIntegerTo
 level 2; under ``ORT_DISABLE_ALL`` (verification) it runs as fake quantization with the same numerics.
 Calibration data are the context's samples (a job's ``samples.npz``, else the verification inputs), at most
 ``max_calibration_samples`` of them; with no samples the pass refuses. Calibration methods: MinMax, Entropy,
-Percentile. Accuracy loop and reports as in ``quantize_dynamic`` (``passes/_quantization.py``).
+Percentile. Accuracy loop and reports as in ``quantize_dynamic`` (``passes/precision/_quantization.py``).
 
 Bounded memory (field.md §2 item 7; ORT #10503: Percentile on BERT took more than 256 GB). What ORT does:
 its calibrator adds every tensor to calibrate as a graph output of an augmented model, runs the reader to
@@ -48,8 +48,8 @@ import onnx
 import onnx_ir as ir
 from pydantic import Field
 
-from passes import _quantization as q
 from passes._infra import NonMatch, Pass, PassContext, PassResult
+from passes.precision import _quantization as q
 
 StaticOpType = Literal["MatMul", "Gemm", "Conv", "ConvTranspose", "Gather", "Add", "Mul", "LayerNormalization"]
 _WEIGHTED = {"MatMul", "Gemm", "Conv", "ConvTranspose"}

@@ -63,9 +63,9 @@ import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 from pydantic import Field
 
-from passes import _fusion_families as fam
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._qkv_packing import pack_qkv
+from passes.fusion import _fusion_families as fam
+from passes.fusion._qkv_packing import pack_qkv
 
 Engine = Literal["onnxscript", "ort", "onnxscript+ort"]
 AttentionMode = Literal["attention", "mha", "none"]

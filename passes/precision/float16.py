@@ -1,6 +1,6 @@
 """float16: convert float32 compute to float16 for GPU targets (ORT ``transformers.float16``, onnxconverter-common).
 
-Re-implements onnxconverter-common's ``convert_float_to_float16`` on onnx-ir (``passes/_float16.py``): every
+Re-implements onnxconverter-common's ``convert_float_to_float16`` on onnx-ir (``passes/precision/_float16.py``): every
 node with a float16 form computes in float16, float32 weights become float16, and ``Cast`` nodes appear only
 where a float32 node (blocked by ``op_block_list`` / ``node_block_list`` or without a float16 rule) meets a
 converted one. ``keep_io_types`` (default) keeps the graph's float32 inputs and outputs, so callers and the
@@ -20,8 +20,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from pydantic import Field
 
-from passes import _float16 as f16
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes.precision import _float16 as f16
 
 CPU_REFUSAL = (
     "target cpu: ONNX Runtime's CPU EP has float16 kernels for few ops and wraps the others in Casts, so "

@@ -56,7 +56,16 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label
-from passes._upstream_rules import Dim, FreshNames, Move, SliceInfo, drop_orphans, rule_for, same_dim, same_input
+from passes.compute_order._upstream_rules import (
+    Dim,
+    FreshNames,
+    Move,
+    SliceInfo,
+    drop_orphans,
+    rule_for,
+    same_dim,
+    same_input,
+)
 
 _ONNX = ("", "ai.onnx")
 
@@ -302,7 +311,7 @@ class UpstreamSlice(Pass):
         graph = model.graph
         notes = {}
         if any(o.shape is None for n in graph for o in n.outputs):
-            from passes.shape_inference import ShapeInference
+            from passes.cleanup.shape_inference import ShapeInference
 
             ShapeInference()(model, ctx)
             notes["shape_inference"] = "ran first: some values had no shape"

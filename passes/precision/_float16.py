@@ -330,7 +330,7 @@ def convert(
 
 def infer_types(model: ir.Model, ctx: Any) -> None:
     """ONNX shape inference onto ``model``, keeping the declared shapes of graph inputs and outputs."""
-    from passes.shape_inference import ShapeInference
+    from passes.cleanup.shape_inference import ShapeInference
 
     declared = {id(v): v.shape for v in (*model.graph.inputs, *model.graph.outputs)}
     ShapeInference()(model, ctx)

@@ -1,7 +1,7 @@
 """Pre/post-processing steps of the ``prepost`` pass, on onnxruntime-extensions' ``PrePostProcessor``.
 
 This module imports ``onnxruntime_extensions`` at import time (its steps are subclasses of the library's
-``Step``); ``passes/prepost.py`` imports it only inside the pass, so the extension library stays a
+``Step``); ``passes/prepost/prepost.py`` imports it only inside the pass, so the extension library stays a
 dependency of that one pass.
 
 The library ships the image steps used as they are (``ConvertImageToBGR``, ``ReverseAxis``, ``Resize``,

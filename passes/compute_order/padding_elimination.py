@@ -61,7 +61,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label, take_graph_output
-from passes._padding_rules import (
+from passes.compute_order._padding_rules import (
     BINARY,
     PadReads,
     Rule,
@@ -156,7 +156,7 @@ class PaddingElimination(Pass):
         if opset < 13:
             return NonMatch(f"default-domain opset {opset} < 13 (Squeeze/Unsqueeze with axes inputs needed)")
         if any(v.shape is None for node in graph for v in node.outputs if v.uses() or v.is_graph_output()):
-            from passes.shape_inference import ShapeInference
+            from passes.cleanup.shape_inference import ShapeInference
 
             ShapeInference().call(model, PassContext())
             notes["shape_inference"] = "ran onnx shape inference first: some value shapes were missing"

@@ -21,7 +21,7 @@ import onnx_ir as ir
 from pydantic import Field, model_validator
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes.shape_inference import ShapeInference
+from passes.cleanup.shape_inference import ShapeInference
 
 
 class FixShapesOptions(PassOptions):

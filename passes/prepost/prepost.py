@@ -255,7 +255,7 @@ class Prepost(Pass):
         try:
             import onnxruntime_extensions as ortx
 
-            from passes import _prepost_steps as steps
+            from passes.prepost import _prepost_steps as steps
         except ImportError as exc:
             raise PrepostDependencyError(
                 f"the prepost pass needs {REQUIRES} (pip install {REQUIRES}): {exc}", pass_name=self.name

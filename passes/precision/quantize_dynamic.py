@@ -8,7 +8,7 @@ constant weight becomes::
 which ORT fuses at session level 2 into ``com.microsoft::DynamicQuantizeMatMul`` (``MatMulIntegerToFloat``
 with the bias ``Add``). A fused ``com.microsoft::Attention`` (after ``fuse_transformer``) becomes
 ``QAttention``. Not exact: the pass measures the accuracy of every float output on the context's samples and,
-when it misses the budget, keeps the most sensitive nodes in float (see ``passes/_quantization.py``).
+when it misses the budget, keeps the most sensitive nodes in float (see ``passes/precision/_quantization.py``).
 
 Defaults, for x86-64 CPUs: **u8 activations x s8 weights** (``weight_type=QInt8``, ORT's default). The
 activations of ``DynamicQuantizeLinear`` are always uint8; s8 weights give the u8s8 kernels that AVX-512
@@ -39,9 +39,9 @@ import onnx
 import onnx_ir as ir
 from pydantic import Field
 
-from passes import _quantization as q
 from passes._infra import NonMatch, Pass, PassContext, PassResult
 from passes._match import take_graph_output
+from passes.precision import _quantization as q
 
 DynamicOpType = Literal["MatMul", "Attention", "Conv", "Gather", "LSTM", "EmbedLayerNormalization"]
 # Which input must be a constant for ORT to quantize the node (its weight).

@@ -31,7 +31,7 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes.shape_inference import ShapeInference
+from passes.cleanup.shape_inference import ShapeInference
 
 _ROUNDS = 8
 

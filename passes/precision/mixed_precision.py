@@ -4,7 +4,7 @@ What onnxconverter-common's ``auto_convert_mixed_precision`` and Olive's ``OnnxF
 trial and error, found automatically and reported (field.md §2 item 4: "FP16 produces NaN or garbage, with
 no explanation"):
 
-1. convert everything with a float16 form (``passes/_float16.py``); on the context's samples, compare
+1. convert everything with a float16 form (``passes/precision/_float16.py``); on the context's samples, compare
    the outputs with the float32 model (ORT, graph optimizations off): within ``atol``/``rtol``/
    ``min_cosine`` -> done, no node kept in float32;
 2. else run the float32 model once with every intermediate exposed and rank the convertible nodes by the
@@ -28,9 +28,9 @@ from typing import Any
 import onnx_ir as ir
 from pydantic import Field
 
-from passes import _float16 as f16
 from passes._infra import NonMatch, Pass, PassContext, PassResult
-from passes.float16 import CPU_REFUSAL, Float16Options
+from passes.precision import _float16 as f16
+from passes.precision.float16 import CPU_REFUSAL, Float16Options
 
 
 class MixedPrecisionOptions(Float16Options):

@@ -1,0 +1,1 @@
+"""Compute order: passes that move row filters and slices so the model computes only what it keeps."""

@@ -1,0 +1,1 @@
+"""Session: passes that tune how ONNX Runtime runs the model (session recipe, shapes, memory)."""
