@@ -73,6 +73,11 @@ class AuthSettings(_Section):
         return self.keys_file is not None or any(self.keys.values())
 
 
+def _none_if_empty(value: object) -> object:
+    # deploy/env.example writes unset values as `NAME=`: an empty string means "not set", never "set to ''".
+    return None if isinstance(value, str) and not value.strip() else value
+
+
 class DatabaseSettings(_Section):
     url: str | None = Field(
         None,
@@ -82,6 +87,8 @@ class DatabaseSettings(_Section):
     schema_name: str | None = Field(
         None, description="PostgreSQL schema holding the job table (created if missing). Unset: the default."
     )
+
+    _empty_is_unset = field_validator("url", "schema_name", mode="before")(_none_if_empty)
 
 
 class StorageSettings(_Section):
@@ -120,6 +127,8 @@ class BrokerSettings(_Section):
         description="Seconds before Redis redelivers an unacknowledged task; above task_time_limit.",
     )
     connect_timeout: float = Field(2.0, gt=0, description="Seconds to wait for the broker when enqueueing.")
+
+    _empty_is_unset = field_validator("url", mode="before")(_none_if_empty)
 
 
 class WorkerSettings(_Section):
@@ -273,7 +282,14 @@ class WebhooksSettings(_Section):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="ONNXFORGE_", env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix="ONNXFORGE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        # `ONNXFORGE_BROKER__URL=` (deploy/env.example's way of leaving a value unset) is the default, not
+        # "": an empty broker URL made Celery fall back to its own amqp:// default and slipped past the
+        # production guard below.
+        env_ignore_empty=True,
     )
 
     environment: Literal["development", "production"] = Field(
