@@ -338,11 +338,6 @@ def infer_types(model: ir.Model, ctx: Any) -> None:
         value.shape = declared.get(id(value), value.shape)
 
 
-def fp32_nodes_after(model: ir.Model) -> list[str]:
-    """Labels of the nodes that still compute in float32 (Casts excluded)."""
-    return [label for label, node in float_nodes(model) if node.op_type != "Cast"]
-
-
 # ------------------------------------------------------------------------------------------ numerics
 
 

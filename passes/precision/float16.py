@@ -9,7 +9,7 @@ verification feed and read the same tensors as before::
     x(f32) --MatMul(W)--Add(b)--Softmax--> y(f32)
     ==>  x(f32) --Cast(f16)--MatMul(W16)--Add(b16)--Softmax--Cast(f32)--> y(f32)
 
-Not exact. Values beyond ±65504 become inf and small ones lose precision (field.md §2 item 4: "FP16
+Not exact. Values beyond ±65504 become inf and small ones lose precision (users report that "FP16
 produces NaN or garbage"), which the ledger's verification catches; ``mixed_precision`` finds the float32
 nodes automatically. **Refuses on target cpu** unless ``force``: ORT's CPU EP has float16 kernels for few
 ops and wraps the rest in Casts, so the model is usually slower there (Olive #1514).

@@ -1,7 +1,7 @@
 """mixed_precision: float16 with the fewest float32 nodes that keep the outputs within tolerance.
 
 What onnxconverter-common's ``auto_convert_mixed_precision`` and Olive's ``OnnxFloatToFloat16`` leave to
-trial and error, found automatically and reported (field.md §2 item 4: "FP16 produces NaN or garbage, with
+trial and error, found automatically and reported (users report that "FP16 produces NaN or garbage, with
 no explanation"):
 
 1. convert everything with a float16 form (``passes/precision/_float16.py``); on the context's samples, compare

@@ -13,7 +13,7 @@ Calibration data are the context's samples (a job's ``samples.npz``, else the ve
 ``max_calibration_samples`` of them; with no samples the pass refuses. Calibration methods: MinMax, Entropy,
 Percentile. Accuracy loop and reports as in ``quantize_dynamic`` (``passes/precision/_quantization.py``).
 
-Bounded memory (field.md §2 item 7; ORT #10503: Percentile on BERT took more than 256 GB). What ORT does:
+Bounded memory (ORT #10503: Percentile on BERT took more than 256 GB). What ORT does:
 its calibrator adds every tensor to calibrate as a graph output of an augmented model, runs the reader to
 exhaustion keeping *every* output of *every* sample in a Python list, and only then reduces them (MinMax:
 ``ReduceMin``/``ReduceMax`` outputs, small; Entropy/Percentile: the full activations, then histograms). So
@@ -50,6 +50,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassResult
 from passes.precision import _quantization as q
+from passes.precision._accuracy import round_sig
 
 StaticOpType = Literal["MatMul", "Gemm", "Conv", "ConvTranspose", "Gather", "Add", "Mul", "LayerNormalization"]
 _WEIGHTED = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
@@ -247,6 +248,6 @@ def _ranges_summary(cache_path: Path) -> dict[str, Any]:
     widths = np.array([s[0] for s in spans]) if spans else np.zeros(1)
     return {
         "tensors": len(spans),
-        "median_width": q._round(float(np.median(widths))),
-        "widest": [{"tensor": n, "min": q._round(lo), "max": q._round(hi)} for _, n, lo, hi in spans[:5]],
+        "median_width": round_sig(float(np.median(widths))),
+        "widest": [{"tensor": n, "min": round_sig(lo), "max": round_sig(hi)} for _, n, lo, hi in spans[:5]],
     }

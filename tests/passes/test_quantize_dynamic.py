@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from core.errors import InvalidPassOptionsError
 from passes._infra import PassContext
-from passes.precision import _quantization as q
+from passes.precision import _accuracy, _sensitivity
 from passes.precision.quantize_dynamic import QuantizeDynamic
 from tests.models.build_hf import make_inputs
 from tests.passes._util import MODELS
@@ -116,7 +116,7 @@ def test_int8_numerics_on_several_shapes(bert_default):
         feeds = make_inputs("bert_encoder", b, s, pad_fraction=0.25, seed=10 + i, size="tiny")
         ref, got = run(proto, feeds)[0], run(quantized, feeds)[0]
         assert got.shape == ref.shape == (b, s, 32)
-        assert q.compare_arrays(ref, got).cosine >= 0.99
+        assert _accuracy.compare_arrays(ref, got).cosine >= 0.99
     acc = result.notes["accuracy"]["last_hidden_state"]
     assert acc["cosine"] >= 0.99 and acc["max_abs"] > 0  # measured, and not exact
     assert result.notes["samples_used"] == 3
@@ -198,7 +198,7 @@ def test_tiny_budget_on_the_encoder_excludes_the_worst_nodes_or_refuses(bert_def
 
 
 def test_bisection_finds_the_smallest_exclusion_count():
-    ranking = [q.NodeError(f"n{i}", "MatMul", 1.0 / (i + 1), 0.9) for i in range(10)]
+    ranking = [_sensitivity.NodeError(f"n{i}", "MatMul", 1.0 / (i + 1), 0.9) for i in range(10)]
     calls = []
 
     def fake_quantize(excluded, tag):
@@ -206,9 +206,9 @@ def test_bisection_finds_the_smallest_exclusion_count():
         return len(excluded)
 
     def evaluate(k):
-        return {"y": q.OutputAccuracy(0.1, 0.1, 0.999 if k >= 5 else 0.9)}
+        return {"y": _accuracy.OutputAccuracy(0.1, 0.1, 0.999 if k >= 5 else 0.9)}
 
-    out = q.exclusion_loop(ranking, fake_quantize, evaluate, q.Budget(0.99, None, None), 8)
+    out = _sensitivity.exclusion_loop(ranking, fake_quantize, evaluate, _accuracy.Budget(0.99, None, None), 8)
     assert [e.node for e in out.excluded] == ["n0", "n1", "n2", "n3", "n4"]
     assert calls == [1, 2, 4, 8, 6, 5]
 
@@ -288,7 +288,7 @@ def test_packed_qkv_projection_becomes_one_int8_matmul_when_fused_to_multi_head_
     proto, quantized = ir.serde.serialize_model(ir.load(BERT)), ir.serde.serialize_model(result.model)
     for i, (b, s) in enumerate([(1, 7), (3, 20)]):
         feeds = make_inputs("bert_encoder", b, s, pad_fraction=0.25, seed=20 + i, size="tiny")
-        assert q.compare_arrays(run(proto, feeds)[0], run(quantized, feeds)[0]).cosine >= 0.99
+        assert _accuracy.compare_arrays(run(proto, feeds)[0], run(quantized, feeds)[0]).cosine >= 0.99
 
 
 def fused_matmul_head() -> onnx.ModelProto:
@@ -323,7 +323,7 @@ def test_fused_matmul_with_transposed_constant_weight_is_quantized_when_op_types
     assert after["MatMulInteger"] == 1 and "FusedMatMul" not in after
     assert ops(model)["FusedMatMul"] == 1
     for feeds in samples:
-        assert q.compare_arrays(run(proto, feeds)[0], run(result.model, feeds)[0]).cosine >= 0.99
+        assert _accuracy.compare_arrays(run(proto, feeds)[0], run(result.model, feeds)[0]).cosine >= 0.99
 
 
 def test_fused_matmul_is_quantized_and_output_keeps_its_name_when_it_is_a_graph_output():
@@ -339,7 +339,7 @@ def test_fused_matmul_is_quantized_and_output_keeps_its_name_when_it_is_a_graph_
     assert [o.name for o in result.model.graph.outputs] == ["y"]
     assert ops(result.model)["MatMulInteger"] == 1
     for feeds in samples:
-        assert q.compare_arrays(run(proto, feeds)[0], run(result.model, feeds)[0]).cosine >= 0.99
+        assert _accuracy.compare_arrays(run(proto, feeds)[0], run(result.model, feeds)[0]).cosine >= 0.99
 
 
 def test_fused_matmul_stays_when_matmul_is_not_an_op_type_to_quantize():

@@ -12,7 +12,7 @@ import pytest
 
 from core.errors import InvalidPassOptionsError
 from passes._infra import PassContext
-from passes.precision import _quantization as q
+from passes.precision import _accuracy
 from passes.precision.quantize_static import QuantizeStatic
 from tests.models.build_hf import make_inputs
 from tests.passes.test_quantize_dynamic import BERT, bert_samples, outlier_model, outlier_samples, run
@@ -46,7 +46,7 @@ def test_qdq_calibrated_on_samples(method):
     onnx.checker.check_model(quantized, full_check=True)
     for i, (b, s) in enumerate([(1, 9), (3, 20)]):
         feeds = make_inputs("bert_encoder", b, s, pad_fraction=0.2, seed=20 + i, size="tiny")
-        assert q.compare_arrays(run(proto, feeds)[0], run(quantized, feeds)[0]).cosine >= 0.99
+        assert _accuracy.compare_arrays(run(proto, feeds)[0], run(quantized, feeds)[0]).cosine >= 0.99
 
 
 def test_percentile_ranges_are_symmetric_and_not_wider_than_minmax():
