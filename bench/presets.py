@@ -63,7 +63,7 @@ from core.recipe import read_recipe  # noqa: E402
 from core.verdict import LatencyStats, slower_beyond_noise  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
 from passes.fusion import _fusion_families as fam  # noqa: E402
-from passes.precision._quantization import compare_arrays  # noqa: E402
+from passes.precision._accuracy import compare_arrays  # noqa: E402
 from passes.registry import build_passes, get_preset  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
 from workers.verify import compare_output, make_session  # noqa: E402
