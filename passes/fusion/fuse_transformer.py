@@ -1,7 +1,9 @@
 """fuse_transformer: ORT contrib-op fusions (Attention, SkipLayerNorm, Gelu) with a per-family report.
 
-Wraps the two maintained engines instead of forking them: onnxscript's ``ort_fusions.optimize_for_ort``
-and ONNX Runtime's ``transformers.optimizer.optimize_model`` (python fusions only, ``opt_level=0``). Each
+Wraps the two maintained engines instead of forking them: onnxscript's ORT fusions (its
+``optimize_for_ort`` sequence, replayed by ``_onnxscript_adapter`` so that it can stop before packed
+attention; the only module that names onnxscript internals) and ONNX Runtime's
+``transformers.optimizer.optimize_model`` (python fusions only, ``opt_level=0``). Each
 candidate (onnxscript, ORT, onnxscript then ORT) is verified against the original under ORT CPU with graph
 optimizations off; the verified one with the most expected fusions wins. The report names, per family
 (``_fusion_families``), the fusions expected, those achieved, and for each shortfall the closest partial
@@ -49,11 +51,8 @@ After::
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -65,6 +64,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes.fusion import _fusion_families as fam
+from passes.fusion import _onnxscript_adapter as onnxscript_adapter
 from passes.fusion._qkv_packing import pack_qkv
 
 Engine = Literal["onnxscript", "ort", "onnxscript+ort"]
@@ -227,44 +227,12 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
 
 
 def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode) -> onnx.ModelProto:
-    from onnxscript.rewriter.ort_fusions import optimize_for_ort
-
     model = ir.serde.deserialize_model(proto)
     common_passes.ShapeInferencePass()(model)
     report["gemm"] = gemm_to_matmul(model)
-    with _attention_stops_at(attention):
-        model, counts = optimize_for_ort(model)
+    counts = onnxscript_adapter.fuse_for_ort(model, stop_before=attention)
     report["onnxscript_counts"] = {k: v for k, v in counts.items() if v}
     return ir.serde.serialize_model(model)
-
-
-_ONNXSCRIPT_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _attention_stops_at(attention: AttentionMode) -> Iterator[None]:
-    """Run onnxscript's maintained fusion sequence (``_core.fuse_xformers``) with its attention steps cut.
-
-    onnxscript 0.7.2 has no switch for this, and copying its 20-step sequence would fork it; instead the
-    module-level steps it calls are swapped, under a lock, for no-ops: ``fuse_attention`` (MHA -> packed
-    Attention) for "mha", ``fuse_sdpa`` too for "none" (no SDPA, so no MHA follows).
-    """
-    from onnxscript.rewriter.ort_fusions import _core
-
-    cut = {"attention": (), "mha": ("fuse_attention",), "none": ("fuse_sdpa", "fuse_attention")}[attention]
-    with _ONNXSCRIPT_LOCK:
-        saved = {name: getattr(_core, name) for name in cut}
-        try:
-            for name in cut:
-                setattr(_core, name, _no_fusion)
-            yield
-        finally:
-            for name, fn in saved.items():
-                setattr(_core, name, fn)
-
-
-def _no_fusion(model: ir.Model, **_: Any) -> int:
-    return 0
 
 
 def _ort(proto: onnx.ModelProto, family: str, heads: int, hidden: int, failures: Counter[str]) -> onnx.ModelProto:
@@ -356,11 +324,8 @@ def gemm_to_matmul(model: ir.Model) -> int:
     return len(sites)
 
 
-_TRACED = {
-    "attention": ("sdpa", "sdpa_rules"),
-    "skip_layer_norm": ("skip_normalization", "skip_layer_normalization_ruleset"),
-    "gelu": ("gelu", "gelu_rules"),
-}
+# Fusion group -> the onnxscript step whose closest partial match explains a shortfall.
+_TRACED = {"attention": "sdpa", "skip_layer_norm": "skip_layer_normalization", "gelu": "gelu"}
 
 
 def _missing(expected: dict[str, int], achieved: dict[str, int], model: ir.Model, ort_failures: Counter[str]) -> dict:
@@ -372,32 +337,11 @@ def _missing(expected: dict[str, int], achieved: dict[str, int], model: ir.Model
             continue
         reason = f"expected {want}, achieved {got}"
         if group in _TRACED:
-            reason += "; " + _closest(model, *_TRACED[group])
+            reason += "; " + onnxscript_adapter.closest_match(model, _TRACED[group])
         else:
-            reason += "; onnxscript 0.7.2 has no rule for it"
+            reason += f"; onnxscript {onnxscript_adapter.VERSION} has no rule for it"
         ort = [m for m in ort_failures if group.split("_")[0] in m.lower()]
         if ort:
             reason += f"; ORT optimizer: {ort[0]}"
         missing[group] = reason
     return missing
-
-
-def _closest(model: ir.Model, module: str, ruleset: str) -> str:
-    import importlib
-
-    from onnxscript.rewriter._basics import MatchingTracer
-
-    rules = getattr(importlib.import_module(f"onnxscript.rewriter.ort_fusions.{module}"), ruleset)
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # the tracer also rewrites
-    tracer = MatchingTracer()
-    rules.apply_to_model(copy, tracer=tracer)
-    best = max((m for ms in tracer.best_matches_map.values() for m in ms), key=lambda m: m.score(), default=None)
-    if best is None:
-        return f"onnxscript {module}: no partial match at all"
-    result = best.match_result
-    if best.status.name == "SUCCESS":
-        return f"onnxscript's {module} rule matches at {best.root_node.name!r}: the onnxscript engine fuses it"
-    return (
-        f"closest onnxscript {module} match: {len(result.nodes)} nodes matched at {best.root_node.name!r} "
-        f"({best.status.name}): {result.reason or 'pattern diverges there'}"
-    )

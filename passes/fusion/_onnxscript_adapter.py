@@ -1,0 +1,158 @@
+"""The one place onnxforge reaches into onnxscript below its exported API.
+
+onnxscript exports ``optimize_for_ort`` (every ORT fusion, in its own order, with no way to stop before
+packing Q/K/V into ``Attention``), the pattern API (``onnxscript.rewriter.pattern``: ``RewriteRule``,
+``RewriteRuleSet``, ``MatchingTracer``...) and the common rules (``onnxscript.rewriter.rules.common``). The
+per-fusion rule sets (``ort_fusions.sdpa.sdpa_rules``, ``ort_fusions.mha.mha_rules_no_past``...) live in
+modules that ``ort_fusions/__init__.py`` does not export: the next release may rename them. So they are
+looked up here, by name, in one table (``_RULE_SETS``), and ``check_api()`` resolves every one of them: its
+test fails with the missing dotted name and the installed version instead of a fusion silently vanishing
+from the ``fast`` preset. The range this table was read from is pinned in pyproject.toml.
+
+``fuse_for_ort`` replays ``ort_fusions._core.optimize_for_ort`` of onnxscript 0.7.2 step by step (its test
+checks the replay builds the same graph as the exported function), with ``stop_before`` cutting the
+attention steps for ``fuse_transformer``'s ``attention`` option.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Literal
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+import onnxscript
+from onnxscript import optimizer
+from onnxscript.rewriter import pattern, rewrite
+from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES
+from onnxscript.rewriter.rules.common import gemm_to_matmul_add_rule
+
+# The onnxscript releases whose unexported names below were checked; pyproject.toml pins the same range.
+SUPPORTED_VERSIONS = ">=0.7.2,<0.8"
+VERSION = onnxscript.__version__
+
+_FUSIONS = "onnxscript.rewriter.ort_fusions"
+# step -> (module, attribute): the rule sets optimize_for_ort applies, in its order.
+_RULE_SETS: dict[str, tuple[str, str]] = {
+    "shape_optimization": (f"{_FUSIONS}.shape_optimization", "rules"),
+    "erf_gelu": (f"{_FUSIONS}.erfgelu", "rules"),
+    "rms_normalization": (f"{_FUSIONS}.rms_normalization", "rms_normalization_ruleset"),
+    "skip_layer_normalization": (f"{_FUSIONS}.skip_normalization", "skip_layer_normalization_ruleset"),
+    "skip_rms_normalization": (f"{_FUSIONS}.skip_normalization", "skip_rms_normalization_ruleset"),
+    "rotary_embedding": (f"{_FUSIONS}.rotary_embedding", "rotary_embedding_rules"),
+    "cos_sin_cache": (f"{_FUSIONS}.cos_sin_cache", "cos_sin_cache_rules"),
+    "partial_rotary_embedding": (f"{_FUSIONS}.rotary_embedding", "partial_embedding_rules"),
+    "sdpa": (f"{_FUSIONS}.sdpa", "sdpa_rules"),
+    "gqa": (f"{_FUSIONS}.gqa", "gqa_rules"),
+    "packed_qkv_for_gqa": (f"{_FUSIONS}.gqa_packed_qkv", "fuse_qkv_gqa_rules"),
+    "mha1": (f"{_FUSIONS}.mha", "mha_rules_with_past"),
+    "mha2": (f"{_FUSIONS}.mha", "mha_rules_no_past"),
+    "mha_scale": (f"{_FUSIONS}.mha_scale", "_mha_scale_rules"),
+    "mha_bias": (f"{_FUSIONS}.mha_bias", "mha_bias_rules"),
+    "attention": (f"{_FUSIONS}.attention", "attention_rules"),
+    "gelu": (f"{_FUSIONS}.gelu", "gelu_rules"),
+    "bias_gelu": (f"{_FUSIONS}.bias_gelu", "bias_gelu_rules"),
+    "sdpa_via_mha": (f"{_FUSIONS}.sdpa_via_mha", "_rules"),
+}
+# The steps a stop point leaves out: "mha" keeps MultiHeadAttention unpacked, "none" leaves no SDPA to fuse.
+_CUT = {"attention": (), "mha": ("attention",), "none": ("sdpa", "attention")}
+
+
+class OnnxscriptAPIChangedError(ImportError):
+    """An onnxscript name this adapter relies on is gone: the installed release is outside the pinned range."""
+
+
+def rule_set(step: str) -> pattern.RewriteRuleSet:
+    """onnxscript's rule set for one fusion step, by the step's name in ``_RULE_SETS``."""
+    module_name, attribute = _RULE_SETS[step]
+    where = f"{module_name}.{attribute}"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise _changed(where, f"module {module_name} is gone ({exc})") from exc
+    if not hasattr(module, attribute):
+        raise _changed(where, f"{module_name} has no {attribute!r}")
+    rules = getattr(module, attribute)
+    if not isinstance(rules, pattern.RewriteRuleSet):
+        raise _changed(where, f"it is a {type(rules).__name__}, not a RewriteRuleSet")
+    return rules
+
+
+def check_api() -> list[str]:
+    """Resolve every unexported name used here; the dotted names, or OnnxscriptAPIChangedError on the first gone."""
+    for step in _RULE_SETS:
+        rule_set(step)
+    return [".".join(location) for location in _RULE_SETS.values()]
+
+
+def _changed(where: str, what: str) -> OnnxscriptAPIChangedError:
+    return OnnxscriptAPIChangedError(
+        f"onnxscript {VERSION} changed {where}: {what}. passes/fusion/_onnxscript_adapter.py was "
+        f"written against onnxscript{SUPPORTED_VERSIONS}; re-read its ort_fusions/_core.py and update the table."
+    )
+
+
+def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none"] = "attention") -> dict[str, int]:
+    """onnxscript's ORT fusions in place, in ``optimize_for_ort``'s order; the count applied per step.
+
+    ``stop_before`` names the deepest attention fusion wanted: "attention" (packed Q/K/V), "mha"
+    (MultiHeadAttention, projections left separate) or "none" (the attention core left to ORT).
+    """
+    cut = _CUT[stop_before]
+    counts: dict[str, int] = {}
+
+    def fuse(step: str, shape_inference: bool = False) -> None:
+        counts[step] = 0 if step in cut else rule_set(step).apply_to_model(model)
+        if shape_inference and step not in cut:  # the SDPA rules add nodes whose shapes later steps read
+            common_passes.ShapeInferencePass()(model)
+
+    rewrite(model, [gemm_to_matmul_add_rule])
+    common_passes.ShapeInferencePass()(model)
+    optimizer.optimize(model)
+    rule_set("shape_optimization").apply_to_model(model)
+    optimizer.optimize(model)
+    for step in ("erf_gelu", "rms_normalization", "skip_layer_normalization", "skip_rms_normalization"):
+        fuse(step)
+    fuse("rotary_embedding")
+    fuse("cos_sin_cache")
+    common_passes.CommonSubexpressionEliminationPass()(model)
+    fuse("partial_rotary_embedding")
+    fuse("sdpa", shape_inference=True)
+    for step in ("gqa", "packed_qkv_for_gqa", "mha1", "mha2", "mha_scale"):
+        fuse(step)
+    if counts["mha1"] == 0 and counts["mha2"] == 0:
+        counts["mha_bias"] = counts["attention"] = 0
+    else:
+        fuse("mha_bias")
+        fuse("attention")
+    for step in ("gelu", "bias_gelu", "sdpa_via_mha"):
+        fuse(step)
+    optimizer.optimize(model)  # inlines the intermediate fusion functions no later rule consumed
+    rewrite(model, ORT_PATTERN_REWRITE_RULES)
+    ir.passes.Sequential(
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1),
+        common_passes.RemoveInitializersFromInputsPass(),
+        common_passes.ShapeInferencePass(),
+    )(model)
+    return counts
+
+
+def closest_match(model: ir.Model, step: str) -> str:
+    """Where onnxscript's rule set for ``step`` came closest to matching, as a sentence for the report.
+
+    Uses the exported ``MatchingTracer``; the fields of the matches it records (``MatchInfo``) are not
+    documented, so they are read here and nowhere else.
+    """
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # tracing must never touch the result
+    tracer = pattern.MatchingTracer()
+    rule_set(step).apply_to_model(copy, tracer=tracer)
+    best = max((m for ms in tracer.best_matches_map.values() for m in ms), key=lambda m: m.score(), default=None)
+    if best is None:
+        return f"onnxscript {step}: no partial match at all"
+    result = best.match_result
+    if best.status.name == "SUCCESS":
+        return f"onnxscript's {step} rule matches at {best.root_node.name!r}: the onnxscript engine fuses it"
+    return (
+        f"closest onnxscript {step} match: {len(result.nodes)} nodes matched at {best.root_node.name!r} "
+        f"({best.status.name}): {result.reason or 'pattern diverges there'}"
+    )

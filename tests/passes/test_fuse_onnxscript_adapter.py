@@ -1,0 +1,84 @@
+"""The onnxscript adapter: every unexported name it reads resolves on the installed release, a renamed one
+fails naming itself, and its replay of ``optimize_for_ort`` builds the very graph the exported function does."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import onnx_ir as ir
+import pytest
+from onnx_ir.passes.common import ShapeInferencePass
+from onnxscript.rewriter.ort_fusions import optimize_for_ort
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from passes._infra import op_histogram
+from passes.fusion import _onnxscript_adapter as adapter
+from passes.fusion.fuse_transformer import gemm_to_matmul
+from tests.passes._util import MODELS
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def test_check_api_resolves_every_unexported_name_when_onnxscript_in_pinned_range():
+    names = adapter.check_api()
+    assert "onnxscript.rewriter.ort_fusions.sdpa.sdpa_rules" in names
+    assert len(names) == len(adapter._RULE_SETS)
+    assert adapter.VERSION in SpecifierSet(adapter.SUPPORTED_VERSIONS), (
+        f"onnxscript {adapter.VERSION} is outside {adapter.SUPPORTED_VERSIONS}: re-read its ort_fusions and update "
+        "passes/fusion/_onnxscript_adapter.py"
+    )
+
+
+def test_supported_versions_match_pyproject_pin_when_read():
+    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    pin = next(Requirement(d) for d in dependencies if Requirement(d).name == "onnxscript")
+    assert pin.specifier == SpecifierSet(adapter.SUPPORTED_VERSIONS)
+
+
+@pytest.mark.parametrize(
+    ("location", "message"),
+    [
+        (("onnxscript.rewriter.ort_fusions.sdpa", "sdpa_rules_v2"), "has no 'sdpa_rules_v2'"),
+        (("onnxscript.rewriter.ort_fusions.sdpa_v2", "sdpa_rules"), "module onnxscript.rewriter.ort_fusions.sdpa_v2"),
+        (("onnxscript.rewriter.ort_fusions.sdpa", "SDPA"), "not a RewriteRuleSet"),
+    ],
+)
+def test_rule_set_raises_naming_the_dotted_name_when_onnxscript_renames_it(monkeypatch, location, message):
+    monkeypatch.setitem(adapter._RULE_SETS, "sdpa", location)
+    with pytest.raises(adapter.OnnxscriptAPIChangedError) as raised:
+        adapter.check_api()
+    text = str(raised.value)
+    assert f"changed {'.'.join(location)}" in text and message in text
+    assert adapter.SUPPORTED_VERSIONS in text
+
+
+@pytest.mark.parametrize("name", ["bert_encoder", "gpt2"])
+def test_fuse_for_ort_builds_the_graph_of_optimize_for_ort_when_attention_fused(name):
+    """The replay is step for step onnxscript's own sequence: if a release reorders or adds a step, the graphs
+    differ here before the fast preset changes."""
+    replayed, exported = (ir.load(MODELS / f"hf_{name}.onnx") for _ in range(2))
+    for model in (replayed, exported):
+        ShapeInferencePass()(model)
+        gemm_to_matmul(model)
+    counts = adapter.fuse_for_ort(replayed)
+    exported, exported_counts = optimize_for_ort(exported)
+    assert counts == exported_counts
+    assert counts["sdpa"] == 2
+    assert ir.serde.serialize_model(replayed) == ir.serde.serialize_model(exported)
+
+
+def test_fuse_for_ort_stops_at_multi_head_attention_when_stop_before_mha():
+    model = ir.load(MODELS / "hf_bert_encoder.onnx")
+    ShapeInferencePass()(model)
+    counts = adapter.fuse_for_ort(model, stop_before="mha")
+    ops = op_histogram(model)
+    assert counts["attention"] == 0 and counts["mha2"] == 2
+    assert ops["com.microsoft::MultiHeadAttention"] == 2 and "com.microsoft::Attention" not in ops
+
+
+def test_closest_match_names_the_diverging_node_when_gelu_form_unknown():
+    model = ir.load(MODELS / "hf_gpt2.onnx")
+    reason = adapter.closest_match(model, "gelu")
+    assert reason.startswith("closest onnxscript gelu match:") and "nodes matched at" in reason
