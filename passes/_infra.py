@@ -16,6 +16,44 @@ in_place=False      a new ``ir.Model``; input untouched    passes that round-tri
 
 Match before mutate: a pass decides every rewrite on an unmodified graph, records a ``NonMatch`` for each
 candidate it declines (naming the node and the failed condition), and only then edits.
+
+Everything the engine (``workers/``) knows about a pass is below: a class declaration, a base method a pass
+may override, or a typed field of its ``PassResult``. The engine never asks a pass anything else, never
+treats a pass by name, and never reads ``notes`` (they are for people: the report shows them verbatim).
+
+====================================  ==========  ==================================================================
+declaration                           default     what the engine does with it
+====================================  ==========  ==================================================================
+``name``, ``summary``                 required    catalogue, report, provenance metadata, error messages
+``exact``                             True        the registry's ``safe`` preset holds exact passes only
+``in_place``                          True        ``__call__`` checks the returned model's identity against it
+``Options``                           no options  validated at submit time (unknown keys refused); recorded
+``changes_inputs``                    False       the pass may replace the model's inputs (raw image/text in): it
+                                                  runs on the raw samples ``raw_inputs()`` names, verifies itself
+                                                  (``PassResult.inputs_changed``), and the job fails if it is not
+                                                  applied (its client would get the old interface back)
+``may_freeze_axes``                   False       the pass may make dynamic input/output axes static; the engine
+                                                  generates every verification input from the model's inputs as
+                                                  the pass leaves them, and accepts the axes it freezes (any other
+                                                  pass that freezes one is rolled back)
+``adds_files``                        ()          suffixes (replacing ``.onnx``) of the files the pass may put in
+                                                  ``ctx.side_files``; the engine writes them beside every stage and
+                                                  the artifact. ``__call__`` refuses a file not declared here
+``raw_inputs()``                      {}          ``changes_inputs`` passes: the new inputs, name -> dtype kind; the
+                                                  engine reads the user's samples.npz as such raw samples
+``confine_paths(root)``               no-op       called by the service before any pass runs: file options must
+                                                  resolve inside ``root`` (the job's upload), else raise
+``PassResult.valid_positions``        {}          output -> the input marking where it is defined; verification of
+                                                  this and every later stage compares those positions only
+``PassResult.verify_with_side_file``  None        a suffix in ``adds_files``: verification of this and every later
+                                                  stage loads that side file into the session (an adapter)
+``PassResult.inputs_changed``         None        ``changes_inputs`` passes: an ``InputChange`` saying how the pass
+                                                  verified itself; the engine accepts the stage on it, then
+                                                  verifies and times later passes against this stage on its
+                                                  ``verified_inputs`` (or the user's raw samples)
+``PassContext.measure``               None        set by the engine: times two sessions interleaved and gives the
+                                                  noise-aware verdict (``Measure``); passes never import workers
+====================================  ==========  ==================================================================
 """
 
 from __future__ import annotations
@@ -23,13 +61,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections import Counter
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import onnx_ir as ir
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.errors import InvalidPassOptionsError, PassError
+from core.verdict import Verdict
 
 Target = Literal["cpu", "cuda", "tensorrt"]
 
@@ -52,6 +93,22 @@ class NonMatch:
         return {"node": self.node, "op_type": self.op_type, "reason": self.reason}
 
 
+@dataclasses.dataclass(frozen=True)
+class InputChange:
+    """How a ``changes_inputs`` pass verified the model it made, whose inputs are not the original's.
+
+    The engine's generic check feeds the old and the new model the same tensors, which cannot work here, so
+    the pass compares its artifact (fed raw input) with the original (fed the reference pre-processing of the
+    same input) itself, and raises when they differ."""
+
+    inputs: list[dict[str, str]]  # the new graph inputs: {"name": ..., "dtype": ...}
+    # The raw feeds the pass verified on; the engine verifies and times the passes after this one on them.
+    verified_inputs: list[dict[str, np.ndarray]]
+    samples_checked: int
+    max_abs: float | None = None  # worst absolute error where the comparison is exact up to rounding
+    max_abs_lossy: float | None = None  # worst where a resize or a lossy decoder legitimately differs
+
+
 @dataclasses.dataclass
 class PassResult:
     model: ir.Model
@@ -59,8 +116,34 @@ class PassResult:
     # What the pass did, by kind, e.g. {"nodes_removed": 3} or {"slices_moved": 2}. Numbers only.
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     non_matches: list[NonMatch] = dataclasses.field(default_factory=list)
-    # Facts and decisions worth showing a person, e.g. {"label_density": 0.15, "decision": "applied"}.
+    # Facts and decisions worth showing a person, e.g. {"label_density": 0.15, "decision": "applied"}. The
+    # engine never reads them: what it acts on is in the typed fields below.
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Outputs left undefined at some positions -> where they are defined, e.g.
+    # {"last_hidden_state": {"mask_input": "attention_mask", "axes": [0, 1]}} (padding_elimination).
+    valid_positions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # A suffix from the pass's ``adds_files`` whose file verification must load (extract_adapters' adapter).
+    verify_with_side_file: str | None = None
+    inputs_changed: InputChange | None = None  # only from a pass that declares ``changes_inputs``
+
+
+class Measure(Protocol):
+    """Latency measurement, a service of the engine (``workers/measurement.py``) offered through the context.
+
+    Times ``model_b`` against ``model_a`` interleaved in one process (each with its session recipe, as
+    ``core.recipe`` applies it) on ``feeds``, ``runs`` paired runs per feed, and returns the pooled
+    noise-aware verdict of ``core.verdict``: ``faster`` and ``slower`` mean beyond noise."""
+
+    def __call__(
+        self,
+        model_a: Path,
+        model_b: Path,
+        feeds: Sequence[Mapping[str, np.ndarray]],
+        *,
+        runs: int,
+        recipe_a: Mapping[str, Any] | None = None,
+        recipe_b: Mapping[str, Any] | None = None,
+    ) -> Verdict: ...
 
 
 @dataclasses.dataclass
@@ -72,13 +155,19 @@ class PassContext:
     samples: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     constant_fold_max_bytes: int = 1 << 20
     # Files a pass produces besides the model, by the suffix that replaces ``.onnx`` in the model's file name
-    # (extract_adapters: {".onnx_adapter": bytes}). The pipeline writes them next to every stage and the
-    # artifact (model.onnx_adapter) and the service zips them with it. Bytes, not paths: nothing to clean up.
+    # (extract_adapters: {".onnx_adapter": bytes}); a pass declares the suffixes in ``adds_files``. The
+    # engine writes them next to every stage and the artifact (model.onnx_adapter) and the service zips them
+    # with it. Bytes, not paths: nothing to clean up.
     side_files: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    # The engine's latency measurement; None outside the engine (a pass that needs it then declines).
+    measure: Measure | None = None
 
 
 class Pass(abc.ABC):
-    """Base class of every onnxforge pass. Subclasses set the class variables and implement ``call``."""
+    """Base class of every onnxforge pass. Subclasses set the class variables and implement ``call``.
+
+    The class variables and the two no-op methods are the pass's declarations to the engine (the table in
+    the module docstring)."""
 
     name: ClassVar[str]
     summary: ClassVar[str]  # one line for the catalogue
@@ -87,6 +176,9 @@ class Pass(abc.ABC):
     exact: ClassVar[bool] = True
     in_place: ClassVar[bool] = True
     Options: ClassVar[type[PassOptions]] = PassOptions
+    changes_inputs: ClassVar[bool] = False
+    may_freeze_axes: ClassVar[bool] = False
+    adds_files: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: PassOptions | dict[str, Any] | None = None) -> None:
         self.options = self.parse_options(options)
@@ -115,11 +207,21 @@ class Pass(abc.ABC):
     def options_schema(cls) -> dict[str, Any]:
         return cls.Options.model_json_schema()
 
+    def raw_inputs(self) -> dict[str, str]:
+        """A ``changes_inputs`` pass's new inputs: name -> numpy dtype kind ("uint8", "string")."""
+        return {}
+
+    def confine_paths(self, root: Path) -> None:
+        """Resolve file options inside ``root`` (the service's job input dir), or raise. The CLI never calls
+        this: a local path is the user's own."""
+        del root  # a pass without file options has nothing to confine
+
     @abc.abstractmethod
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult: ...
 
     def __call__(self, model: ir.Model, ctx: PassContext | None = None) -> PassResult:
         ctx = ctx or PassContext()
+        files_before = set(ctx.side_files)
         try:
             result = self.call(model, ctx)
         except PassError:
@@ -132,6 +234,16 @@ class Pass(abc.ABC):
             raise PassError("declared in-place but returned a different model", pass_name=self.name)
         if not self.in_place and result.model is model:
             raise PassError("declared functional but returned its input model", pass_name=self.name)
+        undeclared = sorted(set(ctx.side_files) - files_before - set(self.adds_files))
+        if undeclared:
+            raise PassError(f"added side files {undeclared} it does not declare in adds_files", pass_name=self.name)
+        if result.verify_with_side_file is not None and result.verify_with_side_file not in self.adds_files:
+            raise PassError(
+                f"asks verification to load {result.verify_with_side_file!r}, which is not in its adds_files",
+                pass_name=self.name,
+            )
+        if result.inputs_changed is not None and not self.changes_inputs:
+            raise PassError("changed the model's inputs without declaring changes_inputs", pass_name=self.name)
         return result
 
     def __repr__(self) -> str:
@@ -145,7 +257,3 @@ def op_histogram(model: ir.Model) -> Counter[str]:
         key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
         counts[key] += 1
     return counts
-
-
-def node_count(model: ir.Model) -> int:
-    return sum(op_histogram(model).values())

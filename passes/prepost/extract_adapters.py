@@ -14,8 +14,9 @@ This pass finds the pairs by structure, reads names only as hints for the module
 The rank axis ``R`` is symbolic, so adapters of any rank fit. Without an adapter the rank is 0, ``x @ A_in @
 B_in`` is zeros and the model computes its base; with the extracted ``.onnx_adapter`` active
 (``onnxruntime.LoraAdapter`` + ``RunOptions.add_active_adapter``; values ``A`` and ``s * B``) it computes what
-the uploaded model computed. The adapter bytes go to ``ctx.side_files[".onnx_adapter"]`` (the pipeline writes
-them next to the artifact) and the notes say ``verify_with_adapter``: verification must activate it.
+the uploaded model computed. The adapter bytes go to ``ctx.side_files[".onnx_adapter"]`` (declared in
+``adds_files``; the pipeline writes them next to the artifact) and the result's ``verify_with_side_file``
+names it: verification must activate it (the notes say so too, for people).
 
 Matched, per ``Add``: one side is ``MatMul(MatMul(x, A), B)`` with optional ``Mul`` by scalar constants
 before or after ``B`` (also ``Gemm`` without bias, ``transA=0``, for 2-D exports); ``A``, ``B`` constants
@@ -86,6 +87,7 @@ class ExtractAdapters(Pass):
     exact = True  # with the adapter active, the function is unchanged up to float rounding
     in_place = True
     Options = ExtractAdaptersOptions
+    adds_files = (ADAPTER_SUFFIX,)
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options: ExtractAdaptersOptions = self.options  # type: ignore[assignment]
@@ -155,7 +157,9 @@ class ExtractAdapters(Pass):
         unknown = [s.module for s in slots if not s.module_known]
         if unknown:
             notes["modules_unknown"] = unknown
-        return PassResult(model, True, {"lora_pairs": len(pairs)}, non_matches, notes)
+        return PassResult(
+            model, True, {"lora_pairs": len(pairs)}, non_matches, notes, verify_with_side_file=ADAPTER_SUFFIX
+        )
 
 
 # ------------------------------------------------------------------------------------------ matching

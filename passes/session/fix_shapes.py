@@ -11,8 +11,9 @@ export), and what lets ORT plan memory once. ORT then refuses any other shape at
     input_ids[1, 128] --Gather--> [1, 128, 768]
 
 Refuses (no change, with a reason) when a named dim is not in the graph, an input is unknown, a given
-shape's rank differs, or a given size contradicts a static one. This is the one pass allowed to remove
-dynamic axes: the pipeline rolls back any other pass that does (``workers/pipeline.py``).
+shape's rank differs, or a given size contradicts a static one. It declares ``may_freeze_axes``, the one
+pass that does: the pipeline generates its verification inputs at the fixed shapes and rolls back any pass
+without the declaration that removes a dynamic axis (``workers/ledger.py``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class FixShapes(Pass):
     exact = True
     in_place = True
     Options = FixShapesOptions
+    may_freeze_axes = True
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         opts: FixShapesOptions = self.options  # type: ignore[assignment]
