@@ -30,7 +30,7 @@ values from pad tokens. Before rewriting, every reader of a re-padded tensor is 
 ``_padding_rules``); it is accepted only if it reaches attention keys or values behind the extended mask
 (``Add(mask-derived) -> Softmax``, ``probs @ V``), query rows that stay aligned with tokens, re-entry into
 the unpadded subgraph, masked pooling (``h * mask``), the forced position 0, or a graph output with the
-token dims at axes 0 and 1. Such outputs are listed in ``notes["valid_positions"]`` as
+token dims at axes 0 and 1. Such outputs are listed in the result's ``valid_positions`` (and its notes) as
 ``{"<output>": {"mask_input": "<mask input>", "axes": [0, 1]}}``: the verifier compares only the entries
 whose mask is nonzero. Anything else (unmasked mean pooling, a Gather on the sequence axis) is refused.
 
@@ -147,7 +147,7 @@ class PaddingElimination(Pass):
         notes["decision"] = "applied"
         notes["unpadded_op_types"] = dict(Counter(n.op_type for n in plan.rules))
         counts = {"ops_unpadded": len(plan.rules), "boundaries": len(plan.boundaries)}
-        return PassResult(model, True, counts, [], notes)
+        return PassResult(model, True, counts, [], notes, valid_positions=notes["valid_positions"])
 
     def _plan(self, model: ir.Model, notes: dict[str, Any]) -> _Plan | NonMatch:
         options: PaddingEliminationOptions = self.options  # type: ignore[assignment]
