@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         store = JobStore(settings.database_url, settings.database.schema_name)
         owned: Any = None
         try:
-            await anyio.to_thread.run_sync(store.create_schema)
+            await anyio.to_thread.run_sync(partial(store.prepare, auto_migrate=settings.database.auto_migrate))
             blobs = BlobStore(settings.storage.blobs_dir)
             blobs.sweep_tmp(_STALE_TMP_SECONDS)
             active = dispatcher

@@ -87,6 +87,12 @@ class DatabaseSettings(_Section):
     schema_name: str | None = Field(
         None, description="PostgreSQL schema holding the job table (created if missing). Unset: the default."
     )
+    auto_migrate: bool = Field(
+        True,
+        description="API and workers upgrade the job table's schema at start (Alembic, core/migrations; "
+        "serialised by a lock). false: they refuse to start on an old schema and `onnxforge migrate` runs "
+        "as a deploy step.",
+    )
 
     _empty_is_unset = field_validator("url", "schema_name", mode="before")(_none_if_empty)
 

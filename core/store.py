@@ -12,6 +12,10 @@ compare-and-set on ``(state, attempts)``: ``claim`` bumps ``attempts``, and a la
 ``succeed``, ``fail`` or ``mark_canceled`` from an older attempt matches no row and changes nothing
 (security.md T16, T18). ``stale`` lists what the reconciler re-enqueues.
 
+The table is defined in core/jobtable.py and created or upgraded by Alembic revisions (core/migrations,
+``create_schema`` / ``onnxforge migrate``). Queries that serve the result cache, metrics and webhooks live
+in core/store_results.py, mixed into ``JobStore``.
+
 SQLite (the embedded default) runs in WAL mode with a busy timeout so the API and worker processes share
 it; write transactions start with ``BEGIN IMMEDIATE`` so two writers queue instead of failing on a lock
 upgrade. Timestamps are stored as naive UTC and returned timezone-aware.
@@ -19,8 +23,6 @@ upgrade. Timestamps are stored as naive UTC and returned timezone-aware.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,176 +31,24 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    Boolean,
-    Column,
-    DateTime,
-    Float,
-    Index,
-    Integer,
-    MetaData,
-    String,
-    Table,
-    Text,
-    TypeDecorator,
-    and_,
-    create_engine,
-    delete,
-    event,
-    func,
-    inspect,
-    or_,
-    select,
-    text,
-    update,
-)
+from sqlalchemy import MetaData, and_, create_engine, delete, event, func, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-from core.errors import ConflictError, NotFoundError, UnavailableError
+from core import migrations
+from core.errors import ConflictError, InvalidConfigError, NotFoundError, UnavailableError
+from core.jobtable import STATES, TERMINAL_STATES, Job, jobs_table, to_json, valid_id
+from core.store_results import ResultQueries
 
-STATES = ("queued", "running", "succeeded", "failed", "canceled")
-TERMINAL_STATES = frozenset({"succeeded", "failed", "canceled"})
+__all__ = ["STATES", "TERMINAL_STATES", "Job", "JobStore"]
+
 _MAX_MESSAGE_CHARS = 4000
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # pg_advisory_xact_lock key serialising concurrent create_schema() calls (API and workers start together).
 _SCHEMA_LOCK_KEY = 0x6F6E6E78
 
 
-class _UTCDateTime(TypeDecorator[datetime]):
-    """Naive UTC in the database (SQLite has no time zones), aware UTC in Python."""
-
-    impl = DateTime
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError("naive datetime given to the job store; use an aware UTC datetime")
-        return value.astimezone(UTC).replace(tzinfo=None)
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        return None if value is None else value.replace(tzinfo=UTC)
-
-
-def _jobs_table(metadata: MetaData) -> Table:
-    return Table(
-        "jobs",
-        metadata,
-        Column("id", String(36), primary_key=True),
-        Column("tenant", String(128), nullable=False, default="default"),
-        Column("state", String(16), nullable=False),
-        Column("stage", String(64)),
-        Column("progress", Float, nullable=False, default=0.0),
-        Column("created_at", _UTCDateTime, nullable=False),
-        Column("started_at", _UTCDateTime),
-        Column("finished_at", _UTCDateTime),
-        Column("updated_at", _UTCDateTime, nullable=False),
-        Column("model_sha256", String(64), nullable=False),
-        Column("model_filename", String(255), nullable=False),
-        Column("model_format", String(8), nullable=False),
-        Column("model_size", BigInteger, nullable=False),
-        Column("samples_sha256", String(64)),
-        Column("config", Text, nullable=False),
-        Column("queue", String(8), nullable=False),
-        Column("attempts", Integer, nullable=False, default=0),
-        Column("lease_expires_at", _UTCDateTime),
-        Column("worker", String(255)),
-        Column("cancel_requested", Boolean, nullable=False, default=False),
-        Column("error_code", String(64)),
-        Column("error_message", Text),
-        Column("error_pass", String(128)),
-        Column("artifact_sha256", String(64)),
-        Column("artifact_format", String(8)),
-        Column("report_sha256", String(64)),
-        Column("report_html_sha256", String(64)),
-        Column("summary", Text),
-        Column("timings", Text),
-        # Added with the result cache and webhooks. All nullable, so ``create_schema`` can add them to a
-        # table made by an earlier version (``_add_missing_columns``) until there are real migrations.
-        Column("cache_key", String(64)),
-        Column("cached_from", String(36)),
-        Column("hardware_class", String(255)),
-        Column("webhook_state", String(16)),
-        Column("webhook_attempts", Integer),
-        Column("webhook_next_at", _UTCDateTime),
-        Column("webhook_error", Text),
-        Index("ix_jobs_tenant_created", "tenant", "created_at"),
-        Index("ix_jobs_state_lease", "state", "lease_expires_at"),
-        Index("ix_jobs_state_updated", "state", "updated_at"),
-        Index("ix_jobs_cache_key", "cache_key"),
-        Index("ix_jobs_webhook", "webhook_state", "webhook_next_at"),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """A read-only view of one row. JSON columns are decoded."""
-
-    id: str
-    tenant: str
-    state: str
-    stage: str | None
-    progress: float
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    updated_at: datetime
-    model_sha256: str
-    model_filename: str
-    model_format: str
-    model_size: int
-    samples_sha256: str | None
-    config: dict[str, Any]
-    queue: str
-    attempts: int
-    lease_expires_at: datetime | None
-    worker: str | None
-    cancel_requested: bool
-    error_code: str | None
-    error_message: str | None
-    error_pass: str | None
-    artifact_sha256: str | None
-    artifact_format: str | None
-    report_sha256: str | None
-    report_html_sha256: str | None
-    summary: dict[str, Any] | None
-    timings: dict[str, Any] | None
-    cache_key: str | None = None
-    cached_from: str | None = None
-    hardware_class: str | None = None
-    webhook_state: str | None = None  # None (no callback_url), pending, delivered or failed
-    webhook_attempts: int | None = None
-    webhook_next_at: datetime | None = None
-    webhook_error: str | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    @classmethod
-    def _from_row(cls, row: Any) -> Job:
-        data = dict(row._mapping)
-        for key in ("config", "summary", "timings"):
-            data[key] = json.loads(data[key]) if data[key] is not None else None
-        data["cancel_requested"] = bool(data["cancel_requested"])
-        return cls(**data)
-
-
-def _json(value: dict[str, Any] | None) -> str | None:
-    return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _valid_id(job_id: str) -> bool:
-    try:
-        return str(uuid.UUID(job_id)) == job_id
-    except (ValueError, TypeError, AttributeError):
-        return False
-
-
-class JobStore:
+class JobStore(ResultQueries):
     """The job table. Thread-safe: every method takes a pooled connection for one transaction."""
 
     def __init__(self, url: str, schema: str | None = None, *, clock: Callable[[], datetime] | None = None) -> None:
@@ -211,7 +61,7 @@ class JobStore:
             raise ValueError(f"database.schema_name must match {_SCHEMA_NAME.pattern}, got {schema!r}")
         self.schema = schema
         self._metadata = MetaData(schema=schema)
-        self.table = _jobs_table(self._metadata)
+        self.table = jobs_table(self._metadata)
         self._engine = self._make_engine()
 
     def _make_engine(self) -> Engine:
@@ -257,33 +107,45 @@ class JobStore:
         self._engine.dispose()
 
     def create_schema(self) -> None:
-        """Create the schema (PostgreSQL, when named) and the table if missing. Safe to run concurrently."""
+        """Create or upgrade the table to the newest revision (core/migrations). Safe to run concurrently."""
         with self._tx() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
-                if self.schema:
-                    conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'))
-            self._metadata.create_all(conn, checkfirst=True)
-            self._add_missing_columns(conn)
+            self._lock_schema(conn)
+            migrations.upgrade(conn, self.schema)
 
-    def _add_missing_columns(self, conn: Connection) -> None:
-        """Add nullable columns (and their indexes) that a table created by an earlier version lacks.
+    def downgrade(self, revision: str) -> None:
+        """Back to an older revision (rolling back a release): columns added since are dropped."""
+        with self._tx() as conn:
+            self._lock_schema(conn)
+            migrations.downgrade(conn, self.schema, revision)
 
-        There are no migrations yet (an Alembic follow-up); until then this covers additive changes.
+    def prepare(self, *, auto_migrate: bool) -> None:
+        """At process start: upgrade the schema (auto_migrate), or refuse an old one."""
+        if auto_migrate:
+            self.create_schema()
+        else:
+            self.check_schema()
 
-        Only ever adds nullable columns without defaults: cheap on SQLite and PostgreSQL, and safe to run
-        concurrently because create_schema holds the schema lock (PostgreSQL) or a write transaction (SQLite).
-        """
-        present = {col["name"] for col in inspect(conn).get_columns(self.table.name, schema=self.schema)}
-        table = f'"{self.schema}"."{self.table.name}"' if self.schema else f'"{self.table.name}"'
-        for column in self.table.columns:
-            if column.name in present:
-                continue
-            assert column.nullable, f"column {column.name} needs a migration, not an ALTER TABLE"
-            kind = column.type.compile(dialect=conn.dialect)
-            conn.execute(text(f'ALTER TABLE {table} ADD COLUMN "{column.name}" {kind}'))
-        for index in self.table.indexes:
-            index.create(conn, checkfirst=True)
+    def schema_revision(self) -> str | None:
+        """The revision the database is at (None: never migrated)."""
+        with self._tx(write=False) as conn:
+            return migrations.current(conn, self.schema)
+
+    def check_schema(self) -> None:
+        """Raise InvalidConfigError unless the database is at the revision this version needs."""
+        found, needed = self.schema_revision(), migrations.head()
+        if found != needed:
+            raise InvalidConfigError(
+                f"the job database is at schema revision {found or 'none'}, this version needs {needed}: "
+                "run `onnxforge migrate` (or set database.auto_migrate=true)",
+                code="SCHEMA_OUT_OF_DATE",
+            )
+
+    def _lock_schema(self, conn: Connection) -> None:
+        # SQLite: the write transaction (BEGIN IMMEDIATE) already excludes every other writer.
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+            if self.schema:
+                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'))
 
     def ping(self) -> None:
         try:
@@ -325,7 +187,7 @@ class JobStore:
             "model_format": model_format,
             "model_size": model_size,
             "samples_sha256": samples_sha256,
-            "config": _json(config),
+            "config": to_json(config),
             "queue": queue,
             "attempts": 0,
             "cancel_requested": False,
@@ -335,185 +197,18 @@ class JobStore:
         }
         with self._tx() as conn:
             row = conn.execute(self.table.insert().values(values).returning(*self.table.c)).one()
-        return Job._from_row(row)
-
-    # ------------------------------------------------------------------------------------------ result cache
-
-    def find_cached(
-        self,
-        cache_key: str,
-        *,
-        tenant: str | None,
-        queue: str,
-        max_age_seconds: int,
-        hardware_sample_jobs: int,
-    ) -> Job | None:
-        """The newest succeeded, non-cached job with ``cache_key`` whose result may be reused, or None.
-
-        Reusable: of ``tenant`` (None: any tenant), finished within ``max_age_seconds`` (0: any age), and run
-        on a hardware class that is among those of the last ``hardware_sample_jobs`` jobs that ran on
-        ``queue``, i.e. a class of worker that still serves the queue (see app/services/cache.py).
-        """
-        c = self.table.c
-        now = self._clock()
-        where = [c.cache_key == cache_key, c.state == "succeeded", c.cached_from.is_(None)]
-        if tenant is not None:
-            where.append(c.tenant == tenant)
-        if max_age_seconds:
-            where.append(c.finished_at >= now - timedelta(seconds=max_age_seconds))
-        recent = (
-            select(c.hardware_class)
-            .where(c.state == "succeeded", c.queue == queue, c.cached_from.is_(None), c.hardware_class.is_not(None))
-            .order_by(c.updated_at.desc())
-            .limit(hardware_sample_jobs)
-        )
-        with self._tx(write=False) as conn:
-            live = {row[0] for row in conn.execute(recent).all()}
-            if not live:
-                return None
-            where.append(c.hardware_class.in_(sorted(live)))
-            row = conn.execute(select(self.table).where(*where).order_by(c.finished_at.desc()).limit(1)).one_or_none()
-        return None if row is None else Job._from_row(row)
-
-    def create_cached(
-        self,
-        earlier: Job,
-        *,
-        tenant: str,
-        model_filename: str,
-        config: dict[str, Any],
-        webhook: bool = False,
-    ) -> Job:
-        """A new job, succeeded at once, sharing ``earlier``'s artifact and reports (``cached_from``)."""
-        now = self._clock()
-        summary = {**(earlier.summary or {}), "cached": True}
-        values = {
-            "id": str(uuid.uuid4()),
-            "tenant": tenant,
-            "state": "succeeded",
-            "stage": None,
-            "progress": 1.0,
-            "created_at": now,
-            "started_at": now,
-            "finished_at": now,
-            "updated_at": now,
-            "model_sha256": earlier.model_sha256,
-            "model_filename": model_filename,
-            "model_format": earlier.model_format,
-            "model_size": earlier.model_size,
-            "samples_sha256": earlier.samples_sha256,
-            "config": _json(config),
-            "queue": earlier.queue,
-            "attempts": 0,
-            "cancel_requested": False,
-            "artifact_sha256": earlier.artifact_sha256,
-            "artifact_format": earlier.artifact_format,
-            "report_sha256": earlier.report_sha256,
-            "report_html_sha256": earlier.report_html_sha256,
-            "summary": _json(summary),
-            "timings": _json({}),
-            "cache_key": earlier.cache_key,
-            "cached_from": earlier.id,
-            "hardware_class": earlier.hardware_class,
-            "webhook_state": "pending" if webhook else None,
-            "webhook_attempts": 0 if webhook else None,
-        }
-        with self._tx() as conn:
-            row = conn.execute(self.table.insert().values(values).returning(*self.table.c)).one()
-        return Job._from_row(row)
-
-    # ------------------------------------------------------------------------------------------------ metrics
-
-    def count_by_state(self) -> dict[tuple[str, str], int]:
-        """{(queue, state): jobs}; one grouped count."""
-        c = self.table.c
-        with self._tx(write=False) as conn:
-            rows = conn.execute(select(c.queue, c.state, func.count()).group_by(c.queue, c.state)).all()
-        return {(str(q), str(s)): int(n) for q, s, n in rows}
-
-    def recently_finished(self, since: datetime, limit: int) -> list[Job]:
-        """Terminal jobs updated since ``since`` (for terminal jobs, when they finished), newest first."""
-        c = self.table.c
-        query = (
-            select(self.table)
-            .where(c.state.in_(sorted(TERMINAL_STATES)), c.updated_at >= since)
-            .order_by(c.updated_at.desc())
-            .limit(limit)
-        )
-        with self._tx(write=False) as conn:
-            return [Job._from_row(r) for r in conn.execute(query).all()]
-
-    # ---------------------------------------------------------------------------------------------- webhooks
-
-    def due_webhooks(self, now: datetime, limit: int) -> list[Job]:
-        """Finished jobs whose webhook is pending and due (never tried, or its retry time has come)."""
-        c = self.table.c
-        query = (
-            select(self.table)
-            .where(
-                c.webhook_state == "pending",
-                c.state.in_(sorted(TERMINAL_STATES)),
-                or_(c.webhook_next_at.is_(None), c.webhook_next_at <= now),
-            )
-            .order_by(c.updated_at)
-            .limit(limit)
-        )
-        with self._tx(write=False) as conn:
-            return [Job._from_row(r) for r in conn.execute(query).all()]
-
-    def claim_webhook(self, job_id: str, attempts: int, lease_seconds: float) -> Job | None:
-        """Take one delivery attempt (compare-and-set on ``webhook_attempts``); None when another worker did.
-
-        The claim pushes ``webhook_next_at`` past the delivery's time budget, so a worker that dies while
-        delivering leaves the webhook due again afterwards, for another worker to retry.
-        """
-        now = self._clock()
-        c = self.table.c
-        with self._tx() as conn:
-            row = conn.execute(
-                update(self.table)
-                .where(
-                    c.id == job_id,
-                    c.webhook_state == "pending",
-                    func.coalesce(c.webhook_attempts, 0) == attempts,
-                    or_(c.webhook_next_at.is_(None), c.webhook_next_at <= now),
-                )
-                .values(webhook_attempts=attempts + 1, webhook_next_at=now + timedelta(seconds=lease_seconds))
-                .returning(*c)
-            ).one_or_none()
-        return None if row is None else Job._from_row(row)
-
-    def finish_webhook(
-        self, job_id: str, attempt: int, *, delivered: bool, error: str | None, retry_in_seconds: float | None
-    ) -> None:
-        """Record one attempt: delivered, retried after ``retry_in_seconds``, or given up (None)."""
-        c = self.table.c
-        if delivered:
-            values: dict[str, Any] = {"webhook_state": "delivered", "webhook_next_at": None, "webhook_error": None}
-        elif retry_in_seconds is None:
-            values = {"webhook_state": "failed", "webhook_next_at": None, "webhook_error": (error or "")[:1000]}
-        else:
-            values = {
-                "webhook_next_at": self._clock() + timedelta(seconds=retry_in_seconds),
-                "webhook_error": (error or "")[:1000],
-            }
-        with self._tx() as conn:
-            conn.execute(
-                update(self.table)
-                .where(c.id == job_id, c.webhook_state == "pending", c.webhook_attempts == attempt)
-                .values(values)
-            )
+        return Job.from_row(row)
 
     def get(self, job_id: str, tenant: str | None = None) -> Job:
         """One job; another tenant's job is reported exactly like a missing one (security.md T13)."""
-        if _valid_id(job_id):
+        if valid_id(job_id):
             query = select(self.table).where(self.table.c.id == job_id)
             if tenant is not None:
                 query = query.where(self.table.c.tenant == tenant)
             with self._tx(write=False) as conn:
                 row = conn.execute(query).one_or_none()
             if row is not None:
-                return Job._from_row(row)
+                return Job.from_row(row)
         raise NotFoundError(f"no job {job_id!r}", code="JOB_NOT_FOUND")
 
     def list(self, tenant: str | None, *, limit: int, offset: int, state: str | None = None) -> tuple[list[Job], int]:
@@ -533,7 +228,7 @@ class JobStore:
         with self._tx(write=False) as conn:
             rows = conn.execute(query).all()
             total = conn.execute(select(func.count()).select_from(self.table).where(*where)).scalar_one()
-        return [Job._from_row(r) for r in rows], int(total)
+        return [Job.from_row(r) for r in rows], int(total)
 
     def delete(self, job_id: str) -> None:
         """Remove a row outright. Only for rolling back a job whose enqueue failed."""
@@ -560,7 +255,7 @@ class JobStore:
                     .returning(*c)
                 ).one_or_none()
         if row is not None:
-            return Job._from_row(row)
+            return Job.from_row(row)
         job = self.get(job_id, tenant)  # NotFoundError when missing or another tenant's
         raise ConflictError(f"job {job_id} already finished ({job.state})", code="JOB_FINISHED")
 
@@ -588,7 +283,7 @@ class JobStore:
             .order_by(c.created_at)
         )
         with self._tx(write=False) as conn:
-            return [Job._from_row(r) for r in conn.execute(query).all()]
+            return [Job.from_row(r) for r in conn.execute(query).all()]
 
     # -------------------------------------------------------------------------------------------- worker side
 
@@ -630,7 +325,7 @@ class JobStore:
                 .returning(*c)
             ).one_or_none()
             if row is not None:
-                return Job._from_row(row)
+                return Job.from_row(row)
             conn.execute(
                 update(self.table)
                 .where(claimable, c.attempts >= max_attempts)
@@ -691,8 +386,8 @@ class JobStore:
             "artifact_format": artifact_format,
             "report_sha256": report_sha256,
             "report_html_sha256": report_html_sha256,
-            "summary": _json(summary),
-            "timings": _json(timings),
+            "summary": to_json(summary),
+            "timings": to_json(timings),
             "hardware_class": hardware_class,
         }
         return self._cas(job_id, attempt, values) is not None
@@ -719,7 +414,7 @@ class JobStore:
             "error_pass": pass_name,
         }
         if timings is not None:
-            values["timings"] = _json(timings)
+            values["timings"] = to_json(timings)
         return self._cas(job_id, attempt, values) is not None
 
     def mark_canceled(self, job_id: str, attempt: int) -> bool:
@@ -735,4 +430,4 @@ class JobStore:
             where = [c.id == job_id, c.state == "running", c.attempts == attempt]
         with self._tx() as conn:
             row = conn.execute(update(self.table).where(*where).values(values).returning(*c)).one_or_none()
-        return None if row is None else Job._from_row(row)
+        return None if row is None else Job.from_row(row)

@@ -119,6 +119,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(settings, queues=queues, concurrency=concurrency, loglevel=args.loglevel)
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from core import migrations
+    from core.store import JobStore
+
+    settings = _settings()
+    store = JobStore(settings.database_url, settings.database.schema_name)
+    try:
+        before = store.schema_revision()
+        if args.check:
+            store.check_schema()  # SCHEMA_OUT_OF_DATE: exit status 2
+        elif args.revision == "head":
+            store.create_schema()
+        else:
+            store.downgrade(args.revision)
+        after = store.schema_revision()
+    finally:
+        store.close()
+    backend = store.url.get_backend_name()
+    print(f"job database ({backend}): revision {before or 'none'} -> {after} (head {migrations.head()})")
+    return 0
+
+
 def cmd_passes(args: argparse.Namespace) -> int:
     from passes.registry import PRESETS, catalogue
 
@@ -340,6 +362,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--loglevel", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser(
+        "migrate",
+        help="create or upgrade the job database's schema (Alembic)",
+        description="Bring the job table (database.url, database.schema_name) to the schema revision this "
+        "version needs, creating it when missing; safe to run while other processes start. A database made "
+        "before migrations existed is adopted. With database.auto_migrate=false the API and workers refuse an "
+        "old schema, and this runs as a deploy step.",
+    )
+    p.add_argument("--check", action="store_true", help="only check: exit status 2 unless the schema is current")
+    p.add_argument(
+        "--revision",
+        default="head",
+        metavar="REV",
+        help="downgrade to this older revision (default: head, i.e. upgrade); for rolling back a release",
+    )
+    p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser(
         "optimize",

@@ -53,10 +53,10 @@ def run_worker(
     unknown = [q for q in chosen if q not in QUEUES]
     if unknown:
         raise ValueError(f"unknown queue(s) {', '.join(unknown)}; expected {', '.join(QUEUES)}")
-    # Create the table here too, so a worker that starts before the API does not fail its first claim.
+    # Migrate here too, so a worker that starts before the API does not fail its first claim.
     store = JobStore(settings.database_url, settings.database.schema_name)
     try:
-        store.create_schema()
+        store.prepare(auto_migrate=settings.database.auto_migrate)
     finally:
         store.close()
     settings.storage.work_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ def serve(settings: Settings, *, host: str | None = None, port: int | None = Non
             path.mkdir(parents=True, exist_ok=True)
         store = JobStore(settings.database_url, settings.database.schema_name)
         try:
-            store.create_schema()
+            store.prepare(auto_migrate=settings.database.auto_migrate)
         finally:
             store.close()
         if settings.worker.embedded_workers:

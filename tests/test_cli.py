@@ -93,3 +93,28 @@ def test_cli_optimize_exits_2_when_model_file_is_missing(tmp_path):
 
 def test_cli_exits_2_when_arguments_are_invalid():
     assert main(["optimize"]) == 2
+
+
+def test_cli_migrate_creates_schema_and_check_passes_when_database_new(tmp_path):
+    env = {"ONNXFORGE_STORAGE__DATA_DIR": str(tmp_path / "data")}
+
+    before = _cli("migrate", "--check", env=env)
+    created = _cli("migrate", env=env)
+    after = _cli("migrate", "--check", env=env)
+
+    assert before.returncode == 2
+    assert "SCHEMA_OUT_OF_DATE" in before.stderr
+    assert created.returncode == 0, created.stderr
+    assert "revision none -> 0002" in created.stdout
+    assert after.returncode == 0, after.stderr
+
+
+def test_cli_serve_refuses_old_schema_when_auto_migrate_is_off(tmp_path):
+    env = {"ONNXFORGE_STORAGE__DATA_DIR": str(tmp_path / "data"), "ONNXFORGE_DATABASE__AUTO_MIGRATE": "false"}
+    assert _cli("migrate", env=env).returncode == 0
+    assert _cli("migrate", "--revision", "0001", env=env).returncode == 0
+
+    refused = _cli("serve", "--port", "0", env=env)
+
+    assert refused.returncode == 2
+    assert "schema revision 0001, this version needs 0002" in refused.stderr

@@ -14,10 +14,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import OperationalError
 
-from core.errors import ConflictError, NotFoundError, UnavailableError
+from core import migrations
+from core.errors import ConflictError, InvalidConfigError, NotFoundError, UnavailableError
 from core.store import Job, JobStore
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -484,25 +487,70 @@ def test_claim_webhook_lets_one_attempt_win_and_retry_waits_when_finished_with_d
     assert store.due_webhooks(clock() + timedelta(days=1), 10) == []
 
 
-def test_create_schema_adds_new_columns_when_table_made_by_earlier_version(tmp_path: Path) -> None:
+def test_create_schema_adopts_table_when_made_before_migrations(tmp_path: Path) -> None:
+    """A database from before Alembic: the table (without the columns later versions added), no
+    alembic_version. The baseline revision adds what is missing instead of creating the table again."""
     url = f"sqlite:///{tmp_path / 'old.db'}"
     added = ("cache_key", "cached_from", "hardware_class", "webhook_state", "webhook_attempts", "webhook_next_at")
     engine = create_engine(url)
     old = JobStore(url)
     old.create_schema()
+    kept = _create(old)
     old.close()
-    with engine.begin() as conn:  # back to the table as an earlier version created it
-        conn.execute(text("DROP INDEX ix_jobs_cache_key"))
-        conn.execute(text("DROP INDEX ix_jobs_webhook"))
-        for name in added:
+    with engine.begin() as conn:  # back to the table as version 0.1 created it, before migrations
+        conn.execute(text("DROP TABLE alembic_version"))
+        for index in ("ix_jobs_cache_key", "ix_jobs_webhook", "ux_jobs_tenant_idempotency", "ix_jobs_tenant_state"):
+            conn.execute(text(f"DROP INDEX {index}"))
+        for name in (*added, *_REVISION_0002_COLUMNS):
             conn.execute(text(f'ALTER TABLE jobs DROP COLUMN "{name}"'))
     assert not set(added) & {c["name"] for c in inspect(engine).get_columns("jobs")}
 
     store = JobStore(url)
     store.create_schema()
-    assert set(added) <= {c["name"] for c in inspect(engine).get_columns("jobs")}
-    assert {"ix_jobs_cache_key", "ix_jobs_webhook"} <= {i["name"] for i in inspect(engine).get_indexes("jobs")}
-    job = _create(store)
-    assert store.get(job.id).cache_key is None
+
+    assert store.schema_revision() == migrations.head()
+    assert _schema_differences(store) == []
+    assert store.get(kept.id).model_size == 5 << 30
+    assert _create(store).cache_key is None
     store.close()
     engine.dispose()
+
+
+_REVISION_0002_COLUMNS = (
+    "idempotency_key",
+    "request_sha256",
+    "upload_bytes",
+    "delete_requested",
+    "uploads_expired_at",
+    "artifact_expired_at",
+    "reports_expired_at",
+)
+
+
+def _schema_differences(store: JobStore) -> list[object]:
+    """What Alembic's autogenerate finds between the migrated database and core/jobtable.py."""
+    with store._engine.connect() as conn:
+        context = MigrationContext.configure(
+            conn, opts={"include_schemas": bool(store.schema), "version_table_schema": store.schema}
+        )
+        diffs = compare_metadata(context, store.table.metadata)
+    return [d for d in diffs if not (isinstance(d, tuple) and d[0] == "remove_table")]
+
+
+def test_migrations_build_the_table_core_jobtable_defines_when_upgraded_to_head(store: JobStore) -> None:
+    assert store.schema_revision() == migrations.head()
+    assert _schema_differences(store) == []
+
+
+def test_check_schema_refuses_database_when_behind_head_and_create_schema_upgrades_it(store: JobStore) -> None:
+    with store._engine.begin() as conn:
+        migrations.downgrade(conn, store.schema, "0001")
+    assert store.schema_revision() == "0001"
+
+    with pytest.raises(InvalidConfigError, match="onnxforge migrate") as caught:
+        store.check_schema()
+    assert caught.value.code == "SCHEMA_OUT_OF_DATE"
+
+    store.create_schema()
+    store.check_schema()
+    assert _create(store).idempotency_key is None
