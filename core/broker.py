@@ -125,6 +125,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "socket_timeout": max(timeout, 30.0),
             "socket_keepalive": True,
             "health_check_interval": 25,
+            # Ten priority lists per queue, served 0 first: the per-team fair share of core/quotas.py.
+            "priority_steps": list(range(10)),
+            "queue_order_strategy": "priority",
         }
         config.update(
             broker_url=settings.broker.url,
@@ -160,7 +163,9 @@ class Dispatcher:
         self._owns_app = app is None
         self.app = app if app is not None else create_celery(settings)
 
-    def enqueue(self, job_id: str, queue: str) -> None:
+    def enqueue(self, job_id: str, queue: str, priority: int | None = None) -> None:
+        """``priority``: 0 (first) to 9 (last) on the Redis broker (core/quotas.py); the embedded queue
+        ignores it."""
         if queue not in QUEUES:
             raise InvalidInputError(f"unknown queue {queue!r}; expected one of {', '.join(QUEUES)}")
         try:
@@ -172,6 +177,7 @@ class Dispatcher:
                 retry=True,
                 retry_policy=_RETRY_POLICY,
                 ignore_result=True,
+                priority=priority,
             )
         except Exception as exc:  # kombu/redis raise several unrelated types for "cannot connect"
             raise self._unavailable(exc) from exc
