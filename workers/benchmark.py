@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import psutil
 
+from core.inputs import InputSet
 from core.runtime import BoundRun
 from core.verdict import LatencyStats, Verdict, pooled_verdict, slower_beyond_noise
 from workers.gpu import cuda_graph_eligibility, device_for, is_gpu_target, with_cuda_graph
-from workers.verify import InputSet, make_session
+from workers.sessions import make_session, providers_for
 
 CLEAR_SLOWDOWN = 0.10  # one input set alone makes a model slower beyond this
 
@@ -415,8 +416,6 @@ def host_info(*, target: str, intra_op_threads: int) -> dict[str, Any]:
     """What a benchmark ran on: enough to tell whether two reports are comparable."""
     import onnx
     import onnxruntime as ort
-
-    from workers.verify import providers_for
 
     try:
         providers = providers_for(target)

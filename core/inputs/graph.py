@@ -1,0 +1,418 @@
+"""What a model's inputs are, read from the graph: the role of each input and the sizes the graph implies.
+
+Names are a hint; the structure decides where it can: an integer input whose values index a constant table
+(``Gather`` on axis 0, through casts and reshapes) is a token-id input whose vocabulary is the table's rows;
+the ids the graph compares them with (``Equal`` against a constant) are special tokens, and one whose
+comparison selects positions (``NonZero``, ``ArgMax``, ``GatherND``: BART's classification head gathers the
+hidden state at each row's ``</s>``) must be present in every row; a float input of rank 3 or 4 that reaches
+a ``Conv`` is audio, spectrogram features or pixels, whose smallest valid length the convolution stack
+(kernels, strides, pads) fixes, and whose exact length a position table added after it fixes (Whisper's
+encoder: 1500 positions after a stride-2 stack, so 3000 frames; ViT: 197 positions, 16-pixel patches, so
+224x224); ``past_key_values.*``/``past.*`` tensors are a key/value cache whose past length is the one
+symbolic dim besides the batch, heads and head size being the static dims the exporter wrote (GQA/MQA
+caches simply have fewer heads there).
+
+Everything here is a small ``ModelFacts`` record: it keeps no reference to the model, so a caller may drop a
+large model right after reading its facts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import deque
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+_BATCH_DIM = re.compile(r"^(n|b|bs|batch.*|.*_batch|batch_size|num_batches)$", re.IGNORECASE)
+_SEQ_DIM = re.compile(r"(seq|sequence|len|length|tokens?|time|steps?)", re.IGNORECASE)
+_IDS_NAME = re.compile(r"(^|_)ids$|^input_ids", re.IGNORECASE)
+_MASK_NAME = re.compile(r"mask", re.IGNORECASE)
+_TOKEN_TYPE_NAME = re.compile(r"token_type|segment_ids", re.IGNORECASE)
+_POSITION_NAME = re.compile(r"position_ids", re.IGNORECASE)
+_LABELS_NAME = re.compile(r"^labels?$|_labels?$", re.IGNORECASE)
+_PAST_NAME = re.compile(r"^past|past_key|past_value|\.past|cache", re.IGNORECASE)
+_DECODER_NAME = re.compile(r"decoder", re.IGNORECASE)
+_ALIAS_OPS = frozenset({"Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
+# Ops a signal passes through between the convolutions of a feature encoder (norms, activations, casts).
+_CONV_PATH_OPS = frozenset(
+    {
+        "Conv", "Relu", "Gelu", "Erf", "Mul", "Add", "Div", "Sub", "Sqrt", "Pow", "Tanh", "Sigmoid", "Cast",
+        "InstanceNormalization", "GroupNormalization", "BatchNormalization", "Reshape", "Unsqueeze",
+        "MaxPool", "AveragePool", "LeakyRelu", "HardSwish", "Clip", "Pad", "ReduceMean",
+    }
+)  # fmt: skip
+_SELECTORS = frozenset({"NonZero", "ArgMax", "ArgMin", "Compress", "GatherND", "TopK"})
+DEFAULT_CLASSES = 10
+DEFAULT_IDS_HIGH = 100
+DEFAULT_INT_HIGH = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvStep:
+    """One convolution or pooling along an input's path: per spatial axis."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    pads: tuple[int, ...]  # begin..., end...
+    dilation: tuple[int, ...]
+
+    def min_input(self, out: int, axis: int) -> int:
+        """The input length that gives ``out`` positions on ``axis``: the inverse of ORT's floor formula."""
+        span = self.dilation[axis] * (self.kernel[axis] - 1) + 1
+        pad = self.pads[axis] + self.pads[axis + len(self.kernel)]
+        return max(1, (out - 1) * self.stride[axis] + span - pad)
+
+
+@dataclasses.dataclass
+class InputRole:
+    """The role of one graph input and the evidence for it (a sentence for the report)."""
+
+    name: str
+    role: str  # token_ids, attention_mask, token_type_ids, position_ids, labels, past_key_values,
+    #            pixel_values, audio, features, float, int, bool
+    why: str
+    high: int | None = None  # exclusive upper bound of integer values (vocabulary, type table, classes)
+    markers: tuple[int, ...] = ()  # ids the graph selects positions by: one per row, at its last valid token
+    avoid: tuple[int, ...] = ()  # other ids the graph compares with (padding): kept out of random ids
+    convs: tuple[ConvStep, ...] = ()  # the convolution stack on the input's spatial axes
+    exact_out: int | None = None  # positions the stack must yield (a position table added after it)
+    channels: int | None = None  # input channels of the first convolution
+    past_axis: int | None = None  # the past-length axis of a key/value cache
+    decoder: bool = False
+
+    def min_length(self, out: int = 1, axis: int = 0) -> int:
+        """The spatial length on ``axis`` that makes the stack yield ``out`` positions."""
+        length = out
+        for step in reversed(self.convs):
+            length = step.min_input(length, axis)
+        return length
+
+
+@dataclasses.dataclass
+class ModelFacts:
+    roles: dict[str, InputRole]
+    max_positions: int | None  # rows of the position table, when one is found
+    has_past: bool
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        return {name: {"role": r.role, "why": r.why} for name, r in self.roles.items()}
+
+
+def _as_ir(model: onnx.ModelProto | ir.Model) -> ir.Model:
+    return ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents: an initializer or a ``Constant`` node's tensor; else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        attr = node.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+    return None
+
+
+def _const_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if value.const_value is not None and value.shape is not None and all(isinstance(d, int) for d in value.shape):
+        return tuple(int(d) for d in value.shape)
+    array = const_array(value)
+    return None if array is None else tuple(array.shape)
+
+
+def _aliases(graph: ir.Graph, names: set[str]) -> dict[str, str]:
+    """Tensor name -> the graph input it is a cast, reshape or transpose of."""
+    out = {name: name for name in names}
+    for node in graph:  # topological order
+        if node.op_type in _ALIAS_OPS and node.inputs and node.inputs[0] is not None:
+            source = out.get(node.inputs[0].name or "")
+            if source is not None and node.outputs:
+                out[node.outputs[0].name or ""] = source
+    return out
+
+
+def _reaches(value: ir.Value, ops: frozenset[str], depth: int = 4, stop: frozenset[str] = frozenset()) -> bool:
+    if depth < 0:
+        return False
+    for use in value.uses():
+        node = use.node
+        if node.op_type in ops:
+            return True
+        if node.op_type in stop:
+            continue
+        if any(_reaches(out, ops, depth - 1, stop) for out in node.outputs):
+            return True
+    return False
+
+
+def _conv_steps(start: ir.Value, spatial: int) -> tuple[list[ConvStep], int | None, ir.Value | None]:
+    """Convolutions and pools on the path from ``start`` (breadth first through ``_CONV_PATH_OPS``), in
+    graph order, with the first convolution's input channels and the last step's output."""
+    seen: set[int] = set()
+    found: list[ir.Node] = []
+    queue = deque([start])
+    while queue and len(seen) < 400:
+        value = queue.popleft()
+        for use in value.uses():
+            node = use.node
+            if id(node) in seen or node.op_type not in _CONV_PATH_OPS:
+                continue
+            if node.op_type in ("Conv", "MaxPool", "AveragePool") and use.idx != 0:
+                continue
+            seen.add(id(node))
+            if node.op_type in ("Conv", "MaxPool", "AveragePool"):
+                found.append(node)
+            queue.extend(node.outputs)
+    steps: list[ConvStep] = []
+    channels = None
+    order = {id(n): i for i, n in enumerate(start.graph or [])} if start.graph is not None else {}
+    found.sort(key=lambda n: order.get(id(n), 0))
+    for node in found:
+        weight = node.inputs[1] if node.op_type == "Conv" and len(node.inputs) > 1 else None
+        wshape = _const_shape(weight) if weight is not None else None
+        kernel = node.attributes.get_ints("kernel_shape", None)
+        if kernel is None and wshape is not None:
+            kernel = wshape[2:]
+        if kernel is None or len(kernel) != spatial:
+            continue
+        if channels is None and wshape is not None and len(wshape) > 1:
+            channels = int(wshape[1]) * node.attributes.get_int("group", 1)
+        one = (1,) * spatial
+        steps.append(
+            ConvStep(
+                tuple(int(k) for k in kernel),
+                tuple(int(s) for s in node.attributes.get_ints("strides", one)),
+                tuple(int(p) for p in node.attributes.get_ints("pads", (0,) * 2 * spatial)),
+                tuple(int(d) for d in node.attributes.get_ints("dilations", one)),
+            )
+        )
+    last = found[-1].outputs[0] if found else None
+    return steps, channels, last
+
+
+def _table_after(value: ir.Value | None, depth: int = 8) -> int | None:
+    """Rows of a constant position table added within ``depth`` ops after ``value`` (Transpose, Reshape,
+    activations between): the positions the preceding stack must yield."""
+    if value is None:
+        return None
+    frontier = [value]
+    for _ in range(depth):
+        nxt = []
+        for v in frontier:
+            for use in v.uses():
+                node = use.node
+                if node.op_type == "Add":
+                    for other in node.inputs:
+                        shape = _const_shape(other) if other is not v else None
+                        if shape and len(shape) >= 2 and shape[-2] > 1:
+                            return int(shape[-2])
+                if node.op_type in _CONV_PATH_OPS | {"Transpose", "Flatten", "Gelu"}:
+                    nxt.extend(node.outputs)
+        frontier = nxt
+    return None
+
+
+def _compared_ids(graph: ir.Graph, aliases: dict[str, str]) -> dict[str, tuple[set[int], set[int]]]:
+    """Per id input: (markers, others) among the constants it is compared with by ``Equal``."""
+    out: dict[str, tuple[set[int], set[int]]] = {}
+    for node in graph:
+        if node.op_type != "Equal" or len(node.inputs) != 2:
+            continue
+        for a, b in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+            source = aliases.get(a.name or "") if a is not None else None
+            array = const_array(b)
+            if source is None or array is None or array.size != 1 or array.dtype.kind not in "iu":
+                continue
+            markers, others = out.setdefault(source, (set(), set()))
+            # A comparison that picks positions (the EOS gather) needs the id there; one feeding a CumSum
+            # or a mask (RoBERTa's padding) needs it absent.
+            selects = _reaches(node.outputs[0], _SELECTORS, depth=4, stop=frozenset({"CumSum"}))
+            (markers if selects else others).add(int(array.reshape(-1)[0]))
+    return out
+
+
+def _max_positions(graph: ir.Graph, aliases: dict[str, str]) -> int | None:
+    """Rows of the position table: a table gathered by indices not drawn from a token-id input (``Range``
+    or ``position_ids``), or an initializer named like ``position_embeddings``/``embed_positions``."""
+    sizes = []
+    for node in graph:
+        if node.op_type != "Gather" or len(node.inputs) < 2 or node.attributes.get_int("axis", 0) != 0:
+            continue
+        table, index = node.inputs[0], node.inputs[1]
+        shape = _const_shape(table)
+        if not shape or len(shape) != 2 or index is None:
+            continue
+        lower = (table.name or "").lower()
+        source = aliases.get(index.name or "")
+        if "position" in lower or "wpe" in lower or (source is not None and _POSITION_NAME.search(source)):
+            sizes.append(shape[0])
+    for name, value in graph.initializers.items():
+        shape = _const_shape(value)
+        lower = name.lower()
+        if shape and ("position_embeddings" in lower or "embed_positions" in lower) and len(shape) == 2:
+            sizes.append(shape[0])
+    return min(sizes) if sizes else None
+
+
+def analyze(model: onnx.ModelProto | ir.Model) -> ModelFacts:
+    """The role of every input the caller feeds, from the graph."""
+    model = _as_ir(model)
+    graph = model.graph
+    initializers = set(graph.initializers)
+    inputs = [v for v in graph.inputs if v.name not in initializers]
+    aliases = _aliases(graph, {v.name or "" for v in inputs})
+    ranges: dict[str, tuple[int, str]] = {}
+    for node in graph:
+        if node.op_type == "Gather" and len(node.inputs) >= 2 and node.inputs[1] is not None:
+            source = aliases.get(node.inputs[1].name or "")
+            shape = _const_shape(node.inputs[0])
+            if source is None or not shape:
+                continue
+            axis = node.attributes.get_int("axis", 0)
+            rows = int(shape[axis if axis >= 0 else axis + len(shape)])
+            if source not in ranges or rows < ranges[source][0]:
+                ranges[source] = (rows, node.inputs[0].name or "a constant")
+    compared = _compared_ids(graph, aliases)
+    has_past = any(_PAST_NAME.search(v.name or "") and v.dtype is not None and v.dtype.is_floating_point()
+                   for v in inputs)  # fmt: skip
+    roles = {v.name or "": _role(v, ranges, compared, has_past, model) for v in inputs}
+    return ModelFacts(roles, _max_positions(graph, aliases), has_past)
+
+
+def _role(
+    value: ir.Value,
+    ranges: dict[str, tuple[int, str]],
+    compared: dict[str, tuple[set[int], set[int]]],
+    has_past: bool,
+    model: ir.Model,
+) -> InputRole:
+    name = value.name or ""
+    kind = np.dtype(value.dtype.numpy()).kind if value.dtype is not None else "f"
+    rank = len(value.shape) if value.shape is not None else 0
+    decoder = bool(_DECODER_NAME.search(name))
+    if _MASK_NAME.search(name) and kind in "biuf":
+        why = "name says mask: right-padded 1/0 rows, each with >= 1 valid token"
+        if has_past:
+            why += "; spans the past and the new tokens"
+        return InputRole(name, "attention_mask", why, decoder=decoder)
+    if kind == "b":
+        return InputRole(name, "bool", "boolean input: random 0/1")
+    if kind in "iu":
+        table = ranges.get(name)
+        if _TOKEN_TYPE_NAME.search(name):
+            high = min(2, table[0]) if table else 2
+            return InputRole(name, "token_type_ids", f"token types below {high}", high=high)
+        if _POSITION_NAME.search(name):
+            return InputRole(name, "position_ids", "positions 0..S-1 (after the past, when there is one)")
+        if _LABELS_NAME.search(name) and kind == "i":
+            classes = _num_classes(model)
+            return InputRole(name, "labels", f"labels below {classes} with 20% ignore index -100", high=classes)
+        if table is not None:
+            markers, others = compared.get(name, (set(), set()))
+            why = f"indexes {table[1]!r}: ids below its {table[0]} rows"
+            if markers:
+                why += f"; the graph selects positions by id {sorted(markers)}: one per row, at its last token"
+            if others:
+                why += f"; compared with {sorted(others)} (padding), kept out of the random ids"
+            role = InputRole(name, "token_ids", why, high=table[0], decoder=decoder)
+            role.markers, role.avoid = tuple(sorted(markers)), tuple(sorted(others - markers))
+            return role
+        high = DEFAULT_IDS_HIGH if _IDS_NAME.search(name) else DEFAULT_INT_HIGH
+        return InputRole(name, "int", f"integer input not read as an index: values below {high}", high=high)
+    if kind != "f":
+        return InputRole(name, "unsupported", f"dtype {value.dtype}")
+    if _PAST_NAME.search(name) and rank >= 3:
+        return _past_role(value)
+    if rank in (2, 3, 4):
+        spatial = rank - 2 if rank > 2 else 1
+        start = value
+        if rank == 2:  # raw audio [batch, samples] reaches its Conv1d through an Unsqueeze
+            start = value
+        steps, channels, last = _conv_steps(start, spatial)
+        if steps and rank == 2:
+            role = InputRole(name, "audio", "", convs=tuple(steps), channels=channels)
+            role.why = (
+                f"raw audio into a {len(steps)}-step convolution stack (kernels "
+                f"{[s.kernel[0] for s in steps]}, strides {[s.stride[0] for s in steps]}): "
+                f">= {role.min_length()} samples"
+            )
+            return role
+        if steps and rank == 3:
+            exact = _table_after(last)
+            role = InputRole(name, "features", "", convs=tuple(steps), channels=channels, exact_out=exact)
+            role.why = f"features [batch, {channels} channels, frames] into a {len(steps)}-step convolution stack"
+            if exact:
+                role.why += f"; a {exact}-row position table after it fixes the frames to {role.min_length(exact)}"
+            return role
+        if steps and rank == 4:
+            exact = _patch_positions(steps, last)
+            role = InputRole(name, "pixel_values", "", convs=tuple(steps), channels=channels, exact_out=exact)
+            role.why = f"pixels [batch, {channels}, H, W] into a {len(steps)}-step convolution stack"
+            if exact:
+                role.why += f"; {exact} patches per side from the position table: {role.min_length(exact)} pixels"
+            return role
+    if decoder:
+        return InputRole(name, "float", "decoder float input (encoder states): N(0, 1)", decoder=True)
+    return InputRole(name, "float", "float input: N(0, 1)")
+
+
+def _patch_positions(steps: list[ConvStep], last: ir.Value | None) -> int | None:
+    """Patches per side when a single patch convolution feeds a table of n*n (+1 class token) positions."""
+    if len(steps) != 1 or last is None:
+        return None
+    rows = _table_after(last)
+    if not rows:
+        return None
+    for count in (rows, rows - 1, rows - 2):  # plain, [CLS], [CLS] + distillation token (DeiT)
+        side = round(count**0.5)
+        if count > 0 and side * side == count:
+            return side
+    return None
+
+
+def _past_role(value: ir.Value) -> InputRole:
+    """The past length is the symbolic dim that is neither the batch (axis 0) nor a static head count or
+    head size; with several, the layout's usual place: axis -2 ([batch, heads, past, head_dim], GQA/MQA
+    alike) or axis 1 for a rank-3 fused cache ([batch, past, 2 * head_dim])."""
+    shape = value.shape
+    dims = list(shape) if shape is not None else []
+    symbolic = [i for i, d in enumerate(dims) if not isinstance(d, int) and i != 0]
+    axis = symbolic[0] if len(symbolic) == 1 else (len(dims) - 2 if len(dims) == 4 else 1)
+    statics = [d for d in dims if isinstance(d, int)]
+    return InputRole(
+        value.name or "",
+        "past_key_values",
+        f"key/value cache, past length on axis {axis}; static dims {statics} (heads, head size) from the graph",
+        past_axis=axis,
+    )
+
+
+def _num_classes(model: ir.Model) -> int:
+    """A guess for label ranges: the smallest static last dim > 1 among float outputs."""
+    sizes = []
+    for out in model.graph.outputs:
+        if out.dtype is not None and out.dtype.is_floating_point() and out.shape is not None and len(out.shape):
+            last = out.shape[-1]
+            if isinstance(last, int) and last > 1:
+                sizes.append(last)
+    return min(sizes) if sizes else DEFAULT_CLASSES
+
+
+def dim_role(dim: str | None, axis: int) -> str:
+    """``batch`` or ``seq`` for a symbolic dim, from its name, else from its axis."""
+    if dim is None:
+        return "batch" if axis == 0 else "seq"
+    if _BATCH_DIM.match(dim):
+        return "batch"
+    if _SEQ_DIM.search(dim):
+        return "seq"
+    return "batch" if axis == 0 else "seq"

@@ -1,0 +1,390 @@
+"""Inputs made for their role: the one implementation verification, benchmarks and every pass use.
+
+Shapes. Set ``index`` binds each symbolic dim once (the same name gets the same size in every input):
+batch-like dims ``1 << index``, sequence-like ``8 << index`` (capped by the position table), a key/value
+cache's past length that sequence length (0 in set 1, so both the first call and a later one are
+covered), a mask spanning ``past + sequence``, raw audio the samples its convolution stack needs for that
+many frames (wav2vec2: 400 for one), spectrogram frames and image sides what the position table after the
+stack fixes (Whisper's 3000 frames, ViT's 224 pixels), else at least the stack's minimum. Dims whose
+names are sums (``past_sequence + sequence``) are evaluated. ``JobConfig.shapes`` overrides all of it.
+
+Values. Token ids uniform below the vocabulary of the table they index, ids the graph compares them with
+kept out except a position marker (BART's ``</s>``) at each row's last valid token; right-padded attention
+masks (optimum #978 and ORT #18945: random masks give false alarms), ones over the past; token types below
+the type table; positions counting on from the past; labels with 20% -100; N(0, 1) floats.
+
+Guesses. When the original model refuses a generated set, ``InputSet.next_guess`` gives the next plausible
+one: longer sequences, then every compared id as a row-end marker, then no padding. Each set records the
+guess that ran and the ones refused (``InputSet.provenance``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from core.errors import InvalidInputError, InvalidModelError
+from core.inputs.graph import InputRole, ModelFacts, analyze, dim_role
+from core.inputs.specs import InputSet, InputSpec, graph_inputs, load_samples
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class Guess:
+    name: str
+    seq_scale: int = 1
+    all_markers: bool = False
+    padding: bool = True
+    empty_past: bool = True  # set 1 may try a past of length 0
+
+
+GUESSES = (
+    Guess("role-based"),
+    Guess("longer sequences", seq_scale=4, empty_past=False),
+    Guess("every compared id at each row's end", seq_scale=4, all_markers=True, empty_past=False),
+    Guess("no padding", seq_scale=4, all_markers=True, padding=False, empty_past=False),
+)
+_EXPR = re.compile(r"^[\w.]+(\s+[+\-]\s+[\w.]+)+$")  # exporters write sums with spaces: "past + sequence"
+
+
+def _evaluate(expr: str, bound: Mapping[str, int]) -> int | None:
+    """A dim name like ``past_sequence + sequence``, with its names bound: its value; None otherwise."""
+    if not _EXPR.match(expr):
+        return None
+    total, sign = 0, 1
+    for i, token in enumerate(re.split(r"\s+([+\-])\s+", expr.strip())):
+        if i % 2:
+            sign = 1 if token == "+" else -1
+            continue
+        if token.isdigit():
+            value = int(token)
+        elif token in bound:
+            value = bound[token]
+        else:
+            return None
+        total += sign * value
+    return total
+
+
+class InputSynthesis:
+    """Input sets for one model, from its graph (``core.inputs.graph``); keeps only small facts."""
+
+    def __init__(self, model: onnx.ModelProto | ir.Model, *, seed: int = 0) -> None:
+        self.specs: list[InputSpec] = graph_inputs(model)
+        self.facts: ModelFacts = analyze(model)
+        self.seed = seed
+
+    # ------------------------------------------------------------------------------------------ shapes
+
+    def _role(self, name: str) -> InputRole:
+        return self.facts.roles[name]
+
+    def _lengths(self, index: int, guess: Guess) -> tuple[int, int]:
+        """(sequence, past) lengths of set ``index`` under ``guess``, within the position table."""
+        seq = (8 << index) * guess.seq_scale
+        past = 0 if (index == 1 and guess.empty_past) or not self.facts.has_past else seq
+        cap = self.facts.max_positions
+        if cap:
+            cap = cap - 2 if cap > 4 else cap  # RoBERTa-style tables start 2 rows in (padding offset)
+            seq = min(seq, cap // 2 if self.facts.has_past else cap)
+            past = min(past, cap - seq)
+        return max(seq, 1), past
+
+    def bind(
+        self,
+        index: int,
+        guess: Guess = GUESSES[0],
+        override: Mapping[str, Sequence[int]] | None = None,
+        preset: Mapping[str, int] | None = None,
+    ) -> dict[str, tuple[int, ...]]:
+        """Concrete shapes of every input; ``override`` (the config's shapes) and ``preset`` (symbolic dim
+        name -> size) bind first."""
+        by_name = {s.name: s for s in self.specs}
+        bound: dict[str, int] = dict(preset or {})
+        overrides = dict(override or {})
+        for name, shape in overrides.items():
+            spec = by_name.get(name)
+            if spec is None:
+                raise InvalidInputError(
+                    f"shapes names {name!r}, which is not a graph input (inputs: {', '.join(by_name)})",
+                    code="SHAPES_INVALID",
+                )
+            if spec.dims and len(shape) != spec.rank:
+                raise InvalidInputError(
+                    f"shapes gives {name!r} rank {len(shape)}, the graph expects rank {spec.rank}",
+                    code="SHAPES_INVALID",
+                )
+            for axis, (dim, size) in enumerate(zip(spec.dims, shape, strict=False)):
+                if size < 0:
+                    raise InvalidInputError(f"shapes gives {name!r} a negative dim", code="SHAPES_INVALID")
+                if isinstance(dim, int) and dim != size:
+                    raise InvalidInputError(
+                        f"shapes gives {name!r} size {size} on axis {axis}, the graph fixes it to {dim}",
+                        code="SHAPES_INVALID",
+                    )
+                if isinstance(dim, str):
+                    bound.setdefault(dim, int(size))
+        seq, past = self._lengths(index, guess)
+        batch = 1 << index
+        # Past lengths first: a mask named like the ids' sequence then still spans past + new tokens.
+        for spec in self.specs:
+            role = self._role(spec.name)
+            if role.role == "past_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
+                dim = spec.dims[role.past_axis]
+                if isinstance(dim, str):
+                    bound.setdefault(dim, past)
+        past_len = 0
+        for spec in self.specs:
+            role = self._role(spec.name)
+            if role.role == "past_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
+                dim = spec.dims[role.past_axis]
+                past_len = bound.get(dim, past) if isinstance(dim, str) else int(dim or 0)
+                break
+        shapes: dict[str, tuple[int, ...]] = {}
+        pending: list[tuple[str, int, str]] = []
+        for spec in self.specs:
+            if spec.name in overrides:
+                shapes[spec.name] = tuple(int(s) for s in overrides[spec.name])
+                continue
+            role = self._role(spec.name)
+            shape: list[int] = []
+            for axis, dim in enumerate(spec.dims):
+                if isinstance(dim, int):
+                    shape.append(dim)
+                elif isinstance(dim, str) and dim in bound:
+                    shape.append(bound[dim])
+                elif isinstance(dim, str) and _EXPR.match(dim):
+                    pending.append((spec.name, axis, dim))
+                    shape.append(-1)
+                else:
+                    size = self._size(role, spec, axis, dim, batch=batch, seq=seq, past=past_len)
+                    if isinstance(dim, str):
+                        bound[dim] = size
+                    shape.append(size)
+            shapes[spec.name] = tuple(shape)
+        for name, axis, dim in pending:
+            value = _evaluate(dim, bound)
+            if value is None:  # a mask over past + new tokens, named by an expression we cannot read
+                value = seq + past_len if self._role(name).role == "attention_mask" else seq
+            fixed = list(shapes[name])
+            fixed[axis] = value
+            shapes[name] = tuple(fixed)
+        return shapes
+
+    def _size(
+        self, role: InputRole, spec: InputSpec, axis: int, dim: str | None, *, batch: int, seq: int, past: int
+    ) -> int:
+        if axis == 0 and dim_role(dim, axis) == "batch":
+            return batch
+        spatial = {"audio": 1, "features": 2, "pixel_values": 2}.get(role.role)
+        if spatial == 2 and axis == 1 and role.channels:
+            return role.channels
+        if spatial is not None and axis >= spatial:
+            step_axis = axis - spatial
+            if role.exact_out:
+                return role.min_length(role.exact_out, step_axis)
+            if role.role == "audio":
+                return role.min_length(seq, step_axis)
+            return max(seq, role.min_length(1, step_axis))
+        if role.role == "attention_mask" and self.facts.has_past and axis == spec.rank - 1:
+            return seq + past
+        if role.role == "past_key_values" and axis == role.past_axis:
+            return past
+        return batch if dim_role(dim, axis) == "batch" else seq
+
+    # ------------------------------------------------------------------------------------------ values
+
+    def feeds(
+        self, shapes: Mapping[str, tuple[int, ...]], rng: np.random.Generator, guess: Guess = GUESSES[0]
+    ) -> dict[str, np.ndarray]:
+        past = self._past_length(shapes)
+        feeds = {s.name: self._values(s, shapes[s.name], rng, guess, past) for s in self.specs}
+        self._place_markers(feeds, guess)
+        return feeds
+
+    def _past_length(self, shapes: Mapping[str, tuple[int, ...]]) -> int:
+        for spec in self.specs:
+            role = self._role(spec.name)
+            if (
+                role.role == "past_key_values"
+                and role.past_axis is not None
+                and len(shapes[spec.name]) > role.past_axis
+            ):
+                return int(shapes[spec.name][role.past_axis])
+        return 0
+
+    def _values(
+        self, spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, guess: Guess, past: int
+    ) -> np.ndarray:
+        role, dtype = self._role(spec.name), spec.dtype
+        kind = role.role
+        if kind == "attention_mask":
+            return _mask(shape, rng, past, guess.padding).astype(dtype)
+        if kind == "bool":
+            return rng.integers(0, 2, size=shape).astype(bool)
+        if kind == "token_type_ids":
+            return rng.integers(0, role.high or 2, size=shape).astype(dtype)
+        if kind == "position_ids" and shape:
+            return np.broadcast_to(np.arange(past, past + shape[-1]), shape).astype(dtype)
+        if kind == "labels":
+            labels = rng.integers(0, role.high or 10, size=shape)
+            labels[rng.random(size=shape) < 0.2] = IGNORE_INDEX
+            return labels.astype(dtype)
+        if kind in ("token_ids", "int", "position_ids"):
+            high = max(role.high or 1, 1)
+            ids = rng.integers(0, high, size=shape)
+            special = set(role.avoid) | set(role.markers)
+            if special and len(special) < high:
+                for _ in range(len(special)):  # move each special id to the next ordinary one
+                    hit = np.isin(ids, list(special))
+                    if not hit.any():
+                        break
+                    ids[hit] = (ids[hit] + 1) % high
+            return ids.astype(dtype)
+        if dtype.kind == "f":
+            return rng.standard_normal(size=shape).astype(dtype)
+        raise InvalidModelError(
+            f"input {spec.name!r} has dtype {dtype}, for which no inputs can be generated; upload samples.npz",
+            code="UNSUPPORTED_INPUT",
+        )
+
+    def _place_markers(self, feeds: dict[str, np.ndarray], guess: Guess) -> None:
+        """Each row's last valid token becomes the id the graph selects positions by (BART's ``</s>``)."""
+        masks = [feeds[n] for n, r in self.facts.roles.items() if r.role == "attention_mask" and not r.decoder]
+        for name, role in self.facts.roles.items():
+            markers = role.markers or ((role.avoid[-1:]) if guess.all_markers else ())
+            ids = feeds.get(name)
+            if role.role != "token_ids" or not markers or ids is None or ids.ndim < 1 or ids.shape[-1] == 0:
+                continue
+            seq = ids.shape[-1]
+            mask = next((m for m in masks if m.ndim == ids.ndim and m.shape[:-1] == ids.shape[:-1]), None)
+            if mask is not None and mask.shape[-1] >= seq:
+                valid = (np.asarray(mask)[..., -seq:] != 0).sum(axis=-1)
+            else:
+                valid = np.full(ids.shape[:-1], seq)
+            last = np.maximum(valid, 1) - 1
+            np.put_along_axis(ids, last[..., None].astype(np.int64), markers[0], axis=-1)
+
+    # ------------------------------------------------------------------------------------------- sets
+
+    def input_set(
+        self, index: int, guess_index: int = 0, override: Mapping[str, Sequence[int]] | None = None
+    ) -> InputSet:
+        guess = GUESSES[guess_index]
+        shapes = self.bind(index, guess, override)
+        rng = np.random.default_rng([self.seed, index] if guess_index == 0 else [self.seed, index, guess_index])
+        feeds = self.feeds(shapes, rng, guess)
+        roles = self.facts.roles
+        provenance = {
+            "source": "shapes" if override else "generated",
+            "guess": guess.name,
+            "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
+            "attempts": [],
+        }
+        following = guess_index + 1
+        retry = None
+        if override is None and following < len(GUESSES):
+
+            def retry() -> InputSet:
+                return self.input_set(index, following)
+
+        return InputSet(_set_name(shapes), feeds, provenance, retry)
+
+    def generate(self, count: int, shapes: Sequence[Mapping[str, Sequence[int]]] | None = None) -> list[InputSet]:
+        overrides: list[Mapping[str, Sequence[int]] | None] = list(shapes) if shapes else [None] * count
+        return [self.input_set(i, 0, o) for i, o in enumerate(overrides)]
+
+    def feeds_for_sizes(self, sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Feeds with the symbolic dims in ``sizes`` bound (a trace call of ``shape_profile``); the dims it
+        does not name (a mask over past + new tokens, audio samples) follow from them."""
+        return self.feeds(self.bind(0, GUESSES[0], preset=sizes), rng)
+
+    def free_dims(self) -> dict[str, dict[str, Any]]:
+        """Symbolic dims a caller may choose, in order of first appearance: ``{"role": "batch" | "sequence" |
+        "past", "min": smallest valid size}``. Dims fixed by the graph (image sides read from a position
+        table) or derived (sums, a mask over past + new tokens) are left out."""
+        out: dict[str, dict[str, Any]] = {}
+        derived: set[str] = set()
+        for spec in self.specs:
+            role = self._role(spec.name)
+            for axis, dim in enumerate(spec.dims):
+                if not isinstance(dim, str) or dim in out or dim in derived:
+                    continue
+                spatial = {"audio": 1, "features": 2, "pixel_values": 2}.get(role.role)
+                if _EXPR.match(dim) or (spatial is not None and axis >= spatial and role.exact_out):
+                    derived.add(dim)
+                    continue
+                if role.role == "past_key_values" and axis == role.past_axis:
+                    out[dim] = {"role": "past", "min": 0}
+                elif axis == 0 and dim_role(dim, axis) == "batch":
+                    out[dim] = {"role": "batch", "min": 1}
+                elif spatial is not None and axis >= spatial:
+                    out[dim] = {"role": "sequence", "min": role.min_length(1, axis - spatial)}
+                elif role.role == "attention_mask" and self.facts.has_past and axis == spec.rank - 1:
+                    derived.add(dim)
+                else:
+                    out[dim] = {"role": dim_role(dim, axis).replace("seq", "sequence"), "min": 1}
+        return out
+
+
+def _mask(shape: tuple[int, ...], rng: np.random.Generator, past: int, padding: bool) -> np.ndarray:
+    """1 for valid tokens then 0 for padding, per row; each row has a valid token; row 0 is full. Over a
+    past, the past positions are all valid and the padding falls in the new tokens."""
+    if len(shape) < 1 or 0 in shape or not padding:
+        return np.ones(shape, dtype=np.int64)
+    total = shape[-1]
+    past = min(past, total - 1)
+    seq = total - past
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    lengths = rng.integers(1, seq + 1, size=rows)
+    lengths[0] = seq
+    mask = (np.arange(total)[None, :] < past + lengths[:, None]).astype(np.int64)
+    return mask.reshape(shape)
+
+
+def _set_name(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    return "; ".join(f"{k}={'x'.join(str(d) for d in v) or 'scalar'}" for k, v in shapes.items())
+
+
+def generate_input_sets(
+    model: onnx.ModelProto | ir.Model,
+    count: int,
+    *,
+    seed: int = 0,
+    shapes: Sequence[Mapping[str, Sequence[int]]] | None = None,
+) -> list[InputSet]:
+    """``count`` generated input sets (or one per entry of ``shapes`` when given)."""
+    return InputSynthesis(model, seed=seed).generate(count, shapes)
+
+
+def index_ranges(model: onnx.ModelProto | ir.Model) -> dict[str, int]:
+    """Integer inputs read as indices into a constant table (token ids, token types): the values' bound."""
+    return {
+        name: int(role.high)
+        for name, role in analyze(model).roles.items()
+        if role.role in ("token_ids", "token_type_ids") and role.high
+    }
+
+
+def make_input_sets(
+    model: onnx.ModelProto | ir.Model,
+    *,
+    count: int,
+    seed: int = 0,
+    shapes: Sequence[Mapping[str, Sequence[int]]] | None = None,
+    samples_path: Path | None = None,
+) -> list[InputSet]:
+    """The input sets of a job: explicit shapes win, then samples.npz, else ``count`` generated sets."""
+    if shapes:
+        return generate_input_sets(model, len(shapes), seed=seed, shapes=shapes)
+    if samples_path is not None:
+        return [load_samples(samples_path, model)]
+    return generate_input_sets(model, count, seed=seed)
