@@ -308,6 +308,29 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's high-water mark of this process's RSS (Linux >= 4.0, /proc/self/clear_refs), so
+    that the trace's peak is measured without the model load's transient one; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _hwm_bytes() -> int | None:
+    """The RSS high-water mark since the last reset (VmHWM), or None where /proc has none."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class _GpuMemory:
     """This process's GPU memory through NVML when pynvml is installed; None otherwise."""
 
@@ -361,6 +384,8 @@ def measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         session = session_from_recipe(spec["model"], recipe, providers)
     load_s = time.perf_counter() - started
     load_peak = _peak_rss_bytes()  # session creation and warm-up; the trace can only add to it
+    loaded_rss = _rss_bytes()
+    reset = _reset_peak_rss()
     names = {i.name for i in session.get_inputs()}
     seen = {tuple((k, tuple(v)) for k, v in sorted(entry.items())) for entry in recipe.get("warmup", [])}
     latency_ms: list[float] = []
@@ -379,6 +404,7 @@ def measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         used = gpu.used()
         if used is not None:
             gpu_peak = max(gpu_peak or 0, used)
+    trace_peak = (_hwm_bytes() if reset else None) or max([loaded_rss, *(int(r * (1 << 20)) for r in rss_mb)])
     return {
         "latency_ms": latency_ms,
         "first_seen": first_seen,
@@ -388,6 +414,10 @@ def measure(spec: Mapping[str, Any]) -> dict[str, Any]:
         "base_rss_mb": base_rss / (1 << 20),
         "load_peak_rss_mb": load_peak / (1 << 20),
         "peak_rss_mb": _peak_rss_bytes() / (1 << 20),
+        # The trace's own peak (arena growth and per-shape buffers on top of the loaded session), measured
+        # from a high-water mark restarted after the load; without that, the largest RSS seen between calls.
+        "loaded_rss_mb": loaded_rss / (1 << 20),
+        "trace_peak_rss_mb": trace_peak / (1 << 20),
         "peak_gpu_mb": None if gpu_peak is None else gpu_peak / (1 << 20),
         "providers": session.get_providers(),
         "recipe": recipe,
