@@ -1,0 +1,88 @@
+"""Attention fuses on TorchScript-exporter graphs (``torch.onnx.export(dynamo=False)``), eager and SDPA.
+
+The committed ``ts_bert_*.onnx`` (tests/models/build_torchscript.py) split heads with a runtime ``-1`` shape
+and, in the SDPA form, guard the Softmax against NaN with a ``[1]`` constant: before this, neither engine
+fused their attention. Numerics are checked against the original (graph optimizations off) at shapes other
+than the export's 2 x 16."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx_ir as ir
+import pytest
+
+from passes._infra import op_histogram
+from passes.fusion import _nan_guard
+from passes.fusion.fuse_transformer import FuseTransformer
+from tests.models.build_torchscript import inputs
+from tests.passes._util import MODELS, session
+
+LAYERS = 2
+SHAPES = ((1, 5), (3, 37), (4, 64))
+
+
+def assert_same_as_export(name: str, optimized: ir.Model) -> None:
+    reference, candidate = session(str(MODELS / f"{name}.onnx")), session(optimized)
+    for batch, seq in SHAPES:
+        ids, mask = inputs(batch, seq, seed=batch * seq)
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        want, got = reference.run(None, feeds)[0], candidate.run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{name} at {batch}x{seq}")
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_fuse_transformer_fuses_multi_head_attention_when_torchscript_export(attention):
+    name = f"ts_bert_{attention}"
+    result = FuseTransformer({"engines": ["onnxscript"]})(ir.load(MODELS / f"{name}.onnx"))
+    ops = op_histogram(result.model)
+    assert result.notes["family"] == "bert"
+    assert result.notes["candidates"]["onnxscript"]["symbolic_shapes"] == "applied"
+    assert result.counts["fused_attention"] == LAYERS
+    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS
+    assert "Softmax" not in ops and "IsNaN" not in ops
+    assert result.counts["fused_skip_layer_norm"] == 2 * LAYERS and result.counts["fused_gelu"] == LAYERS
+    assert "attention" not in result.notes["missing"]
+    assert result.notes["candidates"]["onnxscript"]["nan_guards"] == (LAYERS if attention == "sdpa" else 0)
+    assert_same_as_export(name, result.model)
+
+
+GUARD = """
+<ir_version: 9, opset_import: ["" : 18]>
+guard (float[B, H, S, S] s) => (float[B, H, S, S] y) <float[1] fill = {%s}> {
+    p = %s
+    nan = IsNaN(p)
+    y = Where(nan, fill, p)
+}
+"""
+
+
+def guard_model(fill: str, producer: str = "Softmax <axis = -1> (s)") -> onnx.ModelProto:
+    model = onnx.parser.parse_model(GUARD % (fill, producer))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_nan_guard_becomes_scalar_when_fill_is_one_element_zero():
+    proto = guard_model("0.0")
+    model = ir.serde.deserialize_model(proto)
+    assert _nan_guard.rules.apply_to_model(model) == 1
+    where = next(n for n in model.graph if n.op_type == "Where")
+    fill = where.inputs[1]
+    assert fill.const_value is not None or fill.producer().op_type == "Constant"
+    scores = np.full((2, 1, 3, 3), -np.inf, np.float32)
+    scores[0] = np.random.default_rng(0).standard_normal((1, 3, 3))  # row 1 fully masked: the guard's case
+    want = session(ir.serde.deserialize_model(proto)).run(None, {"s": scores})[0]
+    got = session(model).run(None, {"s": scores})[0]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("fill", "producer"), [("1.0", "Softmax <axis = -1> (s)"), ("0.0", "Sigmoid (s)")], ids=["non-zero", "no-softmax"]
+)
+def test_nan_guard_stays_when_fill_non_zero_or_not_a_softmax(fill, producer):
+    model = ir.serde.deserialize_model(guard_model(fill, producer))
+    assert _nan_guard.rules.apply_to_model(model) == 0
+    assert op_histogram(model)["Where"] == 1
