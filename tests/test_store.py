@@ -1,7 +1,7 @@
 """JobStore on SQLite and PostgreSQL: the same tests against both back ends.
 
-PostgreSQL runs on 127.0.0.1:5432 (database ``test``, user ``postgres``); each run uses its own schema,
-dropped at the end. A controllable clock makes leases expire without sleeping.
+PostgreSQL is tests/conftest.py's ``postgres_server`` (the shared one, or a private one it starts); each run
+uses its own schema, dropped at the end. A controllable clock makes leases expire without sleeping.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
-from sqlalchemy.exc import OperationalError
 
 from core import migrations
 from core.errors import ConflictError, InvalidConfigError, NotFoundError, UnavailableError
 from core.store import Job, JobStore
 
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 LEASE = 60
 SHA = "a" * 64
 
@@ -53,17 +51,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Itera
         job_store.close()
         return
     schema = f"onnxforge_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL, connect_args={"connect_timeout": 5})
-    try:
-        with admin.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.fail(
-            "PostgreSQL does not answer on 127.0.0.1:5432 (database 'test', user 'postgres', trust auth); "
-            f"install and start postgresql to run the job-store tests: {exc.orig}"
-        )
-    job_store = JobStore(PG_URL, schema=schema, clock=clock)
+    pg_url = request.getfixturevalue("postgres_server")
+    admin = create_engine(pg_url, connect_args={"connect_timeout": 5})
+    job_store = JobStore(pg_url, schema=schema, clock=clock)
     try:
         job_store.create_schema()
         yield job_store
@@ -389,7 +379,7 @@ def test_claim_has_exactly_one_winner_when_workers_race(store: JobStore) -> None
 @pytest.mark.parametrize("schema", ['x"; DROP TABLE jobs; --', "1abc", "a" * 64])
 def test_store_refuses_schema_name_when_not_an_identifier(schema: str) -> None:
     with pytest.raises(ValueError, match="schema_name"):
-        JobStore(PG_URL, schema=schema)
+        JobStore("postgresql+psycopg://postgres@127.0.0.1/test", schema=schema)
 
 
 def test_store_refuses_schema_name_when_sqlite(tmp_path: Path) -> None:
