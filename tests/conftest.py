@@ -1,9 +1,13 @@
 """Shared service fixtures: real Redis (own db and key prefix), PostgreSQL, uvicorn and Celery workers.
 
-Nothing here mocks a service. Redis: the one on 127.0.0.1:6379 when it answers PING, else a private
-``redis-server`` started from the system binary; tests use db 11 and a key prefix unique to the session,
-and cleanup deletes only keys under that prefix. PostgreSQL: 127.0.0.1:5432 db ``test`` user ``postgres``,
-in a schema unique to the session that is dropped afterwards.
+Nothing here mocks a service, and nothing needs to be started by hand. Redis: the one on
+127.0.0.1:$TEST_REDIS_PORT (6379) when it answers PING, else a private ``redis-server`` started from the
+system binary; tests use db 11 and a key prefix unique to the session, and cleanup deletes only keys under
+that prefix. PostgreSQL: the one on 127.0.0.1:$TEST_POSTGRES_PORT (5432) when user ``postgres`` reaches
+database ``test`` there without a password, else a private cluster made by Debian's ``initdb`` and run by
+``pg_ctl`` in a temporary directory (as user ``postgres`` when the tests run as root, which initdb refuses);
+tests work in schemas of their own that they drop afterwards. Pointing either variable at a port where
+nothing listens makes the tests start their own server, which is how the private path is tested.
 
 Subprocesses (``onnxforge serve``, ``onnxforge worker``) get their settings as ``ONNXFORGE_*`` environment
 variables built by ``service_env``; every one started through ``Services`` is terminated at teardown.
@@ -12,12 +16,15 @@ variables built by ``service_env``; every one started through ``Services`` is te
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import pwd
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,7 +38,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "models"
 REDIS_DB = 11
-POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+# Where a shared server is looked for before a private one is started (see the module docstring).
+REDIS_PORT = int(os.environ.get("TEST_REDIS_PORT", "6379"))
+POSTGRES_PORT = int(os.environ.get("TEST_POSTGRES_PORT", "5432"))
+POSTGRES_DB = "test"
 ONNXFORGE = [sys.executable, "-m", "onnxforge.cli"]
 
 
@@ -53,32 +63,53 @@ def _redis_answers(port: int) -> bool:
 # ------------------------------------------------------------------------------------------------- Redis
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``redis://127.0.0.1:<port>`` of a Redis that answers PING (the shared one, or a private one)."""
-    if _redis_answers(6379):
-        yield "redis://127.0.0.1:6379"
-        return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("no Redis answers on 127.0.0.1:6379 and redis-server is not installed: install redis-server")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+class _PrivateRedis:
+    """A throw-away ``redis-server`` on a free loopback port: no persistence, its directory removed at stop."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail(
+                f"no Redis answers on 127.0.0.1:{REDIS_PORT} and redis-server is not installed: "
+                "apt-get install redis-server (make test does, as root)"
+            )
+        self.root = Path(tempfile.mkdtemp(prefix="onnxforge-test-redis-"))
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.root)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
         deadline = time.monotonic() + 10
-        while not _redis_answers(port):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.fail(f"redis-server did not start on port {port}")
+        while not _redis_answers(self.port):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                pytest.fail(f"redis-server did not start on port {self.port}")
             time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        try:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """``redis://127.0.0.1:<port>`` of a Redis that answers PING (the shared one, or a private one)."""
+    if _redis_answers(REDIS_PORT):
+        yield f"redis://127.0.0.1:{REDIS_PORT}"
+        return
+    server = _PrivateRedis()
+    try:
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -124,22 +155,127 @@ def redis_broker(redis_url: str, redis_prefix: str) -> dict[str, str]:
 # -------------------------------------------------------------------------------------------- PostgreSQL
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[tuple[str, str]]:
-    """(SQLAlchemy URL, schema name) of PostgreSQL on 127.0.0.1:5432; the schema is dropped afterwards."""
+def _postgres_answers(url: str) -> bool:
     import sqlalchemy
 
-    schema = f"onnxforge_test_{uuid.uuid4().hex[:10]}"
-    engine = sqlalchemy.create_engine(POSTGRES_URL, connect_args={"connect_timeout": 3})
+    engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": 3})
     try:
         with engine.connect() as conn:
             conn.execute(sqlalchemy.text("SELECT 1"))
-    except Exception as exc:
-        engine.dispose()
-        pytest.fail(f"PostgreSQL does not answer at {POSTGRES_URL} ({type(exc).__name__}): install postgresql")
-    try:
-        yield POSTGRES_URL, schema
+        return True
+    except sqlalchemy.exc.OperationalError:
+        return False
     finally:
+        engine.dispose()
+
+
+def _postgres_bin(name: str) -> str | None:
+    """``name`` from PATH, else from Debian's versioned directory (which the postgresql package leaves off PATH)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=lambda p: int(Path(p).parts[-3]))
+    return candidates[-1] if candidates else None
+
+
+class _PrivatePostgres:
+    """A throw-away PostgreSQL cluster on a free loopback port: trust auth, fsync off, database ``test``."""
+
+    def __init__(self) -> None:
+        initdb, self.pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+        if initdb is None or self.pg_ctl is None:
+            pytest.fail(
+                f"no PostgreSQL answers on 127.0.0.1:{POSTGRES_PORT} and initdb/pg_ctl are not installed: "
+                "apt-get install postgresql (make test does, as root)"
+            )
+        # initdb and postgres refuse to run as root; Debian's package creates the `postgres` user.
+        self.user: str | None = None
+        if os.geteuid() == 0:
+            self.user = next((u for u in ("postgres", "nobody") if _user_exists(u)), None)
+            if self.user is None:
+                pytest.fail("running as root and neither user postgres nor nobody exists to run PostgreSQL")
+        # Not under pytest's basetemp: that directory is 0700 and the postgres user could not enter it.
+        self.root = Path(tempfile.mkdtemp(prefix="onnxforge-test-pg-"))
+        self.data = self.root / "data"
+        if self.user:
+            entry = pwd.getpwnam(self.user)
+            os.chown(self.root, entry.pw_uid, entry.pw_gid)
+        self.port = free_port()
+        self._run([initdb, "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C",
+                   "--no-sync"])  # fmt: skip
+        options = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -F"
+        self._run([self.pg_ctl, "-D", str(self.data), "-l", str(self.root / "server.log"), "-w", "-t", "60",
+                   "-o", options, "start"])  # fmt: skip
+        import sqlalchemy
+
+        engine = sqlalchemy.create_engine(
+            f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres", isolation_level="AUTOCOMMIT"
+        )
+        try:
+            with engine.connect() as conn:
+                conn.execute(sqlalchemy.text(f'CREATE DATABASE "{POSTGRES_DB}"'))
+        finally:
+            engine.dispose()
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{POSTGRES_DB}"
+
+    def _run(self, argv: list[str]) -> None:
+        result = subprocess.run(
+            argv, user=self.user, cwd=self.root, capture_output=True, text=True, timeout=120, check=False
+        )
+        if result.returncode != 0:
+            log = self.root / "server.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            pytest.fail(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}{result.stderr}{tail}")
+
+    def stop(self) -> None:
+        try:
+            if self.data.exists():
+                subprocess.run(
+                    [self.pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop"],
+                    user=self.user, cwd=self.root, capture_output=True, timeout=60, check=False,
+                )  # fmt: skip
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """SQLAlchemy URL of database ``test`` as user ``postgres`` (trust auth): the shared server, or a private one.
+
+    Tests never write outside schemas of their own (see ``postgres_url``).
+    """
+    shared = f"postgresql+psycopg://postgres@127.0.0.1:{POSTGRES_PORT}/{POSTGRES_DB}"
+    if _postgres_answers(shared):
+        yield shared
+        return
+    server = _PrivatePostgres()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_server: str) -> Iterator[tuple[str, str]]:
+    """(SQLAlchemy URL, schema name) for the services: a schema of this session's, dropped afterwards."""
+    import sqlalchemy
+
+    schema = f"onnxforge_test_{uuid.uuid4().hex[:10]}"
+    try:
+        yield postgres_server, schema
+    finally:
+        engine = sqlalchemy.create_engine(postgres_server, connect_args={"connect_timeout": 3})
         with engine.begin() as conn:
             conn.execute(sqlalchemy.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         engine.dispose()
