@@ -26,6 +26,8 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
+from core.inputs import InputSynthesis
+
 Family = Literal["bert", "roberta", "distilbert", "gpt2", "t5", "vit", "unknown"]
 FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "t5", "vit")
 
@@ -158,36 +160,13 @@ def detect_sizes(model: ir.Model) -> tuple[int, int]:
     return heads, hidden
 
 
-_ID_SHAPES = ((1, 7, 0.0), (3, 16, 0.3), (2, 33, 0.5))  # (batch, sequence, share of padding)
+_ID_SHAPES = ((1, 7), (3, 16), (2, 33))  # (batch, sequence): odd lengths, several rows
 
 
 def verification_feeds(model: ir.Model, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Realistic inputs when the context has no samples: token ids below the vocabulary size, right-padded
-    attention masks (every row keeps >= 1 token, ORT #18945: fused attention assumes right padding), zero
-    token types, positions 0..S-1, and N(0, 1) floats; symbolic dims set to batch and sequence."""
+    """Inputs when the context has no samples, made for each input's role by ``core.inputs`` (the one
+    synthesis every caller uses): ids within the vocabulary, right-padded masks, past and special tokens as
+    the graph needs them."""
+    synthesis = InputSynthesis(model, seed=seed)
     rng = np.random.default_rng(seed)
-    vocab = max((t.shape[0] for _, t in _embedding_gathers(model) if isinstance(t.shape[0], int)), default=2)
-    feeds_list = []
-    for batch, seq, pad in _ID_SHAPES:
-        lengths = np.maximum(1, seq - rng.binomial(seq, pad, size=batch))
-        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
-        feeds: dict[str, np.ndarray] = {}
-        for value in model.graph.inputs:
-            if value.const_value is not None:
-                continue
-            dims = list(value.shape) if value.shape is not None else []
-            shape = [d if isinstance(d, int) else (batch if i == 0 else seq) for i, d in enumerate(dims)]
-            dtype = value.dtype.numpy() if value.dtype is not None else np.float32
-            name = value.name.lower()
-            if np.issubdtype(dtype, np.floating):
-                feeds[value.name] = rng.standard_normal(shape).astype(dtype)
-            elif "mask" in name and shape == [batch, seq]:
-                feeds[value.name] = mask.astype(dtype)
-            elif "position" in name and shape == [batch, seq]:
-                feeds[value.name] = np.broadcast_to(np.arange(seq), (batch, seq)).astype(dtype)
-            elif "type" in name:
-                feeds[value.name] = np.zeros(shape, dtype)
-            else:
-                feeds[value.name] = rng.integers(0, vocab if "ids" in name else 2, size=shape).astype(dtype)
-        feeds_list.append(feeds)
-    return feeds_list
+    return [synthesis.feeds_at(batch, seq, rng) for batch, seq in _ID_SHAPES]
