@@ -1,0 +1,146 @@
+"""core/inputs: inputs understood by role from the graph alone (issue 17 item 1), on real exports.
+
+The three ``roles_*`` exports below failed before any pass ran, with "give shapes in the config or upload
+samples.npz": a GPT-2 cache fed a mask that did not span past + new tokens, wav2vec2 fed 8 audio samples,
+BART's classifier fed ids without its ``</s>``. They are committed (``tests/models/build_roles.py``), so
+these tests need no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from core.config import Tolerance
+from core.errors import InvalidInputError
+from core.inputs import InputSynthesis, analyze, generate_input_sets
+from workers.verify import Verifier
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def verified_sets(path: Path, count: int = 3):
+    """The generated sets after the original model ran on each (and the Verifier adopted any retry)."""
+    sets = generate_input_sets(onnx.load(str(path)), count)
+    verifier = Verifier(path, sets, Tolerance())
+    assert verifier.check(path).ok  # the original against itself: every set runs and compares exactly
+    return sets
+
+
+def test_generated_sets_run_a_gpt2_cache_when_the_mask_spans_past_and_new_tokens() -> None:
+    sets = verified_sets(MODELS / "roles_gpt2_past.onnx")
+    pasts = []
+    for input_set in sets:
+        ids, mask = input_set.feeds["input_ids"], input_set.feeds["attention_mask"]
+        past = input_set.feeds["past_key_values.0.key"]
+        assert past.shape[1] == 2 and past.shape[3] == 8  # heads and head size as the graph declares
+        assert mask.shape == (ids.shape[0], past.shape[2] + ids.shape[1])
+        assert mask[:, : past.shape[2]].all()  # the past is valid; padding falls in the new tokens
+        assert ids.max() < 96  # the embedding table's rows
+        assert input_set.provenance["inputs"]["past_key_values.0.key"]["role"] == "past_key_values"
+        pasts.append(past.shape[2])
+    assert 0 in pasts and max(pasts) > 0  # the first call (no past) and a later one
+
+
+def test_generated_sets_run_wav2vec2_when_the_audio_is_long_enough_for_its_conv_stack() -> None:
+    role = analyze(onnx.load(str(MODELS / "roles_wav2vec2.onnx"))).roles["input_values"]
+    assert role.role == "audio" and role.min_length() == 400  # kernels 10,3,3,3,3,2,2 / strides 5,2,...
+    sets = verified_sets(MODELS / "roles_wav2vec2.onnx")
+    assert all(s.feeds["input_values"].shape[1] >= 400 for s in sets)
+    assert "400 samples" in sets[0].provenance["inputs"]["input_values"]["why"]
+
+
+def test_generated_sets_run_bart_classification_when_each_row_holds_one_eos_at_its_end() -> None:
+    role = analyze(onnx.load(str(MODELS / "roles_bart_cls.onnx"))).roles["input_ids"]
+    assert role.role == "token_ids" and role.markers == (2,) and role.high == 96
+    for input_set in verified_sets(MODELS / "roles_bart_cls.onnx"):
+        ids, mask = input_set.feeds["input_ids"], input_set.feeds["attention_mask"]
+        assert ((ids == 2).sum(axis=1) == 1).all()
+        last = mask.sum(axis=1) - 1
+        assert (ids[np.arange(len(ids)), last] == 2).all()
+        assert input_set.provenance["guess"] == "role-based" and not input_set.provenance["attempts"]
+
+
+def _needs_twenty_positions() -> onnx.ModelProto:
+    """y = x[:, 20]: runs only on sequences longer than 20, which the first guess (8) is not."""
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["y"], axis=1)],
+        "needs_twenty",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
+        [numpy_helper.from_array(np.array(20, np.int64), "i")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_verifier_tries_longer_sequences_and_records_why_when_the_first_guess_fails(tmp_path: Path) -> None:
+    path = tmp_path / "needs_twenty.onnx"
+    onnx.save(_needs_twenty_positions(), str(path))
+    sets = generate_input_sets(onnx.load(str(path)), 2)
+    assert sets[0].feeds["x"].shape == (1, 8)
+    Verifier(path, sets, Tolerance())
+    assert sets[0].feeds["x"].shape[1] > 20
+    assert sets[0].provenance["guess"] == "longer sequences"
+    attempts = sets[0].provenance["attempts"]
+    assert [a["guess"] for a in attempts] == ["role-based"] and "Gather" in attempts[0]["error"]
+
+
+def test_verifier_asks_for_shapes_after_every_guess_when_none_runs(tmp_path: Path) -> None:
+    model = _needs_twenty_positions()
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.array(5000, np.int64), "i"))
+    path = tmp_path / "needs_5000.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(InvalidInputError, match=r"also tried: longer sequences.*give shapes in the config") as info:
+        Verifier(path, generate_input_sets(model, 1), Tolerance())
+    assert info.value.code == "MODEL_RUN_FAILED"
+
+
+def _conv_features_model() -> onnx.ModelProto:
+    """Whisper's encoder in small: [batch, 4 mels, frames] -> Conv(k3, p1) -> Conv(k3, s2, p1) -> Transpose ->
+    + a 6-row position table: only 11 or 12 frames give the 6 positions the table needs."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 4, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((8, 8, 3)).astype(np.float32), "w2"),
+        numpy_helper.from_array(rng.standard_normal((6, 8)).astype(np.float32), "embed_positions"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["features", "w1"], ["c1"], kernel_shape=[3], pads=[1, 1]),
+        helper.make_node("Conv", ["c1", "w2"], ["c2"], kernel_shape=[3], pads=[1, 1], strides=[2]),
+        helper.make_node("Transpose", ["c2"], ["t"], perm=[0, 2, 1]),
+        helper.make_node("Add", ["t", "embed_positions"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "features",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 4, "frames"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 6, 8])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_generated_sets_fix_the_frames_when_a_position_table_follows_the_conv_stack(tmp_path: Path) -> None:
+    model = _conv_features_model()
+    role = analyze(model).roles["features"]
+    assert role.role == "features" and role.exact_out == 6 and role.channels == 4
+    path = tmp_path / "features.onnx"
+    onnx.save(model, str(path))
+    sets = generate_input_sets(model, 3)
+    assert {s.feeds["features"].shape[1:] for s in sets} == {(4, 11)}
+    Verifier(path, sets, Tolerance())
+    assert all(s.provenance["guess"] == "role-based" for s in sets)
+
+
+def test_feeds_at_keeps_previous_roles_when_the_model_is_a_plain_encoder() -> None:
+    model = onnx.load(str(MODELS / "hf_bert_encoder.onnx"))
+    feeds = InputSynthesis(model).feeds_at(3, 16, np.random.default_rng(0))
+    assert {k: v.shape for k, v in feeds.items()} == dict.fromkeys(
+        ("input_ids", "attention_mask", "token_type_ids"), (3, 16)
+    )
+    assert feeds["input_ids"].max() < 256 and set(np.unique(feeds["token_type_ids"])) <= {0, 1}
+    assert feeds["attention_mask"][0].all()
