@@ -14,6 +14,7 @@ import pytest
 from core import recipe as core_recipe
 from core import runtime
 from core.errors import InvalidPassOptionsError
+from core.inputs import InputSynthesis
 from passes._infra import PassContext
 from passes.session import shape_profile as sp
 from passes.session.shape_profile import ShapeProfile
@@ -104,35 +105,91 @@ def test_warmup_candidate_records_the_largest_shape(monkeypatch):
     assert recipe["warmup"] == [{"input_ids": [3, 40], "attention_mask": [3, 40], "token_type_ids": [3, 40]}]
 
 
-def test_ranges_default_to_batch_1_8_and_sequence_8_512_clamped_to_the_position_table():
+def plan(model: ir.Model, options=None, samples=(), max_positions=None):
+    synthesis = InputSynthesis(model)
+    return sp._dim_plan(
+        synthesis, synthesis.free_dims(), options or ShapeProfile.Options(), list(samples), max_positions
+    )
+
+
+def test_dim_plan_draws_a_serving_like_trace_up_to_the_position_table_when_no_samples_are_given():
+    """Issue 17: the defaults come from the model (its 128 positions), batches weighted to 1, lengths
+    log-uniform over the table rather than a narrow uniform band."""
     model = encoder()
-    inputs = sp._graph_inputs(model)
-    dynamic = sp._dynamic_dims(inputs)
-    assert dynamic == {"batch": "batch", "sequence": "sequence"}
-    assert sp._max_positions(model) == 128
-    plan = sp._dim_plan(inputs, dynamic, ShapeProfile.Options(), [], None)
-    assert plan["batch"]["range"] == [1, 8] and plan["batch"]["source"] == "default"
-    assert plan["sequence"]["range"] == [8, 512]
-    plan = sp._dim_plan(inputs, dynamic, ShapeProfile.Options(), [], 128)
-    assert plan["sequence"]["range"] == [8, 128] and plan["sequence"]["clamped_to"] == 128
+    synthesis = InputSynthesis(model)
+    assert synthesis.facts.max_positions == 128
+    dims = plan(model, max_positions=synthesis.facts.max_positions)
+    assert dims["batch"]["buckets"] == [1, 2, 4, 8] and dims["batch"]["source"] == "default"
+    assert dims["sequence"]["range"] == [8, 128] and dims["sequence"]["distribution"] == "log-uniform"
+    rng = np.random.default_rng(0)
+    draws = [sp._draw(dims, rng) for _ in range(400)]
+    lengths = np.array([d["sequence"] for d in draws])
+    batches = np.array([d["batch"] for d in draws])
+    assert lengths.min() >= 8 and lengths.max() <= 128 and lengths.max() > 96  # the whole table is reached
+    assert np.median(lengths) < 48  # most calls are short, as served traffic is
+    assert (batches == 1).mean() > (batches == 8).mean() * 2
+
+
+def test_dim_plan_fits_past_and_new_tokens_in_the_table_when_the_model_has_a_cache():
+    model = ir.load(MODELS / "roles_gpt2_past.onnx")  # 64 positions; mask spans past_sequence + sequence
+    synthesis = InputSynthesis(model)
+    dims = plan(model, max_positions=synthesis.facts.max_positions)
+    assert set(dims) == {"batch", "sequence", "past_sequence"}  # the mask's dim is derived, not drawn
+    assert dims["past_sequence"]["role"] == "past" and dims["past_sequence"]["range"][0] == 0
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        sizes = sp._draw(dims, rng)
+        assert sizes["sequence"] + sizes["past_sequence"] <= 64
+        feeds = synthesis.feeds_for_sizes(sizes, rng)
+        assert feeds["attention_mask"].shape[1] == sizes["sequence"] + sizes["past_sequence"]
+
+
+def test_dim_plan_starts_audio_at_the_convolution_stack_minimum_when_the_input_is_raw_audio():
+    dims = plan(ir.load(MODELS / "roles_wav2vec2.onnx"))
+    assert dims["samples"]["range"] == [400, 400 * 64]
 
 
 def test_ranges_come_from_the_samples_then_the_options():
     model = encoder()
-    inputs = sp._graph_inputs(model)
-    dynamic = sp._dynamic_dims(inputs)
     samples = [{"input_ids": np.zeros((2, 16), np.int64)}, {"input_ids": np.zeros((4, 64), np.int64)}]
-    plan = sp._dim_plan(inputs, dynamic, ShapeProfile.Options(), samples, 128)
-    assert plan["batch"] == {"role": "batch", "buckets": None, "range": [2, 4], "source": "samples"}
-    assert plan["sequence"]["range"] == [16, 64]
-    one = sp._dim_plan(inputs, dynamic, ShapeProfile.Options(), samples[:1], 128)  # one size is no range
+    dims = plan(model, samples=samples, max_positions=128)
+    assert dims["batch"] == {
+        "role": "batch", "buckets": None, "range": [2, 4], "source": "samples", "distribution": "uniform"
+    }  # fmt: skip
+    assert dims["sequence"]["range"] == [16, 64]
+    one = plan(model, samples=samples[:1], max_positions=128)  # one size is no range
     assert one["sequence"]["source"] == "default"
     options = ShapeProfile.Options(ranges={"sequence": (32, 48)}, buckets={"batch": [1, 4, 2]})
-    plan = sp._dim_plan(inputs, dynamic, options, samples, 128)
-    assert plan["sequence"]["range"] == [32, 48] and plan["sequence"]["source"] == "option"
-    assert plan["batch"]["buckets"] == [1, 2, 4]
+    dims = plan(model, options, samples, 128)
+    assert dims["sequence"]["range"] == [32, 48] and dims["sequence"]["source"] == "option"
+    assert dims["batch"]["buckets"] == [1, 2, 4]
     rng = np.random.default_rng(0)
-    assert {sp._draw(plan, rng)["batch"] for _ in range(50)} == {1, 2, 4}
+    assert {sp._draw(dims, rng)["batch"] for _ in range(50)} == {1, 2, 4}
+
+
+def test_pass_prefers_the_leaner_serving_memory_when_the_load_dominates_peak_rss(monkeypatch):
+    """Issue 17: every candidate's process peak is the model load's (600 MiB); the trace's own peak above
+    the pre-load RSS is what differs, and decides."""
+    serving = {"default": 300.0, "cpu_arena_same_as_requested": 240.0}
+    child = fake_child({}, {})
+
+    def run_child(spec, spec_path, timeout_s=600.0):
+        result = child(spec, spec_path, timeout_s)
+        name = next(
+            n for n, c in sp.CPU_CANDIDATES.items() if sp._recipe(c, spec["recipe"]["warmup"]) == spec["recipe"]
+        )
+        result.update(peak_rss_mb=600.0, loaded_rss_mb=200.0, trace_peak_rss_mb=100.0 + serving.get(name, 300.0))
+        return result
+
+    monkeypatch.setattr(sp, "run_child", run_child)
+    model = encoder()
+    result = ShapeProfile({"calls": 4, "repeats": 1})(model, PassContext())
+    report = result.notes["shape_profile"]
+    assert report["chosen"] == "cpu_arena_same_as_requested"
+    rows = {r["name"]: r for r in report["candidates"]}
+    assert rows["cpu_arena_same_as_requested"]["memory_saving_mb"] == pytest.approx(60.0)
+    assert rows["default"]["arena_growth_mb"] == pytest.approx(200.0)
+    assert report["plot"]["peak_memory"]["y"] == "serving_mb"
 
 
 def test_options_refuse_unknown_candidates_and_bad_ranges():
@@ -171,6 +228,7 @@ def test_pass_measures_every_candidate_in_fresh_processes_on_a_short_trace():
     for row in report["candidates"]:
         assert not row["errors"], row
         assert row["peak_rss_mb"] > row["base_rss_mb"] > 0
+        assert row["serving_mb"] > 0 and row["arena_growth_mb"] >= 0  # the trace's own memory, load excluded
         assert row["trace_s"] > 0 and row["load_s"] > 0
         assert len(row["trace_s_runs"]) == 1
     series = report["plot"]["latency"]["series"]
