@@ -307,6 +307,15 @@ class InputSynthesis:
         does not name (a mask over past + new tokens, audio samples) follow from them."""
         return self.feeds(self.bind(0, GUESSES[0], preset=sizes), rng)
 
+    def feeds_at(self, batch: int, sequence: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Feeds with every batch-like dim at ``batch`` and every sequence-like one (and a past) at
+        ``sequence``, within the minimum the graph needs (audio samples)."""
+        sizes = {
+            dim: batch if plan["role"] == "batch" else max(sequence, plan["min"])
+            for dim, plan in self.free_dims().items()
+        }
+        return self.feeds_for_sizes(sizes, rng)
+
     def free_dims(self) -> dict[str, dict[str, Any]]:
         """Symbolic dims a caller may choose, in order of first appearance: ``{"role": "batch" | "sequence" |
         "past", "min": smallest valid size}``. Dims fixed by the graph (image sides read from a position
