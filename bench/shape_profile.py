@@ -4,8 +4,9 @@ Run ``python -m bench.shape_profile [--pass-repeats N] [--repeats N] [--calls N]
 
 1. **Profile.** The ``shape_profile`` pass runs on the bench MiniLM (``bench/models.py``, 6 layers, hidden
    384, inputs ``[batch, sequence]``) with no samples, so the trace sizes come from the defaults: batch
-   1..8, sequence 8..512 (the position table's 512). It measures every CPU candidate in fresh processes
-   (``--pass-repeats`` rounds, interleaved) and writes the winner into the artifact's ``onnxforge.session``.
+   1/2/4/8 weighted to 1, sequence log-uniform over 8..512 (the position table's 512). It measures every
+   CPU candidate in fresh processes (``--pass-repeats`` rounds, interleaved) and writes the winner into the
+   artifact's ``onnxforge.session``.
 2. **Check.** On a *different* 40-call random-size trace (seed ``--seed + 1``), ORT's default session on
    the original model and ``core.runtime.load`` on the artifact (recipe and warm-up applied) each
    replay the trace in a fresh process (``python -m core.runtime --measure``), ``--repeats`` times,
@@ -37,19 +38,9 @@ import onnx_ir as ir
 
 from bench._report import write_blocks
 from bench.models import ensure_bench_model
+from core.inputs import InputSynthesis
 from passes._infra import PassContext
-from passes.session.shape_profile import (
-    ShapeProfile,
-    _dim_plan,
-    _draw,
-    _dynamic_dims,
-    _feeds,
-    _graph_inputs,
-    _index_ranges,
-    _max_positions,
-    _spikes,
-    run_child,
-)
+from passes.session.shape_profile import ShapeProfile, _dim_plan, _draw, _spikes, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "shape_profile"
@@ -58,12 +49,11 @@ START, END = "<!-- shape-profile-table:start -->", "<!-- shape-profile-table:end
 
 
 def _trace(model: ir.Model, calls: int, seed: int, path: Path) -> list[dict[str, int]]:
-    inputs = _graph_inputs(model)
-    dims = _dim_plan(inputs, _dynamic_dims(inputs), ShapeProfile.Options(), [], _max_positions(model))
+    synthesis = InputSynthesis(model, seed=seed)
+    dims = _dim_plan(synthesis, synthesis.free_dims(), ShapeProfile.Options(), [], synthesis.facts.max_positions)
     rng = np.random.default_rng(seed)
     trace = [_draw(dims, rng) for _ in range(calls)]
-    ranges = _index_ranges(model)
-    feeds = [_feeds(inputs, sizes, rng, ranges) for sizes in trace]
+    feeds = [synthesis.feeds_for_sizes(sizes, rng) for sizes in trace]
     np.savez(path, **{f"{i}/{k}": v for i, feed in enumerate(feeds) for k, v in feed.items()})
     return trace
 
