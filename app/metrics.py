@@ -45,8 +45,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 JOB_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 PASS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _QUEUES = ("cpu", "gpu")
-# kombu's Redis transport keeps priorities 3, 6 and 9 in sub-lists "<queue>\x06\x16<priority>".
-_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+# kombu's Redis transport keeps priorities 1-9 (core/broker.py's priority_steps) in sub-lists
+# "<queue>\x06\x16<priority>"; priority 0 is the queue's own list.
+_PRIORITY_SUFFIXES = ("", *(f"\x06\x16{step}" for step in range(1, 10)))
 
 
 def _buckets(values: Iterable[float], bounds: Sequence[float]) -> tuple[list[tuple[str, float]], float]:

@@ -169,6 +169,19 @@ class Job:
         return cls(**data)
 
 
+@dataclasses.dataclass(frozen=True)
+class Intake:
+    """What a submission records beside the job: its size (bytes-per-day quota), and the client's
+    Idempotency-Key with a fingerprint of the request it named (a reused key must name the same request)."""
+
+    upload_bytes: int
+    idempotency_key: str | None = None
+    request_sha256: str | None = None
+
+    def values(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 def to_json(value: dict[str, Any] | None) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
 

@@ -204,6 +204,44 @@ class CacheSettings(_Section):
     )
 
 
+class TeamQuota(_Section):
+    """One team's overrides of the quotas section; an unset field takes the section's value."""
+
+    max_concurrent_jobs: int | None = Field(None, ge=0)
+    max_bytes_per_day: int | None = Field(None, ge=0)
+    priority: int | None = Field(None, ge=0, le=9)
+
+
+class QuotasSettings(_Section):
+    max_concurrent_jobs: int = Field(
+        0,
+        ge=0,
+        description="Jobs one team may have queued or running at once; a further submission answers 429 "
+        "QUOTA_CONCURRENT_JOBS with Retry-After (0: no limit).",
+    )
+    max_bytes_per_day: int = Field(
+        0,
+        ge=0,
+        description="Bytes (model plus samples) one team may upload in any 24 hours; more answers 429 "
+        "QUOTA_BYTES_PER_DAY with Retry-After, the seconds until enough of the window has passed (0: no limit).",
+    )
+    retry_after_seconds: int = Field(
+        30, ge=1, description="Retry-After of a 429 QUOTA_CONCURRENT_JOBS: when a running job may have finished."
+    )
+    priority: int = Field(
+        0,
+        ge=0,
+        le=9,
+        description="Broker priority of a team's job, 0 (first) to 9 (last), plus one for each job the team already "
+        "has queued or running, so a team with many jobs in flight yields the shared queues to teams with few "
+        "(Redis broker; the embedded queue is first in, first out).",
+    )
+    teams: dict[str, TeamQuota] = Field(
+        default_factory=dict,
+        description='Per-team overrides as JSON, e.g. {"team-a": {"max_concurrent_jobs": 8, "priority": 2}}.',
+    )
+
+
 class MetricsSettings(_Section):
     enabled: bool = Field(True, description="Serve Prometheus metrics at GET /metrics (no API key).")
     allow_from: list[str] = Field(
@@ -313,6 +351,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = CacheSettings()
     metrics: MetricsSettings = MetricsSettings()
     webhooks: WebhooksSettings = WebhooksSettings()
+    quotas: QuotasSettings = QuotasSettings()
 
     @field_validator("storage")
     @classmethod

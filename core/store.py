@@ -33,19 +33,23 @@ from typing import Any
 
 from sqlalchemy import MetaData, and_, create_engine, delete, event, func, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from core import migrations
 from core.errors import ConflictError, InvalidConfigError, NotFoundError, UnavailableError
-from core.jobtable import STATES, TERMINAL_STATES, Job, jobs_table, to_json, valid_id
+from core.jobtable import STATES, TERMINAL_STATES, Intake, Job, jobs_table, to_json, valid_id
+from core.quotas import WINDOW as QUOTA_WINDOW
+from core.quotas import Quota
 from core.store_results import ResultQueries
 
-__all__ = ["STATES", "TERMINAL_STATES", "Job", "JobStore"]
+__all__ = ["STATES", "TERMINAL_STATES", "Intake", "Job", "JobStore"]
 
 _MAX_MESSAGE_CHARS = 4000
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # pg_advisory_xact_lock key serialising concurrent create_schema() calls (API and workers start together).
 _SCHEMA_LOCK_KEY = 0x6F6E6E78
+# pg_advisory_xact_lock(space, hashtext(tenant)) serialising one tenant's quota check and insert.
+_TENANT_LOCK_SPACE = 0x6F6E6E
 
 
 class JobStore(ResultQueries):
@@ -171,8 +175,16 @@ class JobStore(ResultQueries):
         queue: str,
         cache_key: str | None = None,
         webhook: bool = False,
+        intake: Intake | None = None,
+        quota: Quota | None = None,
     ) -> Job:
-        """A queued job. ``webhook``: the job has a callback_url; a worker delivers it once the job ends."""
+        """A queued job. ``webhook``: the job has a callback_url; a worker delivers it once the job ends.
+
+        ``quota``: checked against the tenant's jobs in flight and bytes of the last 24 hours inside the
+        insert's transaction (QuotaExceededError). A second job with the same tenant and
+        ``intake.idempotency_key`` raises ConflictError IDEMPOTENCY_KEY_IN_USE (``find_idempotent`` then
+        gives the first).
+        """
         now = self._clock()
         values = {
             "id": str(uuid.uuid4()),
@@ -194,10 +206,52 @@ class JobStore(ResultQueries):
             "cache_key": cache_key,
             "webhook_state": "pending" if webhook else None,
             "webhook_attempts": 0 if webhook else None,
+            **(intake.values() if intake is not None else {}),
         }
-        with self._tx() as conn:
-            row = conn.execute(self.table.insert().values(values).returning(*self.table.c)).one()
+        try:
+            with self._tx() as conn:
+                if quota is not None:
+                    in_flight, uploads = self._usage(conn, tenant, now)
+                    new_bytes = intake.upload_bytes if intake is not None else model_size
+                    quota.check(team=tenant, in_flight=in_flight, uploads=uploads, new_bytes=new_bytes, now=now)
+                row = conn.execute(self.table.insert().values(values).returning(*self.table.c)).one()
+        except IntegrityError as exc:
+            raise ConflictError(
+                "another request with this Idempotency-Key is being submitted", code="IDEMPOTENCY_KEY_IN_USE"
+            ) from exc
         return Job.from_row(row)
+
+    def find_idempotent(self, tenant: str, key: str) -> Job | None:
+        """The tenant's job submitted with Idempotency-Key ``key``, if it still exists."""
+        c = self.table.c
+        with self._tx(write=False) as conn:
+            row = conn.execute(select(self.table).where(c.tenant == tenant, c.idempotency_key == key)).one_or_none()
+        return None if row is None else Job.from_row(row)
+
+    def check_quota(self, tenant: str, quota: Quota, new_bytes: int = 0) -> int:
+        """Raise QuotaExceededError if one more job of ``new_bytes`` breaks ``quota``; else the tenant's jobs
+        in flight (queued or running), from which its next job's fair-share priority follows."""
+        now = self._clock()
+        with self._tx(write=False) as conn:
+            in_flight, uploads = self._usage(conn, tenant, now)
+        quota.check(team=tenant, in_flight=in_flight, uploads=uploads, new_bytes=new_bytes, now=now)
+        return in_flight
+
+    def _usage(self, conn: Connection, tenant: str, now: datetime) -> tuple[int, list[tuple[datetime, int]]]:
+        c = self.table.c
+        if conn.dialect.name == "postgresql":
+            # Serialise one tenant's submissions: the count below and the insert after it act as one step.
+            lock = text("SELECT pg_advisory_xact_lock(:space, hashtext(:tenant))")
+            conn.execute(lock, {"space": _TENANT_LOCK_SPACE, "tenant": tenant})
+        in_flight = conn.execute(
+            select(func.count()).where(c.tenant == tenant, c.state.in_(("queued", "running")))
+        ).scalar_one()
+        rows = conn.execute(
+            select(c.created_at, func.coalesce(c.upload_bytes, c.model_size)).where(
+                c.tenant == tenant, c.created_at > now - QUOTA_WINDOW
+            )
+        ).all()
+        return int(in_flight), [(created_at, int(size)) for created_at, size in rows]
 
     def get(self, job_id: str, tenant: str | None = None) -> Job:
         """One job; another tenant's job is reported exactly like a missing one (security.md T13)."""

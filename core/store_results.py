@@ -13,8 +13,10 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
 
-from core.jobtable import TERMINAL_STATES, Job, to_json
+from core.errors import ConflictError
+from core.jobtable import TERMINAL_STATES, Intake, Job, to_json
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -76,6 +78,7 @@ class ResultQueries:
         model_filename: str,
         config: dict[str, Any],
         webhook: bool = False,
+        intake: Intake | None = None,
     ) -> Job:
         """A new job, succeeded at once, sharing ``earlier``'s artifact and reports (``cached_from``)."""
         now = self._clock()
@@ -110,9 +113,15 @@ class ResultQueries:
             "hardware_class": earlier.hardware_class,
             "webhook_state": "pending" if webhook else None,
             "webhook_attempts": 0 if webhook else None,
+            **(intake.values() if intake is not None else {}),
         }
-        with self._tx() as conn:
-            row = conn.execute(self.table.insert().values(values).returning(*self.table.c)).one()
+        try:
+            with self._tx() as conn:
+                row = conn.execute(self.table.insert().values(values).returning(*self.table.c)).one()
+        except IntegrityError as exc:  # the unique (tenant, idempotency_key): a concurrent retry won
+            raise ConflictError(
+                "another request with this Idempotency-Key is being submitted", code="IDEMPOTENCY_KEY_IN_USE"
+            ) from exc
         return Job.from_row(row)
 
     # ------------------------------------------------------------------------------------------------ metrics

@@ -7,12 +7,12 @@ from typing import Annotated
 from urllib.parse import urlencode
 
 import anyio
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from app.deps import JobServiceDep, SettingsDep, TenantDep
 from app.schemas import MULTIPART_JOB_BODY, JobList, JobOut, JobState, problem_responses
-from app.services.jobs import Download
+from app.services.jobs import Download, check_idempotency_key
 from app.services.uploads import UploadLimits, receive_upload
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -29,18 +29,39 @@ REPORT_HTML_HEADERS = {
     status_code=202,
     response_model=JobOut,
     openapi_extra=MULTIPART_JOB_BODY,
-    responses=problem_responses(404, 413, 422, 429, 503),
+    responses={
+        200: {"description": "An earlier submission with the same Idempotency-Key: its job, unchanged."},
+        **problem_responses(404, 413, 422, 429, 503),
+    },
     summary="Submit a model for optimization",
 )
 async def create_job(
-    request: Request, response: Response, service: JobServiceDep, settings: SettingsDep, tenant: TenantDep
+    request: Request,
+    response: Response,
+    *,
+    service: JobServiceDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            description="Any unique string (a UUID) naming this submission: sent again with the same model, "
+            "samples and config, it answers 200 with the job it created the first time instead of a new job; "
+            "sent with a different request, 422 IDEMPOTENCY_KEY_REUSED. Kept as long as the job is.",
+        ),
+    ] = None,
 ) -> JobOut:
     """Upload an ONNX model (multipart field ``model``), optional ``samples`` (.npz) and ``config`` (JSON).
 
     The body is streamed to disk and hashed; the job is queued and this answers 202 with the job and its
     ``Location``. Poll that URL until the job is ``succeeded``, ``failed`` or ``canceled``. A tenant with
-    ``api.max_concurrent_uploads_per_tenant`` uploads in progress gets 429 TOO_MANY_UPLOADS.
+    ``api.max_concurrent_uploads_per_tenant`` uploads in progress gets 429 TOO_MANY_UPLOADS; one at its
+    quota of jobs in flight or bytes per day gets 429 QUOTA_CONCURRENT_JOBS or QUOTA_BYTES_PER_DAY, with
+    Retry-After. A repeated ``Idempotency-Key`` answers 200 with the first job and
+    ``Idempotent-Replayed: true``.
     """
+    key = check_idempotency_key(idempotency_key)
+    await anyio.to_thread.run_sync(service.admit, tenant)
     upload = await receive_upload(
         service.blobs,
         content_type=request.headers.get("content-type"),
@@ -50,9 +71,12 @@ async def create_job(
         slot=service.upload_slots.hold(tenant),
     )
     with upload:  # deletes the temp files if anything below fails before they are committed
-        job = await anyio.to_thread.run_sync(partial(service.submit, tenant, upload))
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return JobOut.from_job(job)
+        submitted = await anyio.to_thread.run_sync(partial(service.submit, tenant, upload, key))
+    response.headers["Location"] = f"/v1/jobs/{submitted.job.id}"
+    if not submitted.created:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return JobOut.from_job(submitted.job)
 
 
 @router.get("", response_model=JobList, responses=problem_responses(422), summary="List jobs, newest first")

@@ -8,6 +8,8 @@ reported as not found (security.md T13).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import re
 from pathlib import Path, PurePosixPath
@@ -17,9 +19,10 @@ from app.services import cache
 from app.services.uploads import Upload, UploadSlots
 from core.config import JobConfig
 from core.errors import ConflictError, InvalidInputError, OnnxforgeError, UnavailableError
+from core.quotas import Quota
 from core.settings import Settings
 from core.storage import BlobStore
-from core.store import STATES, Job, JobStore
+from core.store import STATES, Intake, Job, JobStore
 from core.webhooks import check_destination
 
 if TYPE_CHECKING:
@@ -34,9 +37,41 @@ _SAFE_STEM = re.compile(r"[^A-Za-z0-9._-]+")
 class Dispatcher(Protocol):
     """What the API needs of core/broker.py's Dispatcher."""
 
-    def enqueue(self, job_id: str, queue: str) -> None: ...
+    def enqueue(self, job_id: str, queue: str, priority: int | None = None) -> None: ...
 
     def ping(self) -> None: ...
+
+
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    """The Idempotency-Key header's value, or None without one; 422 when it is not 1-255 visible ASCII."""
+    if key is None:
+        return None
+    if not _IDEMPOTENCY_KEY.fullmatch(key):
+        raise InvalidInputError(
+            "Idempotency-Key must be 1 to 255 visible ASCII characters (a UUID is a good choice)",
+            code="IDEMPOTENCY_KEY_INVALID",
+        )
+    return key
+
+
+def request_fingerprint(upload: Upload, config: JobConfig) -> str:
+    """SHA-256 of what a submission asks for: the model, samples, file name and effective config."""
+    request = {
+        "model": upload.model.sha256,
+        "filename": upload.model.filename,
+        "samples": upload.samples.sha256 if upload.samples else None,
+        "config": config.model_dump(mode="json"),
+    }
+    return hashlib.sha256(json.dumps(request, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    job: Job
+    created: bool  # False: an earlier submission with the same Idempotency-Key, answered again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +130,23 @@ class JobService:
             frozenset(settings.webhooks.tenant_secrets()) if settings.webhooks.allowed_hosts else frozenset()
         )
 
-    def submit(self, tenant: str, upload: Upload) -> Job:
+    def quota(self, tenant: str) -> Quota:
+        return Quota.for_team(self.settings.quotas, tenant)
+
+    def admit(self, tenant: str) -> None:
+        """Before an upload is read: 429 QUOTA_* when the tenant is already at a quota (core/quotas.py)."""
+        quota = self.quota(tenant)
+        if quota.max_concurrent_jobs or quota.max_bytes_per_day:
+            self.store.check_quota(tenant, quota)
+
+    def submit(self, tenant: str, upload: Upload, idempotency_key: str | None = None) -> Submitted:
         """Validate the config, commit the upload's blobs, then answer from the result cache or record the
         job and enqueue it.
+
+        ``idempotency_key``: a tenant's second submission with the same key answers the first job
+        (``created`` False) when it asks for the same thing, and 422 IDEMPOTENCY_KEY_REUSED otherwise. The
+        tenant's quota is checked again, exactly, when the job is recorded, and its job gets the fair-share
+        priority of its jobs in flight (core/quotas.py).
 
         A ``callback_url`` is checked against the operator's webhook policy first (422
         CALLBACK_URL_INVALID / CALLBACK_URL_NOT_ALLOWED, core/webhooks.py). A cache hit
@@ -116,6 +165,38 @@ class JobService:
             self.metrics.upload_bytes.labels("model").inc(upload.model.size)
             if upload.samples is not None:
                 self.metrics.upload_bytes.labels("samples").inc(upload.samples.size)
+        fingerprint = request_fingerprint(upload, config)
+        if idempotency_key is not None:
+            earlier = self.store.find_idempotent(tenant, idempotency_key)
+            if earlier is not None:
+                return self._replay(earlier, fingerprint)
+        intake = Intake(
+            upload_bytes=upload.model.size + (upload.samples.size if upload.samples else 0),
+            idempotency_key=idempotency_key,
+            request_sha256=fingerprint,
+        )
+        try:
+            return Submitted(self._record(tenant, upload, config, intake), created=True)
+        except ConflictError as exc:
+            if exc.code != "IDEMPOTENCY_KEY_IN_USE" or idempotency_key is None:
+                raise
+            earlier = self.store.find_idempotent(tenant, idempotency_key)  # the concurrent twin that won
+            if earlier is None:
+                raise
+            return self._replay(earlier, fingerprint)
+
+    def _replay(self, earlier: Job, fingerprint: str) -> Submitted:
+        if earlier.request_sha256 != fingerprint:
+            raise InvalidInputError(
+                f"this Idempotency-Key was used for job {earlier.id} with another model, samples or config; "
+                "use a new key for a new job",
+                code="IDEMPOTENCY_KEY_REUSED",
+                detail={"job_id": earlier.id},
+            )
+        log.info("job %s answered again for its Idempotency-Key", earlier.id)
+        return Submitted(earlier, created=False)
+
+    def _record(self, tenant: str, upload: Upload, config: JobConfig, intake: Intake) -> Job:
         queue = "gpu" if config.target in GPU_TARGETS else "cpu"
         samples_sha256 = upload.samples.sha256 if upload.samples else None
         key = None
@@ -128,9 +209,11 @@ class JobService:
                 settings=self.settings,
             )
             if config.use_cache:
-                hit = self._from_cache(tenant, key, queue, upload, config)
+                hit = self._from_cache(tenant, key, queue, upload, config, intake=intake)
                 if hit is not None:
                     return hit
+        quota = self.quota(tenant)
+        in_flight = self.store.check_quota(tenant, quota, intake.upload_bytes)
         job = self.store.create(
             tenant=tenant,
             model_sha256=upload.model.sha256,
@@ -142,9 +225,11 @@ class JobService:
             queue=queue,
             cache_key=key,
             webhook=config.callback_url is not None,
+            intake=intake,
+            quota=quota,
         )
         try:
-            self.dispatcher.enqueue(job.id, queue)
+            self.dispatcher.enqueue(job.id, queue, quota.fair_priority(in_flight))
         except BaseException as exc:
             self.store.delete(job.id)
             if isinstance(exc, UnavailableError):
@@ -156,7 +241,9 @@ class JobService:
         log.info("job %s queued on %s (tenant %s, model %s)", job.id, queue, tenant, job.model_sha256[:12])
         return job
 
-    def _from_cache(self, tenant: str, key: str, queue: str, upload: Upload, config: JobConfig) -> Job | None:
+    def _from_cache(
+        self, tenant: str, key: str, queue: str, upload: Upload, config: JobConfig, *, intake: Intake
+    ) -> Job | None:
         earlier = cache.lookup(self.store, key, tenant=tenant, queue=queue, settings=self.settings)
         shas = (earlier.artifact_sha256, earlier.report_sha256, earlier.report_html_sha256) if earlier else ()
         usable = earlier is not None and all(sha is not None and self.blobs.exists(sha) for sha in shas)
@@ -170,6 +257,7 @@ class JobService:
             model_filename=upload.model.filename,
             config=config.model_dump(mode="json"),
             webhook=config.callback_url is not None,
+            intake=intake,
         )
         if self.metrics is not None:
             self.metrics.cache_hits.inc()

@@ -36,14 +36,16 @@ class RecordingDispatcher:
 
     def __init__(self) -> None:
         self.enqueued: list[tuple[str, str]] = []
+        self.priorities: list[int | None] = []
         self.down = False
         self._lock = threading.Lock()
 
-    def enqueue(self, job_id: str, queue: str) -> None:
+    def enqueue(self, job_id: str, queue: str, priority: int | None = None) -> None:
         if self.down:
             raise UnavailableError("recorder: broker down", code="BROKER_UNAVAILABLE")
         with self._lock:
             self.enqueued.append((job_id, queue))
+            self.priorities.append(priority)
 
     def ping(self) -> None:
         if self.down:
@@ -136,5 +138,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 def api(live: Live) -> Live:
     """The shared server, with the recorder emptied and the broker up."""
     live.dispatcher.enqueued.clear()
+    live.dispatcher.priorities.clear()
     live.dispatcher.down = False
     return live
