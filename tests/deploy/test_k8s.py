@@ -1,8 +1,9 @@
 """deploy/k8s is checked without a cluster: no kubectl, no kustomize binary, no API server here.
 
 The kustomizations are rendered by a small pure-Python renderer for the subset of kustomize they use
-(resources, components, namespace, images, patches with strategic merge and ``$patch: delete``); a key
-it does not know fails the test, so the manifests cannot drift beyond what is checked. Every rendered
+(resources, components, namespace, images, patches with strategic merge and ``$patch: delete``,
+replacements); a key it does not know fails the test, so the manifests cannot drift beyond what is
+checked. Where kubectl is installed, the renderer is checked against ``kubectl kustomize``. Every rendered
 object is validated against the Kubernetes JSON schemas shipped by the PyPI package ``kubernetes-validate``
 (strict: unknown fields fail), and the custom resources (KEDA, Prometheus Operator) against the minimal
 schemas in tests/deploy/schemas. Then what would break a deployment silently: commands the CLI refuses,
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import subprocess
 import time
+import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,7 +62,16 @@ class KustomizeError(AssertionError):
 
 
 _KEYS = {
-    "Kustomization": {"apiVersion", "kind", "namespace", "resources", "components", "images", "patches"},
+    "Kustomization": {
+        "apiVersion",
+        "kind",
+        "namespace",
+        "resources",
+        "components",
+        "images",
+        "patches",
+        "replacements",
+    },
     "Component": {"apiVersion", "kind", "resources", "components", "images", "patches"},
 }
 
@@ -168,6 +180,55 @@ def _apply_images(docs: list[dict[str, Any]], images: list[dict[str, Any]]) -> N
                 container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
 
 
+def _get_path(doc: dict[str, Any], path: str) -> Any:
+    node: Any = doc
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def _set_path(doc: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    node: Any = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _apply_replacements(docs: list[dict[str, Any]], replacements: list[dict[str, Any]], directory: Path) -> None:
+    """kustomize ``replacements`` (inline; source by kind/name; targets by kind/name; delimiter/index)."""
+    for entry in replacements:
+        if set(entry) - {"source", "targets"} or set(entry["source"]) - {"kind", "name", "fieldPath"}:
+            raise KustomizeError(f"{directory}: replacement {entry} is not implemented by the test renderer")
+        source = entry["source"]
+        sources = [d for d in docs if d["kind"] == source["kind"] and d["metadata"]["name"] == source["name"]]
+        if len(sources) != 1:
+            raise KustomizeError(f"{directory}: replacement source {source} matches {len(sources)} resources")
+        value = _get_path(sources[0], source["fieldPath"])
+        for target in entry["targets"]:
+            if set(target) - {"select", "fieldPaths", "options"} or set(target["select"]) - {"kind", "name"}:
+                raise KustomizeError(f"{directory}: replacement target {target} is not implemented")
+            options = target.get("options", {})
+            if set(options) - {"delimiter", "index"}:
+                raise KustomizeError(f"{directory}: replacement options {options} are not implemented")
+            select = target["select"]
+            for doc in docs:
+                if select.get("kind", doc["kind"]) != doc["kind"]:
+                    continue
+                if select.get("name", doc["metadata"]["name"]) != doc["metadata"]["name"]:
+                    continue
+                for path in target["fieldPaths"]:
+                    new = value
+                    if "delimiter" in options:
+                        parts = str(_get_path(doc, path)).split(options["delimiter"])
+                        parts[options.get("index", 0)] = str(value)
+                        new = options["delimiter"].join(parts)
+                    _set_path(doc, path, new)
+
+
 def _build(data: dict[str, Any], directory: Path) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
     for entry in data.get("resources", []):
@@ -193,6 +254,8 @@ def _build(data: dict[str, Any], directory: Path) -> list[dict[str, Any]]:
         for doc in docs:
             if doc["kind"] not in CLUSTER_SCOPED:
                 doc["metadata"]["namespace"] = data["namespace"]
+    # After the namespace, as kustomize does within one kustomization (a component's run before it).
+    _apply_replacements(docs, data.get("replacements", []), directory)
     _apply_images(docs, data.get("images", []))
     seen: set[tuple[str, str, str]] = set()
     for doc in docs:
@@ -203,14 +266,18 @@ def _build(data: dict[str, Any], directory: Path) -> list[dict[str, Any]]:
 
 
 def render(directory: Path, extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Render the kustomization in ``directory``; ``extra`` adds keys (e.g. components) as an operator would."""
+    """Render the kustomization in ``directory``; ``extra`` adds list entries (e.g. components) or replaces a
+    scalar (e.g. the namespace), as an operator would."""
     data = _read_kustomization(directory, "Kustomization")
     for key, value in (extra or {}).items():
-        data[key] = [*data.get(key, []), *value]
+        data[key] = [*data.get(key, []), *value] if isinstance(value, list) else value
     return _build(copy.deepcopy(data), directory)
 
 
 # --------------------------------------------------------------------------------------------- helpers
+
+# Ready while the database and storage answer, whatever the broker does (status, reports, downloads).
+READINESS_PATH = "/readyz?ignore=broker"
 
 OVERLAYS = {
     "cpu-only": (K8S / "overlays" / "cpu-only", None),
@@ -239,8 +306,11 @@ def _by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
+IMAGES = {"onnxforge", "onnxforge-gpu"}  # one repository per flavour; the tag is the version
+
+
 def _is_onnxforge(container: dict[str, Any]) -> bool:
-    return _split_image(container["image"])[0].rsplit("/", 1)[-1] == "onnxforge"
+    return _split_image(container["image"])[0].rsplit("/", 1)[-1] in IMAGES
 
 
 def _onnxforge_workloads(docs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -282,12 +352,28 @@ def _container_env(container: dict[str, Any], docs: list[dict[str, Any]], secret
                 return defined[ref]
 
             env[var["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", expand, var["value"])
+        elif "resourceFieldRef" in var["valueFrom"]:
+            env[var["name"]] = str(_resource_field(container, var["valueFrom"]["resourceFieldRef"]))
         else:
             ref = var["valueFrom"]["secretKeyRef"]
             assert ref["name"] == secret["metadata"]["name"], f"{var['name']} reads Secret {ref['name']}"
             assert ref["key"] in secret["stringData"], f"{var['name']} reads key {ref['key']} nobody creates"
             env[var["name"]] = secret["stringData"][ref["key"]]
     return env
+
+
+def _cpu_quantity(value: str | int) -> float:
+    text = str(value)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _resource_field(container: dict[str, Any], ref: dict[str, Any]) -> int:
+    """What the downward API puts in the variable: the resource divided by the divisor, rounded up."""
+    assert ref.get("containerName", container["name"]) == container["name"], f"{ref} names another container"
+    kind, _, resource = ref["resource"].partition(".")
+    assert resource == "cpu" and kind in {"limits", "requests"}, f"{ref} is not a CPU quantity"
+    quantity = container["resources"][kind][resource]
+    return math.ceil(_cpu_quantity(quantity) / _cpu_quantity(ref.get("divisor", "1")))
 
 
 def _flag(argv: list[str], flag: str) -> str:
@@ -325,7 +411,7 @@ def test_every_kustomization_renders_the_expected_objects():
     cpu = {(d["kind"], d["metadata"]["name"]) for d in render(K8S / "overlays" / "cpu-only")}
     gpu = {(d["kind"], d["metadata"]["name"]) for d in render(K8S / "overlays" / "gpu")}
     core = {
-        ("Namespace", "onnxforge"), ("ConfigMap", "onnxforge-settings"),
+        ("ConfigMap", "onnxforge-settings"),
         ("PersistentVolumeClaim", "onnxforge-data"), ("Service", "api"), ("Deployment", "api"),
         ("Deployment", "worker-cpu"), ("Service", "redis"), ("StatefulSet", "redis"),
         ("Service", "postgres"), ("StatefulSet", "postgres"), ("NetworkPolicy", "redis"),
@@ -450,7 +536,7 @@ def test_api_probes_healthz_for_liveness_and_readyz_for_readiness(rendered):
     _, docs = rendered
     (api,) = _by_kind(docs, "Deployment")["api"]["spec"]["template"]["spec"]["containers"]
     assert api["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert api["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert api["readinessProbe"]["httpGet"]["path"] == READINESS_PATH
     ports = {p["name"]: p["containerPort"] for p in api["ports"]}
     assert ports[api["livenessProbe"]["httpGet"]["port"]] == int(_flag(api["args"], "--port"))
 
@@ -512,7 +598,7 @@ def test_gpu_worker_requests_one_gpu_runs_one_job_and_lands_on_gpu_nodes(rendere
     assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert _flag(worker["args"], "--queues") == "gpu" and _flag(worker["args"], "--concurrency") == "1"
-    assert _split_image(worker["image"])[1] == "gpu"
+    assert _split_image(worker["image"])[0].rsplit("/", 1)[-1] == "onnxforge-gpu"
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]) and spec["nodeSelector"]
 
 
@@ -742,3 +828,106 @@ def test_the_list_keda_watches_holds_the_jobs_onnxforge_enqueues(manifest_redis,
         assert not unprefixed, f"keys without the prefix {prefix!r}: {unprefixed}"
     finally:
         keda.close()
+
+
+# ---------------------------------------------- what the operator chooses, what KEDA owns, what pods get
+
+
+def test_the_namespace_is_the_overlays_choice_and_no_namespace_object_is_rendered():
+    assert sorted(p.name for p in (K8S / "overlays").iterdir()) == ["cpu-only", "gpu"]
+    assert "namespace" not in yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    for directory, extra in OVERLAYS.values():
+        docs = render(directory, {**(extra or {}), "namespace": "team-ml"})
+        assert not [d for d in docs if d["kind"] == "Namespace"], "kubectl delete -k would delete the claims"
+        assert {d["metadata"]["namespace"] for d in docs} == {"team-ml"}
+        addresses = {so["spec"]["triggers"][0]["metadata"]["address"] for so in _by_kind(docs, "ScaledObject").values()}
+        assert addresses == {"redis.team-ml.svc.cluster.local:6379"}
+
+
+def test_the_shared_volumes_storage_class_is_the_overlays_choice(rendered):
+    _, docs = rendered
+    (base_claim,) = _by_kind(render(K8S / "base"), "PersistentVolumeClaim").values()
+    assert "storageClassName" not in base_claim["spec"]
+    (claim,) = _by_kind(docs, "PersistentVolumeClaim").values()
+    assert claim["spec"]["storageClassName"], "an overlay names the ReadWriteMany class"
+
+
+def test_autoscaled_deployments_leave_the_replica_count_to_keda(rendered):
+    _, docs = rendered
+    deployments = _by_kind(docs, "Deployment")
+    targets = {so["spec"]["scaleTargetRef"]["name"] for so in _by_kind(docs, "ScaledObject").values()}
+    assert targets
+    for name in targets:
+        # Every apply would reset KEDA's count, draining busy workers or starting idle GPU pods.
+        assert "replicas" not in deployments[name]["spec"], f"{name} sets replicas although KEDA scales it"
+
+
+def test_workers_request_whole_cpus_equal_to_limits_and_size_ort_threads_from_the_limit(rendered, secret):
+    _, docs = rendered
+    workers = [(d, c) for d, c in _onnxforge_workloads(docs) if c["args"][0] == "worker"]
+    assert workers
+    for doc, container in workers:
+        name, resources = doc["metadata"]["name"], container["resources"]
+        assert resources["requests"] == resources["limits"], f"{name}: requests differ from limits"
+        cpus = _cpu_quantity(resources["limits"]["cpu"])
+        assert cpus >= 1 and cpus == int(cpus), f"{name}: {cpus} CPUs is not a whole number"
+        (threads,) = [v for v in container["env"] if v["name"] == "ONNXFORGE_PIPELINE__INTRA_OP_THREADS"]
+        assert threads["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu", name
+        assert _container_env(container, docs, secret)["ONNXFORGE_PIPELINE__INTRA_OP_THREADS"] == str(int(cpus))
+
+
+def test_downward_api_threads_follow_a_changed_cpu_limit(rendered, secret):
+    _, docs = rendered
+    doc = copy.deepcopy(_by_kind(docs, "Deployment")["worker-cpu"])
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    container["resources"]["limits"]["cpu"] = "2500m"
+    assert _container_env(container, docs, secret)["ONNXFORGE_PIPELINE__INTRA_OP_THREADS"] == "3"
+
+
+def test_onnxforge_images_are_tagged_with_the_project_version(rendered):
+    _, docs = rendered
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for doc, container in _onnxforge_workloads(docs):
+        _, tag, _ = _split_image(container["image"])
+        assert tag == version, f"{doc['metadata']['name']} runs {container['image']}, not version {version}"
+
+
+@pytest.mark.parametrize("overlay", ["cpu-only", "gpu"])
+def test_renderer_agrees_with_kubectl_kustomize(overlay):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the renderer is compared with kustomize where it is")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    theirs = {_ident(d): d for d in yaml.safe_load_all(result.stdout) if d}
+    ours = {_ident(d): d for d in render(K8S / "overlays" / overlay)}
+    assert sorted(ours) == sorted(theirs)
+    for key, doc in ours.items():
+        assert doc == theirs[key], f"{key} differs from kustomize's rendering"
+
+
+# ------------------------------------------------- readiness: the probe the manifest names, on a live API
+
+
+@pytest.mark.integration
+def test_api_stays_ready_on_the_manifests_probe_while_the_broker_is_down(services, tmp_path):
+    import httpx
+
+    from tests.conftest import free_port, service_env
+
+    docs = render(K8S / "overlays" / "cpu-only")
+    (api,) = _by_kind(docs, "Deployment")["api"]["spec"]["template"]["spec"]["containers"]
+    probe = api["readinessProbe"]["httpGet"]["path"]
+    dead_broker = f"redis://127.0.0.1:{free_port()}/0"
+    env = service_env(tmp_path / "data", broker_url=dead_broker, broker__connect_timeout=0.5)
+    service = services.serve(env, embedded=False)
+
+    strict = httpx.get(f"{service.url}/readyz", timeout=10)
+    assert strict.status_code == 503 and "broker" in strict.text
+    ready = httpx.get(f"{service.url}{probe}", timeout=10)
+    assert ready.status_code == 200, ready.text
+    checks = ready.json()["checks"]
+    assert checks["database"] == "ok" and checks["storage"] == "ok" and checks["broker"] != "ok"
+    assert httpx.get(f"{service.url}/v1/jobs", timeout=10).status_code == 200  # a read path, served
