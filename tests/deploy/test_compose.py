@@ -1,11 +1,14 @@
 """docker-compose.yml is checked by parsing it (no Docker engine here), and every command it runs that
-exists on this machine is run for real: the redis and postgres healthchecks against the local servers."""
+exists on this machine is run for real: the redis and postgres healthchecks against the test servers
+(tests/conftest.py: the shared ones, or private ones it starts)."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -73,13 +76,12 @@ def test_compose_api_healthcheck_module_accepts_its_arguments(compose):
 
 
 @pytest.mark.parametrize(
-    ("service", "binary", "local_args"),
-    [
-        ("redis", "redis-cli", ["-h", "127.0.0.1", "-p", "6379"]),
-        ("postgres", "pg_isready", ["-h", "127.0.0.1", "-p", "5432"]),
-    ],
+    ("service", "binary", "server"),
+    [("redis", "redis-cli", "redis_server"), ("postgres", "pg_isready", "postgres_server")],
 )
-def test_compose_dependency_healthcheck_commands_succeed_against_local_servers(compose, service, binary, local_args):
+def test_compose_dependency_healthchecks_succeed_against_test_servers(compose, service, binary, server, request):
+    address = urlsplit(request.getfixturevalue(server))
+    local_args = ["-h", str(address.hostname), "-p", str(address.port)]
     test = compose["services"][service]["healthcheck"]["test"]
     assert test[0] == "CMD" and test[1] == binary
     if shutil.which(binary) is None:
@@ -90,3 +92,33 @@ def test_compose_dependency_healthcheck_commands_succeed_against_local_servers(c
         argv = [binary, *local_args]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
     assert result.returncode == 0, f"{' '.join(argv)} failed: {result.stdout}{result.stderr}"
+
+
+def _time_limit(compose: dict, name: str) -> int:
+    from core.settings import Settings
+
+    env = compose["services"][name]["environment"]
+    default = Settings.model_fields["worker"].default.task_time_limit
+    return int(env.get("ONNXFORGE_WORKER__TASK_TIME_LIMIT", default))
+
+
+def _seconds(duration: str) -> int:
+    units = {"h": 3600, "m": 60, "s": 1}
+    assert duration[-1] in units and duration[:-1].isdigit(), f"write grace periods as <n>s/m/h, got {duration}"
+    return int(duration[:-1]) * units[duration[-1]]
+
+
+@pytest.mark.parametrize("name", ["worker-cpu", "worker-gpu"])
+def test_compose_worker_stop_grace_period_lets_a_running_job_finish(compose, name):
+    grace = compose["services"][name].get("stop_grace_period")
+    assert grace, f"{name}: Docker's default 10 s would kill the running job"
+    assert _seconds(grace) > _time_limit(compose, name)
+
+
+def test_compose_images_are_tagged_with_the_project_version_one_repository_per_flavour(compose):
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    images = {name: compose["services"][name]["image"] for name in ("api", "worker-cpu", "worker-gpu")}
+    assert images == {"api": f"onnxforge:{version}", "worker-cpu": f"onnxforge:{version}",
+                      "worker-gpu": f"onnxforge-gpu:{version}"}  # fmt: skip
+    assert compose["services"]["api"]["build"]["target"] == "cpu"
+    assert compose["services"]["worker-gpu"]["build"]["target"] == "gpu"
