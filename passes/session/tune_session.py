@@ -5,7 +5,9 @@ measured interleaved (so a noisy neighbour hits every candidate alike) on the co
 threads, execution mode, graph optimization level, thread spinning, and on GPU the EP options (CUDA: cuDNN
 conv algorithm search, TunableOp; TensorRT: fp16 when allowed, workspace, engine and timing cache). A
 coordinate descent starts from ORT's defaults and adopts an alternative only when it is faster beyond noise
-(``workers.benchmark`` rule: median paired ratio below 1 - max(3%, bootstrap half-width)).
+(``core.verdict``: median paired ratio below 1 - max(3%, bootstrap half-width)). The timing is the engine's
+(``ctx.measure``, ``passes._infra.Measure``): the same interleaved benchmark the ledger uses, on sessions made
+as users get them; without it (the pass called outside the pipeline) the pass declines.
 
 The winner is written into the model's ``metadata_props`` under ``onnxforge.session`` as JSON::
 
@@ -34,12 +36,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 from pydantic import Field
 
-from core.recipe import RECIPE_KEY, apply_recipe, default_recipe, recipe_of
-from core.verdict import pooled_verdict
+from core.recipe import RECIPE_KEY, default_recipe, recipe_of
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 
 
@@ -63,15 +63,6 @@ class TuneSessionOptions(PassOptions):
     )
 
 
-def _session(path: Path, recipe: dict[str, Any], target: str) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options, providers = apply_recipe(recipe, options, target=target)
-    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
-
-
 def _variants(recipe: dict[str, Any], section: str, key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for value in values:
@@ -86,35 +77,6 @@ def _variants(recipe: dict[str, Any], section: str, key: str, values: Sequence[A
     return out
 
 
-def _time(session: Any, feed: dict[str, Any]) -> float:
-    start = time.perf_counter_ns()
-    session.run(None, feed)
-    return (time.perf_counter_ns() - start) / 1e6
-
-
-def _faster(  # noqa: PLR0917  (private helper; one caller)
-    path: Path, best: dict[str, Any], other: dict[str, Any], feeds: list[dict[str, Any]], target: str, runs: int
-) -> tuple[bool, float]:
-    """Interleaved A/B of two recipes on one model: (other faster beyond noise, median paired ratio)."""
-
-    a, b = _session(path, best, target), _session(path, other, target)
-    pairs = []
-    for feed in feeds:
-        for _ in range(2):
-            a.run(None, feed)
-            b.run(None, feed)
-        ratios = []
-        for i in range(runs):
-            if i % 2 == 0:
-                ta, tb = _time(a, feed), _time(b, feed)
-            else:
-                tb, ta = _time(b, feed), _time(a, feed)
-            ratios.append(tb / max(ta, 1e-9))
-        pairs.append(np.asarray(ratios))
-    verdict = pooled_verdict(pairs)
-    return verdict.faster, verdict.ratio
-
-
 class TuneSession(Pass):
     name = "tune_session"
     summary = "Measure ORT session settings (threads, modes, levels, EP options); store the fastest as a recipe."
@@ -126,6 +88,9 @@ class TuneSession(Pass):
         opts: TuneSessionOptions = self.options  # type: ignore[assignment]
         if not ctx.samples:
             return PassResult(model, False, {"candidates": 0}, [NonMatch("no samples to measure sessions on")])
+        if ctx.measure is None:
+            reason = "no latency measurement in the context (the pipeline provides one)"
+            return PassResult(model, False, {"candidates": 0}, [NonMatch(reason)])
         target = ctx.target
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = opts.threads if opts.threads is not None else sorted({0, 1, max(1, cores // 2), cores})
@@ -172,7 +137,8 @@ class TuneSession(Pass):
                         tried.append({"recipe": candidate, "skipped": "time budget spent"})
                         continue
                     try:
-                        faster, ratio = _faster(path, recipe, candidate, feeds, target, opts.runs)
+                        verdict = ctx.measure(path, path, feeds, runs=opts.runs, recipe_a=recipe, recipe_b=candidate)
+                        faster, ratio = verdict.faster, verdict.ratio
                     except Exception as exc:  # a candidate ORT refuses (e.g. an EP option) is just not taken
                         tried.append({"recipe": candidate, "error": f"{type(exc).__name__}: {exc}"[:300]})
                         continue

@@ -27,7 +27,8 @@ from PIL import Image
 
 from core.errors import InvalidPassOptionsError, PassError
 from passes._infra import PassContext
-from passes.prepost.prepost import BUILTIN_SENTENCES, META_REGISTER, META_REQUIRES, Prepost
+from passes.prepost._prepost_text import BUILTIN_SENTENCES
+from passes.prepost.prepost import META_REGISTER, META_REQUIRES, Prepost
 from tests.models.build_prepost import MINILM_TOKENIZER, ST_REFERENCE, ST_TINY_BERT, image_classifier, tiny_bert
 
 ortx = pytest.importorskip("onnxruntime_extensions")  # a declared dependency of the pass: never absent in CI
@@ -107,6 +108,24 @@ def test_png_bytes_give_softmax_scores_of_pil_numpy_and_original_within_1e4():
     assert notes["changes_inputs"] is True
     assert notes["samples_origin"] == "samples"
     assert all(s["ok"] and s["tolerance"] == 1e-4 for s in notes["samples_checked"])
+
+
+def test_prepost_returns_its_input_change_when_it_replaces_the_inputs():
+    """The pipeline learns from the result's typed InputChange, not from notes, how the pass verified itself."""
+    # setup
+    data = _png(SIZE, SIZE)
+    prepost = Prepost(_image_options(post=["softmax"]))
+    # execute
+    samples = [{"image": np.frombuffer(data, np.uint8)}]
+    result = prepost(ir.serde.deserialize_model(image_classifier(SIZE)), PassContext(samples=samples))
+    # assert
+    assert Prepost.changes_inputs and prepost.raw_inputs() == {"image": "uint8"}
+    change = result.inputs_changed
+    assert change is not None and change.inputs == [{"name": "image", "dtype": "uint8"}]
+    assert change.samples_checked == len(result.notes["samples_checked"]) >= 1
+    assert change.max_abs is not None and change.max_abs <= 1e-4
+    assert change.verified_inputs and all(set(f) == {"image"} for f in change.verified_inputs)
+    assert all(f["image"].dtype == np.uint8 for f in change.verified_inputs)
 
 
 def test_artifact_metadata_says_it_needs_onnxruntime_extensions_and_how_to_register():

@@ -1,4 +1,7 @@
-"""tune_session: the recipe in metadata_props is valid JSON in the agreed format and loads when applied."""
+"""tune_session: the recipe in metadata_props is valid JSON in the agreed format and loads when applied.
+
+The pass times sessions through the engine's measurement (``ctx.measure``), here the real one the pipeline
+puts on the context (``workers.measurement.BenchmarkMeasure``)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from core.recipe import RECIPE_KEY, apply_recipe, recipe_of
 from passes._infra import PassContext
 from passes.session.tune_session import TuneSession
 from tests.passes._util import MLP_CLEANUP
+from workers.measurement import BenchmarkMeasure
 from workers.verify import generate_input_sets
 
 FAST = {"runs": 3, "threads": [0, 1], "optimization_levels": False, "max_seconds": 20}
@@ -29,7 +33,8 @@ def test_tune_session_writes_a_recipe_that_loads_when_applied():
     model, samples = _model_and_samples()
     nodes = len(list(model.graph))
     # execute
-    result = TuneSession({**FAST, "write_default": True})(model, PassContext(samples=samples))
+    ctx = PassContext(samples=samples, measure=BenchmarkMeasure())
+    result = TuneSession({**FAST, "write_default": True})(model, ctx)
     # assert
     assert result.modified and len(list(model.graph)) == nodes  # the graph is untouched
     recipe = json.loads(model.metadata_props[RECIPE_KEY])
@@ -58,6 +63,17 @@ def test_tune_session_does_nothing_with_reason_when_there_are_no_samples():
 def test_tune_session_keeps_other_recipe_keys_when_a_recipe_exists():
     model, samples = _model_and_samples()
     model.metadata_props[RECIPE_KEY] = json.dumps({"session_options": {"enable_mem_pattern": False}, "warmup": []})
-    result = TuneSession({**FAST, "write_default": True})(model, PassContext(samples=samples))
+    ctx = PassContext(samples=samples, measure=BenchmarkMeasure())
+    result = TuneSession({**FAST, "write_default": True})(model, ctx)
     recipe = json.loads(model.metadata_props[RECIPE_KEY])
     assert result.modified and recipe["warmup"] == [] and recipe["session_options"]["enable_mem_pattern"] is False
+
+
+def test_tune_session_does_nothing_with_reason_when_the_context_has_no_measurement():
+    # setup
+    model, samples = _model_and_samples()
+    # execute
+    result = TuneSession({**FAST, "write_default": True})(model, PassContext(samples=samples))
+    # assert
+    assert not result.modified and "no latency measurement" in result.non_matches[0].reason
+    assert RECIPE_KEY not in model.metadata_props

@@ -20,7 +20,8 @@ from core.errors import InvalidModelError, RegressionError
 from core.settings import PipelineSettings
 from passes._infra import Pass
 from tests.workers.conftest import MODELS, AddReluChain, Crash, DropReluChain, FlipSign, Idle, resolver
-from workers.pipeline import PipelineRequest, PipelineResult, bisect_first_failing, run_pipeline
+from workers.ledger import bisect_first_failing
+from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
 from workers.verify import generate_input_sets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,7 +188,7 @@ def test_bisect_first_failing_names_the_first_culprit_when_a_prefix_fails() -> N
 
 def test_pipeline_module_imports_neither_celery_nor_fastapi_when_imported() -> None:
     code = (
-        "import sys, workers.pipeline, workers.verify, workers.benchmark, workers.report\n"
+        "import sys, workers.pipeline, workers.verify, workers.benchmark, workers.report, workers.ledger\n"
         "banned = ('celery', 'fastapi', 'starlette', 'kombu')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned)\n"
         "assert not bad, bad\n"

@@ -1,0 +1,225 @@
+"""Artifact I/O: reading the upload, writing stages and the artifact with their side files, provenance.
+
+Every model the engine writes goes through ``save_ir`` (weights move to ``<name>.data`` above the protobuf
+limit) and every side file a pass produced (``ctx.side_files``: ``stage.onnx`` -> ``stage.onnx_adapter``)
+through ``write_side_files``, so a stage on disk is always complete: verification, timing and rollback
+(reloading the last accepted stage) read files, never objects in memory.
+
+Provenance (``stamp``) is deterministic: passes, preset, onnxforge version and the upload's sha256, and no
+timestamp, so two runs differ only in ``onnxforge.job_id``. ``place`` puts the returned model into the output
+directory atomically (copy to a temporary name, then rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from core.errors import InvalidModelError
+from core.recipe import RECIPE_KEY
+from core.version import __version__
+from passes._infra import Pass
+
+MODEL_FILE = "model.onnx"
+# Above this many bytes of tensors, models are written with their weights in MODEL_FILE + ".data":
+# a single protobuf cannot exceed 2 GiB.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+META_PREFIX = "onnxforge."
+# Written by passes and kept through stamp: tune_session's recipe, and prepost's note that the artifact needs
+# onnxruntime-extensions and how to register it (a consumer cannot load the model without it).
+KEPT_META = frozenset({RECIPE_KEY, META_PREFIX + "requires", META_PREFIX + "register"})
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_checked(path: Path) -> onnx.ModelProto:
+    """The upload, weights inlined, after ``onnx.checker``; InvalidModelError when it does not load or check."""
+    try:
+        proto = onnx.load(str(path), load_external_data=True)
+        onnx.checker.check_model(str(path))
+    except Exception as exc:
+        raise InvalidModelError(
+            f"the model does not load or check: {type(exc).__name__}: {exc}", code="INVALID_MODEL"
+        ) from exc
+    return proto
+
+
+def load_ir(path: Path) -> ir.Model:
+    return ir.serde.deserialize_model(onnx.load(str(path), load_external_data=True))
+
+
+def _tensor_bytes(model: ir.Model) -> int:
+    total = 0
+    for value in model.graph.initializers.values():
+        if value.const_value is not None:
+            total += int(value.const_value.nbytes)
+    return total
+
+
+def save_ir(model: ir.Model, path: Path) -> list[Path]:
+    """Write ``model`` to ``path``; weights go to ``<name>.data`` beside it above the 2 GiB-ish threshold."""
+    data = path.with_name(path.name + ".data")
+    with contextlib.suppress(FileNotFoundError):
+        data.unlink()
+    if _tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD:
+        ir.save(model, path, external_data=data.name, size_threshold_bytes=1024)
+        return [data]
+    ir.save(model, path)
+    return []
+
+
+def write_side_files(path: Path, side_files: dict[str, bytes], *, stale: Iterable[str] = ()) -> None:
+    """Write a pass's side files next to the model at ``path`` (``stage.onnx`` -> ``stage.onnx_adapter``),
+    first removing the ones named in ``stale`` (suffixes an earlier write at this path may have left)."""
+    for suffix in stale:
+        path.with_suffix(suffix).unlink(missing_ok=True)
+    for suffix, data in side_files.items():
+        path.with_suffix(suffix).write_bytes(data)
+
+
+def read_side_files(path: Path, suffixes: Iterable[str]) -> dict[str, bytes]:
+    """The side files of ``suffixes`` that lie next to the model at ``path``."""
+    return {sfx: path.with_suffix(sfx).read_bytes() for sfx in suffixes if path.with_suffix(sfx).exists()}
+
+
+def external_files(path: Path) -> list[str]:
+    """Relative locations of the external-data files the (already loaded and checked) model refers to.
+
+    Read from the graph alone: ``onnx.load(load_external_data=True)`` inlines the weights and forgets
+    where they came from."""
+    proto = onnx.load(str(path), load_external_data=False)
+    locations: list[str] = []
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location" and entry.value not in locations:
+                    locations.append(entry.value)
+    return locations
+
+
+def proto_dynamic_axes(proto: onnx.ModelProto) -> dict[str, set[int]]:
+    """``input:<name>`` / ``output:<name>`` -> the axes declared dynamic (a dim_param or no value)."""
+    initializers = {i.name for i in proto.graph.initializer}
+    axes: dict[str, set[int]] = {}
+    for kind, values in (("input", proto.graph.input), ("output", proto.graph.output)):
+        for value in values:
+            if value.name in initializers or not value.type.HasField("tensor_type"):
+                continue
+            shape = value.type.tensor_type.shape if value.type.tensor_type.HasField("shape") else None
+            if shape is None:
+                continue
+            dynamic = {i for i, d in enumerate(shape.dim) if not d.HasField("dim_value")}
+            if dynamic:
+                axes[f"{kind}:{value.name}"] = dynamic
+    return axes
+
+
+def dynamic_axes(path: Path) -> dict[str, set[int]]:
+    return proto_dynamic_axes(onnx.load(str(path), load_external_data=False))
+
+
+def lost_axes(expected: dict[str, set[int]], path: Path) -> list[str]:
+    """The axes dynamic in ``expected`` that the model at ``path`` declares static (or dropped)."""
+    now = dynamic_axes(path)
+    return [
+        f"{key} axis {axis}" for key, axes in sorted(expected.items()) for axis in sorted(axes - now.get(key, set()))
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """What ``stamp`` writes into every artifact besides the passes."""
+
+    source_sha256: str
+    preset: str | None
+    job_id: str | None
+
+
+def stamp(model: ir.Model, passes: Sequence[Pass], provenance: Provenance) -> None:
+    """Replace the model's ``onnxforge.*`` metadata (but the KEPT_META keys passes wrote) with provenance."""
+    props = {k: v for k, v in model.metadata_props.items() if not k.startswith(META_PREFIX) or k in KEPT_META}
+    props[META_PREFIX + "version"] = __version__
+    props[META_PREFIX + "preset"] = provenance.preset or ""
+    props[META_PREFIX + "passes"] = json.dumps(
+        [{"name": p.name, "options": p.options.model_dump(mode="json")} for p in passes],
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    props[META_PREFIX + "source_sha256"] = provenance.source_sha256
+    if provenance.job_id:
+        props[META_PREFIX + "job_id"] = provenance.job_id
+    model.metadata_props.clear()
+    model.metadata_props.update(props)
+
+
+def write_stamped(
+    model: ir.Model, passes: Sequence[Pass], provenance: Provenance, path: Path, side_files: dict[str, bytes]
+) -> Path:
+    """``model`` stamped and written to ``path`` with its side files: an artifact candidate."""
+    stamp(model, passes, provenance)
+    save_ir(model, path)
+    write_side_files(path, side_files)
+    return path
+
+
+def _copy_atomically(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def place(
+    *,
+    use_original: bool,
+    artifact: Path,
+    source: Path,
+    source_external: list[str],
+    output_dir: Path,
+    side_suffixes: Iterable[str],
+) -> tuple[Path, list[Path], list[Path]]:
+    """Put the returned model in ``output_dir``: the optimized ``artifact`` with its ``.data`` and side files,
+    or (``use_original``) the upload with its external data, byte for byte. (model, external data, side files).
+
+    Files are copied to a temporary name and renamed into place, so a reader never sees half a model,
+    and an output dir that is also the upload's dir never loses the upload before it is copied."""
+    suffixes = sorted(side_suffixes)
+    final_path = output_dir / MODEL_FILE
+    if use_original:
+        files = [(source, final_path)] + [(source.parent / loc, output_dir / loc) for loc in source_external]
+    else:
+        files = [(artifact, final_path)]
+        data = artifact.with_name(artifact.name + ".data")
+        if data.exists():
+            files.append((data, output_dir / (MODEL_FILE + ".data")))
+    side = [] if use_original else [(artifact.with_suffix(sfx), final_path.with_suffix(sfx)) for sfx in suffixes]
+    if not side:
+        for suffix in suffixes:  # left over from an earlier attempt that kept the side file
+            final_path.with_suffix(suffix).unlink(missing_ok=True)
+    stale = output_dir / (MODEL_FILE + ".data")
+    if all(stale.resolve() != dst.resolve() for _, dst in files) and stale.resolve() not in {
+        (source.parent / loc).resolve() for loc in source_external
+    }:
+        stale.unlink(missing_ok=True)  # left over from an earlier attempt in the same dir
+    for src, dst in files:
+        if src.resolve() == dst.resolve():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _copy_atomically(src, dst)
+    for src, dst in side:
+        _copy_atomically(src, dst)
+    return final_path, [dst for _, dst in files[1:]], [dst for _, dst in side]

@@ -1,0 +1,149 @@
+"""The regression gate: the last word on what a job hands back.
+
+::
+
+    artifact (verified) ─> full or quick interleaved benchmark against the upload (or, after a pass replaced
+    the inputs, against the stage right after it) ─┬─ out of tolerance or slower beyond noise:
+                                                   │    the upload is returned (used_original), or the stage
+                                                   │    right after the input change; with fail_on_regression
+                                                   │    the job fails naming the guilty pass
+                                                   └─ else: optimized
+
+The decision is the report's ``decision`` section; ``failure`` turns a failed one into the error the job
+raises (VerificationError or RegressionError, carrying the report's path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from core.config import JobConfig
+from core.errors import OnnxforgeError, RegressionError, VerificationError
+from core.recipe import read_recipe
+from workers.benchmark import BenchmarkParams, compare
+from workers.ledger import Ledger, Outcome
+from workers.report import PassRecord
+
+
+@dataclasses.dataclass
+class GateResult:
+    benchmark: dict[str, Any] | None  # the report's benchmark section (full benchmarks only)
+    decision: dict[str, Any]  # the report's decision section
+    # Refused after a pass replaced the inputs: hand back the stage right after that pass, not the upload.
+    fall_back_to_rebase: bool = False
+
+
+def _ledger_ratio(record: PassRecord) -> float:
+    latency = record.latency or {}
+    return float(latency.get("p50_ms_after", 0.0)) / max(float(latency.get("p50_ms_before", 0.0)), 1e-9)
+
+
+def decide(
+    ledger: Ledger,
+    outcome: Outcome,
+    config: JobConfig,
+    *,
+    full: BenchmarkParams,
+    quick: BenchmarkParams,
+    progress: Callable[[str, float], None],
+) -> GateResult:
+    """Verify-then-benchmark decision on ``outcome.artifact`` against what the job must not regress from."""
+    decision: dict[str, Any] = {
+        "result": "optimized",
+        "used_original": False,
+        "reason": "",
+        "failed_pass": None,
+        "gate": {"verified": outcome.verification.ok, "slower": None, "benchmark_mode": None},
+    }
+    rebase = ledger.rebase
+    if not ledger.kept:
+        decision.update(
+            result="original",
+            used_original=True,
+            reason="no pass was kept, so the uploaded model is returned unchanged",
+        )
+        return GateResult(None, decision)
+    if not outcome.verification.ok:
+        decision.update(
+            result="original",
+            used_original=True,
+            reason=f"the optimized model is out of tolerance: {outcome.verification.reason}",
+        )
+        if config.fail_on_regression:
+            decision.update(result="failed", used_original=False, failed_pass=ledger.kept[-1][1].name)
+            return GateResult(None, decision)
+        return GateResult(None, decision, _fall_back(ledger, decision))
+    if rebase is not None and len(ledger.kept) == rebase.kept + 1:
+        decision["gate"]["inputs_changed_by"] = rebase.pass_name
+        decision["reason"] = (
+            f"{rebase.pass_name} replaced the model's inputs and verified itself against the reference "
+            "pre-processing; no later pass was kept, so there is nothing to time against (the uploaded model "
+            "takes other inputs)"
+        )
+        return GateResult(None, decision)
+    progress("benchmarking", 0.0)
+    params = full if config.benchmark else quick
+    reference = rebase.reference if rebase is not None else ledger.setup.source
+    comparison = compare(
+        reference,
+        outcome.artifact,
+        ledger.input_sets,
+        params,
+        mode="full" if config.benchmark else "quick",
+        recipe_b=read_recipe(outcome.artifact),  # the gate measures the session users are told to create
+    )
+    progress("benchmarking", 1.0)
+    decision["gate"].update(slower=comparison.slower, benchmark_mode=comparison.mode, speedup=comparison.speedup)
+    benchmark = comparison.to_dict() if config.benchmark else None
+    if not comparison.slower:
+        decision["reason"] = (
+            f"verified within tolerance and not slower beyond noise (speedup {comparison.speedup:.3f}, "
+            f"{len(ledger.kept)} pass(es) kept)"
+        )
+        return GateResult(benchmark, decision)
+    # The suspect: the kept pass whose own ledger measurement slowed the model most, if any did.
+    suspects = sorted((ledger.records[i] for i, _ in ledger.kept), key=_ledger_ratio, reverse=True)
+    failed = suspects[0].name if suspects and _ledger_ratio(suspects[0]) > 1.0 else None
+    clearly = [sh.input_set for sh in comparison.shapes if sh.clearly_slower]
+    where = f"on {', '.join(clearly)}" if clearly else f"overall (paired ratio {comparison.pooled.ratio:.3f})"
+    decision.update(
+        result="original",
+        used_original=True,
+        failed_pass=failed,
+        reason=f"the optimized model is slower than the uploaded one beyond noise {where} "
+        f"(speedup {comparison.speedup:.3f}); the uploaded model is returned",
+    )
+    if config.fail_on_regression:
+        decision.update(result="failed", used_original=False)
+        return GateResult(benchmark, decision)
+    return GateResult(benchmark, decision, _fall_back(ledger, decision))
+
+
+def _fall_back(ledger: Ledger, decision: dict[str, Any]) -> bool:
+    """After an input change the upload is no fallback (its client sends other inputs): the stage right after
+    the input-changing pass is, as it passed that pass's own verification."""
+    if ledger.rebase is None:
+        return False
+    decision["gate"]["inputs_changed_by"] = ledger.rebase.pass_name
+    after = f"the model right after {ledger.rebase.pass_name} is returned"
+    reason = decision["reason"]
+    reason = (
+        reason.replace("the uploaded model is returned", after) if "is returned" in reason else f"{reason}; {after}"
+    )
+    decision.update(result="optimized", used_original=False, reason=reason)
+    return True
+
+
+def failure(decision: dict[str, Any], passes_before: list[str], report_json: Path) -> OnnxforgeError:
+    """The error a job with ``fail_on_regression`` raises for a failed decision; the report is written."""
+    detail = {"report_json": str(report_json), "reason": decision["reason"]}
+    if decision["gate"].get("verified") is False:
+        return VerificationError(
+            decision["reason"], pass_name=decision["failed_pass"], passes_before=passes_before, detail=detail
+        )
+    return RegressionError(
+        decision["reason"], pass_name=decision["failed_pass"], passes_before=passes_before, detail=detail
+    )
