@@ -32,7 +32,19 @@ from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
 # Source files whose behaviour decides the artifact and report.
-_CODE = ("passes", "workers/pipeline.py", "workers/verify.py", "workers/benchmark.py", "workers/report.py")
+_CODE = (
+    "passes",
+    "workers/pipeline.py",
+    "workers/artifacts.py",
+    "workers/ledger.py",
+    "workers/auto_search.py",
+    "workers/gate.py",
+    "workers/measurement.py",
+    "workers/report_builder.py",
+    "workers/verify.py",
+    "workers/benchmark.py",
+    "workers/report.py",
+)
 # x86 and Arm flags ONNX Runtime's kernels (MLAS) pick code paths on.
 _ISA_FLAGS = frozenset(
     {
