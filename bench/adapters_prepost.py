@@ -289,7 +289,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def _image_bytes(h: int, w: int, fmt: str) -> bytes:
     from PIL import Image
 
-    from passes.prepost.prepost import _pattern
+    from passes.prepost._prepost_image import pattern as _pattern
 
     buf = io.BytesIO()
     Image.fromarray(_pattern(h, w, seed=4), "RGB").save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
