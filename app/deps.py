@@ -13,6 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.auth import Authenticator
 from app.services.jobs import JobService
+from core.logs import bind
 from core.settings import Settings
 from core.storage import BlobStore
 from core.store import JobStore
@@ -50,10 +51,12 @@ def get_tenant(request: Request, credentials: Annotated[HTTPAuthorizationCredent
     """The caller's tenant, from the bearer token; raises AuthenticationError (401) without a valid one."""
     auth: Authenticator = request.app.state.auth
     server = request.scope.get("server")
-    return auth.authenticate(
+    tenant = auth.authenticate(
         credentials.credentials if credentials is not None else None,
         local_host=server[0] if server else None,
     )
+    bind(team=tenant)  # every later line of this request, the access line included, names the team
+    return tenant
 
 
 SettingsDep = Annotated[Settings, Depends(get_app_settings)]

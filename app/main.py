@@ -22,6 +22,7 @@ from app.api import metrics as metrics_api
 from app.auth import Authenticator
 from app.errors import PROBLEM_MEDIA_TYPE, install_error_handlers
 from app.metrics import ServiceMetrics
+from app.middleware import RequestContextMiddleware
 from app.schemas import Problem
 from app.services.jobs import Dispatcher, JobService
 from core.errors import InvalidConfigError
@@ -92,6 +93,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     app.state.auth = auth
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware)  # X-Request-ID, and request_id/team on every log line
     app.include_router(router)
     app.include_router(console.router)  # GET / -> /console/: the web console (app/static)
     if settings.metrics.enabled:

@@ -341,6 +341,11 @@ class Settings(BaseSettings):
         description="production refuses the single-host embedded defaults: it needs broker.url and database.url.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto",
+        description="json: one JSON object per line; text: readable lines; auto: json in production, text "
+        "otherwise. Every line carries request_id, job_id and team where known (core/logs.py).",
+    )
     api: ApiSettings = ApiSettings()
     auth: AuthSettings = AuthSettings()
     database: DatabaseSettings = DatabaseSettings()

@@ -49,6 +49,8 @@ def run_worker(
     from core.store import JobStore
     from workers.celery_app import create_celery
 
+    level = loglevel or settings.log_level
+    _configure_worker_logging(settings, level)
     chosen = list(queues or settings.worker.queues)
     unknown = [q for q in chosen if q not in QUEUES]
     if unknown:
@@ -66,16 +68,36 @@ def run_worker(
         "worker",
         f"--queues={','.join(chosen)}",
         f"--concurrency={concurrency or settings.worker.concurrency}",
-        f"--loglevel={loglevel or settings.log_level}",
+        f"--loglevel={level}",
         "--pool=prefork",
         f"--hostname=onnxforge-{os.getpid()}@%h",
     ]
+    from core.logs import resolve_format
+
+    if resolve_format(settings) == "json":
+        argv.insert(0, "--quiet")  # Celery's banner is printed, not logged: it would break the JSON lines
     if settings.embedded:
         # Gossip, mingle and heartbeats use fanout queues; on the filesystem transport a dead worker's
         # fanout queue would keep collecting files (see workers/celery_app.py).
         argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
     app.worker_main(argv)
     return 0
+
+
+def _configure_worker_logging(settings: Settings, level: str) -> None:
+    """Our handler for the worker and its pool children; Celery installs none while a receiver of
+    setup_logging exists, and calls it again in each prefork child."""
+    from celery import signals
+
+    from core.logs import configure_logging
+
+    settings = settings.model_copy(update={"log_level": level})
+
+    def _setup(**_: object) -> None:
+        configure_logging(settings, process="worker")
+
+    _setup()
+    signals.setup_logging.connect(_setup, weak=False)
 
 
 # -------------------------------------------------------------------------------------------- serve
@@ -147,8 +169,10 @@ def serve(settings: Settings, *, host: str | None = None, port: int | None = Non
     import uvicorn
 
     from app.main import create_app
+    from core.logs import configure_logging
     from core.store import JobStore
 
+    configure_logging(settings, process="api")
     host = host or settings.api.host
     port = settings.api.port if port is None else port
     workers: EmbeddedWorkers | None = None
@@ -172,6 +196,7 @@ def serve(settings: Settings, *, host: str | None = None, port: int | None = Non
             host=host,
             port=port,
             log_level=settings.log_level.lower(),
+            log_config=None,  # uvicorn's loggers go through core/logs.py's handler, with the request context
             # security.md (c): bounded concurrency and keep-alive, bounded header size.
             limit_concurrency=256,
             backlog=512,

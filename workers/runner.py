@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.errors import InvalidModelError, OnnxforgeError
 from core.hardware import hardware_class
+from core.logs import bind
 from workers.archive import SAFE_NAME, extract_archive
 from workers.child import FAULT_ENV
 
@@ -416,6 +417,8 @@ def run_job(job_id: str, settings: Settings, store: JobStore, blobs: BlobStore, 
             if store.get(job_id).terminal:  # e.g. failed WORKER_LOST just now: its last attempt left files
                 shutil.rmtree(settings.storage.work_dir / job_id, ignore_errors=True)
         return
+    bind(team=job.tenant)  # the job's lines name its team from here on (core/logs.py)
+    log.info("job %s: attempt %d claimed by %s (team %s)", job_id, job.attempts, worker, job.tenant)
     attempt = int(job.attempts)
     base = attempt_dir(settings, job_id, attempt)
     _remove_earlier_attempts(base.parent, attempt)

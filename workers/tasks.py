@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from celery import signals
 
 from core.broker import TASK_NAME
+from core.logs import log_context
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -93,7 +94,9 @@ def register_tasks(app: Celery, settings: Settings) -> None:
         except ValueError:
             log.error("dropping %s message with an invalid job id %r", TASK_NAME, job_id[:64])
             return
-        optimize(job_id, settings, worker_name=self.request.hostname)
+        with log_context(job_id=job_id):  # every line of this job, Celery's included, names it
+            log.info("job %s delivered (Celery task %s)", job_id, self.request.id)
+            optimize(job_id, settings, worker_name=self.request.hostname)
 
     def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not app:

@@ -19,6 +19,7 @@ from app.services import cache
 from app.services.uploads import Upload, UploadSlots
 from core.config import JobConfig
 from core.errors import ConflictError, InvalidInputError, OnnxforgeError, UnavailableError
+from core.logs import bind
 from core.quotas import Quota
 from core.settings import Settings
 from core.storage import BlobStore
@@ -238,6 +239,7 @@ class JobService:
                     code="BROKER_UNAVAILABLE",
                 ) from exc
             raise
+        bind(job_id=job.id)  # the request's later lines, its access line included, name the job
         log.info("job %s queued on %s (tenant %s, model %s)", job.id, queue, tenant, job.model_sha256[:12])
         return job
 
