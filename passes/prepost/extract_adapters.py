@@ -20,10 +20,12 @@ names it: verification must activate it (the notes say so too, for people).
 
 Matched, per ``Add``: one side is ``MatMul(MatMul(x, A), B)`` with optional ``Mul`` by scalar constants
 before or after ``B`` (also ``Gemm`` without bias, ``transA=0``, for 2-D exports); ``A``, ``B`` constants
-(initializers, ``Constant`` nodes, or their ``Transpose``) with a rank ``r <= max_rank`` and ``r < min(in,
-out)``; the other side is the base layer on the same ``x``: ``MatMul(x, W)``, ``Add(MatMul(x, W), bias)``
-or ``Gemm(x, W[, C])`` with ``W`` of shape ``[in, out]`` (``[out, in]`` with ``transB``). The intermediate
-values must have no other consumer and not be graph outputs.
+(initializers, ``Constant`` nodes, or their ``Identity`` or ``Transpose``) with a rank ``r <= max_rank`` and
+``r < min(in, out)``; the other side is the base layer on the same ``x``: ``MatMul(x, W)``, ``Add(MatMul(x,
+W), bias)`` (either operand order; the bias may be an ``Identity`` of an equal initializer, as TorchScript
+exports a model with its initial zero biases) or ``Gemm(x, W[, C])`` with ``W`` of shape ``[in, out]``
+(``[out, in]`` with ``transB``), or GPT-2's ``Conv1D`` on flattened rows, ``Reshape(Gemm(Reshape(x, [-1,
+in]), W, bias))``. The intermediate values must have no other consumer and not be graph outputs.
 
 Module path hints, first found wins: the exporter's ``pkg.torch.onnx.name_scopes`` node metadata (dynamo),
 the common prefix of the nodes' scoped names (TorchScript: ``/encoder/layer.0/.../query/default/MatMul``),
@@ -177,7 +179,8 @@ def _skip(value: ir.Value | None) -> ir.Value | None:
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
-    """The value of a constant (initializer that is not an overridable input, Constant, or Transpose of one)."""
+    """The value of a constant (initializer that is not an overridable input, Constant, or an Identity or
+    Transpose of one)."""
     if value is None or value.is_graph_input():
         return None
     if value.const_value is not None:
@@ -185,6 +188,10 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     node = value.producer()
     if node is None or node.domain not in _DEFAULT:
         return None
+    if node.op_type == "Identity":
+        # The TorchScript exporter keeps one of several equal initializers (the zero biases of a model as
+        # transformers initialises it) and gives the others as Identity nodes reading it.
+        return _const(node.inputs[0])
     if node.op_type == "Constant":
         attr = node.attributes.get("value")
         return None if attr is None else attr.as_tensor().numpy()
@@ -312,18 +319,30 @@ def _match(add: ir.Node, max_rank: int, non_matches: list[NonMatch]) -> _Pair | 
     return None
 
 
+def _reshape_input(node: ir.Node | None) -> ir.Value | None:
+    """The data input of a Reshape node, else None."""
+    if node is None or node.op_type != "Reshape" or node.domain not in _DEFAULT or not node.inputs:
+        return None
+    return node.inputs[0]
+
+
 def _match_base(
     value: ir.Value, x: ir.Value, fan_in: int, fan_out: int
 ) -> tuple[list[ir.Node], ir.Value, ir.Value | None] | str:
     node = value.producer()
     bias: ir.Value | None = None
     nodes: list[ir.Node] = []
+    # GPT-2's Conv1D (peft fan_in_fan_out) runs as addmm on rows: Reshape(Gemm(Reshape(x, [-1, in]), W, b)).
+    flat = _reshape_input(node)
+    if flat is not None and flat.producer() is not None:
+        assert node is not None
+        nodes, node = [node], flat.producer()
     if node is not None and node.op_type == "Add" and node.domain in _DEFAULT:
         for i in (0, 1):
             c = _const(node.inputs[i])
             inner = node.inputs[1 - i]
             if c is not None and inner is not None and inner.producer() is not None:
-                bias, nodes, node = node.inputs[i], [node], inner.producer()
+                bias, nodes, node = node.inputs[i], [*nodes, node], inner.producer()
                 break
     if node is None or node.domain not in _DEFAULT or node.op_type not in ("MatMul", "Gemm"):
         return "the other side of the Add is not a base MatMul/Gemm layer"
@@ -339,7 +358,11 @@ def _match_base(
         if len(node.inputs) > 2 and node.inputs[2] is not None:
             bias = node.inputs[2]
     if _skip(x_base) is not _skip(x):
-        return "the base layer and x @ A @ B read different inputs"
+        flatten = _skip(x_base).producer()
+        if not (nodes and nodes[0].op_type == "Reshape") or _skip(_reshape_input(flatten)) is not _skip(x):
+            return "the base layer and x @ A @ B read different inputs"
+        assert flatten is not None
+        nodes.append(flatten)  # the Conv1D form's row flattening of x
     if tuple(w.shape) != (fan_in, fan_out):
         return f"the base weight is {list(w.shape)}, x @ A @ B maps {fan_in} -> {fan_out}"
     weight = node.inputs[1]

@@ -16,6 +16,17 @@ Run ``python -m tests.models.build_lora`` (needs the ``dev`` extra: torch, trans
 * ``expected.npz``: for two padded input sets (``set{i}.{input}``), the torch outputs of the base model
   (``set{i}.base``), with adapter one (``set{i}.one``) and with adapter two (``set{i}.two``).
 
+Standard peft setups, each exported by both exporters (``<name>.onnx`` dynamo, ``<name>_legacy.onnx``
+TorchScript), with ``expected_standard.npz`` (``<name>.set{i}.{input}``, ``.base``, ``.lora``):
+
+* ``bert_cls_lora``: ``BertForSequenceClassification`` with peft's sequence-classification config
+  (``task_type="SEQ_CLS"``, so the classifier is a ``modules_to_save`` copy; ``lora_dropout=0.1``) on
+  ``query``/``value``, with transformers' initial weights (zero biases, as a model built from its config
+  has them; the classifier scaled to give logits of order 1). Every base Linear has a bias, and the
+  TorchScript exporter shares the equal biases through ``Identity`` nodes.
+* ``gpt2_lora``: ``GPT2Model`` with LoRA on ``c_attn``, a ``Conv1D`` (``fan_in_fan_out=True``): the base
+  runs as ``Reshape(Gemm(Reshape(x, [-1, in]), W, bias))``.
+
 peft initialises ``lora_B`` to zero (an untrained adapter is a no-op); every LoRA weight gets seeded noise so
 that the adapters change the output. The builder checks that both exports match torch in ONNX Runtime
 (atol = rtol = 1e-4) and fails (deleting what it wrote) otherwise.
@@ -47,12 +58,10 @@ ATOL = RTOL = 1e-4
 KEEP_METADATA = ("pkg.torch.onnx.name_scopes",)
 
 
-def _base() -> Any:
+def _perturbed(model: Any) -> Any:
+    """Seeded noise on every parameter: HF's zero biases would be dropped by the exporter, unlike a checkpoint's."""
     import torch
-    import transformers as tf
 
-    torch.manual_seed(0)
-    model = tf.BertModel(_config(SPECS["bert_encoder"], "tiny"), add_pooling_layer=False)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -60,20 +69,33 @@ def _base() -> Any:
     return model.eval()
 
 
+def _base() -> Any:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return _perturbed(tf.BertModel(_config(SPECS["bert_encoder"], "tiny"), add_pooling_layer=False))
+
+
 def _peft(base: Any, name: str) -> Any:
     import peft
-    import torch
 
     spec = ADAPTERS[name]
     config = peft.LoraConfig(
         r=spec["r"], lora_alpha=spec["lora_alpha"], target_modules=list(TARGETS), lora_dropout=0.0, bias="none"
     )
-    model = peft.get_peft_model(copy.deepcopy(base), config)
-    gen = torch.Generator().manual_seed(spec["seed"])
+    return _noisy_lora(peft.get_peft_model(copy.deepcopy(base), config), spec["seed"])
+
+
+def _noisy_lora(model: Any, seed: int, scale: float = 0.1) -> Any:
+    """peft starts lora_B at zero (a no-op adapter); seeded noise on every LoRA weight makes it matter."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if "lora_" in _:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
     return model.eval()
 
 
@@ -94,11 +116,98 @@ def _wrap(model: Any) -> Any:
     return Wrapper(model).eval()
 
 
-def _run(module: Any, feeds: dict[str, np.ndarray]) -> np.ndarray:
+def _run(module: Any, feeds: dict[str, np.ndarray], inputs: tuple[str, ...] = INPUTS) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        return module(*(torch.from_numpy(feeds[k]) for k in INPUTS)).numpy()
+        return module(*(torch.from_numpy(feeds[k]) for k in inputs)).numpy()
+
+
+def _standard_models() -> dict[str, tuple[Any, Any, str, tuple[str, ...], str]]:
+    """name -> (peft model, wrapper, input spec, inputs, output) of the standard peft setups."""
+    import peft
+    import torch
+    import transformers as tf
+
+    # HF's initial weights, as a model built from its config has them (zero biases): the form the issue's
+    # corpus exported, where the TorchScript exporter shares equal biases through Identity nodes.
+    torch.manual_seed(0)
+    bert = tf.BertForSequenceClassification(_config(SPECS["bert_encoder"], "tiny")).eval()
+    with torch.no_grad():  # a trained head's weights are of order 1, not the init's 0.02: logits of order 1
+        bert.classifier.weight.mul_(50.0)
+    bert_config = peft.LoraConfig(
+        task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["query", "value"]
+    )
+    torch.manual_seed(0)
+    gpt2 = tf.GPT2Model(_config(SPECS["gpt2"], "tiny")).eval()
+    gpt2_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+
+    class ThreeInputs(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.model = inner
+
+        def forward(
+            self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
+        ) -> torch.Tensor:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)[0]
+
+    class TwoInputs(ThreeInputs):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return self.model(input_ids=input_ids, attention_mask=attention_mask)[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bert_lora = _noisy_lora(peft.get_peft_model(bert, bert_config), 3, 0.5)
+        gpt2_lora = _noisy_lora(peft.get_peft_model(gpt2, gpt2_config), 4, 0.5)
+    return {
+        "bert_cls_lora": (bert_lora, ThreeInputs, "bert_encoder", INPUTS, "logits"),
+        "gpt2_lora": (gpt2_lora, TwoInputs, "gpt2", INPUTS[:2], "last_hidden_state"),
+    }
+
+
+def build_standard(out: Path = OUT) -> None:
+    """The standard peft setups (module docstring), both exporters, and ``expected_standard.npz``."""
+    import onnxruntime as ort
+
+    out.mkdir(parents=True, exist_ok=True)
+    expected: dict[str, np.ndarray] = {}
+    written: list[Path] = []
+    try:
+        for name, (model, wrapper, spec, inputs, output) in _standard_models().items():
+            lora = wrapper(model).eval()
+            paths = [out / f"{name}.onnx", out / f"{name}_legacy.onnx"]
+            written += paths
+            for path, dynamo in zip(paths, (True, False), strict=True):
+                _export(
+                    lora, path, dynamo=dynamo, spec=spec, inputs=inputs, output=output, per_token=output != "logits"
+                )
+            for i, (batch, seq, pad, seed) in enumerate(SETS):
+                made = make_inputs(spec, batch, seq, pad_fraction=pad, seed=seed, size="tiny")
+                feeds = {k: made[k] for k in inputs}
+                for k, v in feeds.items():
+                    expected[f"{name}.set{i}.{k}"] = v
+                expected[f"{name}.set{i}.lora"] = _run(lora, feeds, inputs)
+                with model.disable_adapter():
+                    expected[f"{name}.set{i}.base"] = _run(lora, feeds, inputs)
+                for path in paths:
+                    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                    got = session.run([output], feeds)[0]
+                    np.testing.assert_allclose(
+                        got, expected[f"{name}.set{i}.lora"], atol=ATOL, rtol=RTOL, err_msg=str(path)
+                    )
+                change = np.abs(expected[f"{name}.set{i}.lora"] - expected[f"{name}.set{i}.base"]).max()
+                if change < 1e-2:
+                    raise AssertionError(
+                        f"{name}: the adapter barely changes the output: the fixture would prove nothing"
+                    )
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    np.savez(out / "expected_standard.npz", **expected)
+    for path in [*written, out / "expected_standard.npz"]:
+        print(f"wrote {path} ({path.stat().st_size / 1e3:.1f} kB)", flush=True)
 
 
 def _clean(model: onnx.ModelProto, name: str, builder: str) -> onnx.ModelProto:
@@ -122,20 +231,29 @@ def _clean(model: onnx.ModelProto, name: str, builder: str) -> onnx.ModelProto:
     return model
 
 
-def _export(module: Any, path: Path, *, dynamo: bool) -> None:
+def _export(
+    module: Any,
+    path: Path,
+    *,
+    dynamo: bool,
+    spec: str = "bert_encoder",
+    inputs: tuple[str, ...] = INPUTS,
+    output: str = OUTPUT,
+    per_token: bool = True,
+) -> None:
     import torch
 
-    example = make_inputs("bert_encoder", 2, 8, pad_fraction=0.125, seed=0, size="tiny")
-    args = tuple(torch.from_numpy(example[k]) for k in INPUTS)
+    example = make_inputs(spec, 2, 8, pad_fraction=0.125, seed=0, size="tiny")
+    args = tuple(torch.from_numpy(example[k]) for k in inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if dynamo:
             program = torch.onnx.export(
                 module,
                 args,
-                input_names=list(INPUTS),
-                output_names=[OUTPUT],
-                dynamic_shapes=tuple({0: "batch", 1: "sequence"} for _ in INPUTS),
+                input_names=list(inputs),
+                output_names=[output],
+                dynamic_shapes=tuple({0: "batch", 1: "sequence"} for _ in inputs),
                 opset_version=OPSET,
                 dynamo=True,
                 optimize=True,
@@ -148,9 +266,10 @@ def _export(module: Any, path: Path, *, dynamo: bool) -> None:
                 module,
                 args,
                 str(tmp),
-                input_names=list(INPUTS),
-                output_names=[OUTPUT],
-                dynamic_axes={k: {0: "batch", 1: "sequence"} for k in [*INPUTS, OUTPUT]},
+                input_names=list(inputs),
+                output_names=[output],
+                dynamic_axes={k: {0: "batch", 1: "sequence"} for k in inputs}
+                | {output: {0: "batch", 1: "sequence"} if per_token else {0: "batch"}},
                 opset_version=OPSET,
                 dynamo=False,
             )
@@ -200,8 +319,12 @@ def build(out: Path = OUT) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.models.build_lora", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--only", choices=("bert", "standard"), help="default: both")
     args = parser.parse_args(argv)
-    build(args.out)
+    if args.only in (None, "bert"):
+        build(args.out)
+    if args.only in (None, "standard"):
+        build_standard(args.out)
     return 0
 
 

@@ -222,3 +222,61 @@ def test_pipeline_writes_adapter_next_to_artifact_when_pass_applied(tmp_path, ex
     assert result.report["artifact"]["side_files"] == ["model.onnx_adapter"]
     assert result.report["verification"]["ok"]
     _assert_numerics(result.model_path, result.side_files[0], expected)
+
+
+# ------------------------------------------------------------------------------- standard peft setups
+
+# name -> (inputs, the modules peft adapted); built with HF's initial weights, as from a config (zero biases)
+STANDARD = {
+    "bert_cls_lora": (
+        INPUTS,
+        [f"bert.encoder.layer.{i}.attention.self.{m}" for i in (0, 1) for m in ("query", "value")],
+    ),
+    "gpt2_lora": (INPUTS[:2], [f"h.{i}.attn.c_attn" for i in (0, 1)]),
+}
+
+
+@pytest.fixture(scope="module")
+def expected_standard() -> dict[str, np.ndarray]:
+    with np.load(LORA / "expected_standard.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def _bias_reader(model: ir.Model, node_suffix: str) -> str:
+    """The op that produces the bias input of the base layer named ``.../<node_suffix>``."""
+    (base,) = [n for n in model.graph if n.name.endswith(node_suffix)]
+    bias = next(v for v in base.inputs if v is not None and v.name.endswith("base_layer.bias"))
+    return bias.producer().op_type if bias.producer() is not None else "initializer"
+
+
+@pytest.mark.parametrize("exporter", ["", "_legacy"], ids=["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", sorted(STANDARD))
+def test_pairs_are_extracted_when_the_base_linear_has_a_bias(name, exporter, tmp_path, expected_standard):
+    """peft's sequence-classification setup on BERT (biased query/value beside the LoRA branch) and LoRA on
+    GPT-2's biased Conv1D (Reshape -> Gemm(W, bias) -> Reshape): every pair is found by both exporters'
+    forms, and the artifact computes the base without the adapter and the LoRA model with it."""
+    inputs, modules = STANDARD[name]
+    model = ir.load(LORA / f"{name}{exporter}.onnx")
+    result, ctx = _extract(model)
+    assert result.modified, [m.reason for m in result.non_matches]
+    assert [p["module"] for p in result.notes["pairs"]] == modules
+    assert all(p["module_known"] and p["rank"] == 4 and p["scale"] == pytest.approx(2.0) for p in result.notes["pairs"])
+    path, adapter = _save(tmp_path, model, ctx)
+    session = _session(path)
+    options, _active = run_options(adapter)
+    for i in (0, 1):
+        feeds = {k: expected_standard[f"{name}.set{i}.{k}"] for k in inputs}
+        base, lora = expected_standard[f"{name}.set{i}.base"], expected_standard[f"{name}.set{i}.lora"]
+        assert np.abs(lora - base).max() > 1e-2  # the adapter matters
+        np.testing.assert_allclose(session.run(None, feeds)[0], base, atol=ATOL, rtol=ATOL)
+        np.testing.assert_allclose(session.run(None, feeds, options)[0], lora, atol=ATOL, rtol=ATOL)
+
+
+def test_fixtures_hold_the_forms_that_hid_the_pairs_when_exported_by_torchscript():
+    """What the matcher must see through: the TorchScript exporter shares the equal (zero) biases through
+    Identity nodes, and GPT-2's Conv1D is a Gemm on Reshape'd rows."""
+    bert = ir.load(LORA / "bert_cls_lora_legacy.onnx")
+    assert _bias_reader(bert, "layer.1/attention/self/query/base_layer/Add") == "Identity"
+    gpt2 = ir.load(LORA / "gpt2_lora_legacy.onnx")
+    (gemm,) = [n for n in gpt2.graph if n.name.endswith("h.0/attn/c_attn/base_layer/Gemm")]
+    assert gemm.inputs[0].producer().op_type == "Reshape" and gemm.outputs[0].uses()[0].node.op_type == "Reshape"
