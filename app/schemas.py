@@ -63,9 +63,9 @@ class Durations(_Out):
 
 class JobLinks(_Out):
     self_: str = Field(alias="self", description="This job.")
-    report: str | None = Field(None, description="JSON report (succeeded jobs only).")
-    report_html: str | None = Field(None, description="HTML report (succeeded jobs only).")
-    artifact: str | None = Field(None, description="Optimized model (succeeded jobs only).")
+    report: str | None = Field(None, description="JSON report (succeeded jobs, until retention removes it).")
+    report_html: str | None = Field(None, description="HTML report (succeeded jobs, until retention removes it).")
+    artifact: str | None = Field(None, description="Optimized model (succeeded jobs, until retention removes it).")
 
 
 class WebhookStatus(_Out):
@@ -153,9 +153,9 @@ class JobOut(_Out):
             ),
             links=JobLinks(
                 self_=base,
-                report=f"{base}/report" if done else None,
-                report_html=f"{base}/report.html" if done else None,
-                artifact=f"{base}/artifact" if done else None,
+                report=f"{base}/report" if done and job.reports_expired_at is None else None,
+                report_html=f"{base}/report.html" if done and job.reports_expired_at is None else None,
+                artifact=f"{base}/artifact" if done and job.artifact_expired_at is None else None,
             ),
         )
 

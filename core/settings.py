@@ -242,6 +242,40 @@ class QuotasSettings(_Section):
     )
 
 
+class TeamRetention(_Section):
+    """One team's overrides of the retention section; an unset field takes the section's value."""
+
+    uploads_days: float | None = Field(None, ge=0)
+    artifacts_days: float | None = Field(None, ge=0)
+    reports_days: float | None = Field(None, ge=0)
+    jobs_days: float | None = Field(None, ge=0)
+
+
+class RetentionSettings(_Section):
+    uploads_days: float = Field(
+        0, ge=0, description="Days after a job finished that `onnxforge purge` deletes its model and samples (0: keep)."
+    )
+    artifacts_days: float = Field(
+        0, ge=0, description="Days after a job finished that its optimized model is deleted (0: keep)."
+    )
+    reports_days: float = Field(
+        0, ge=0, description="Days after a job finished that its JSON and HTML reports are deleted (0: keep)."
+    )
+    jobs_days: float = Field(
+        0, ge=0, description="Days after a job finished that its row and every file of it are deleted (0: keep)."
+    )
+    teams: dict[str, TeamRetention] = Field(
+        default_factory=dict,
+        description='Per-team overrides as JSON, e.g. {"team-a": {"artifacts_days": 30, "jobs_days": 90}}.',
+    )
+    blob_grace_seconds: int = Field(
+        600,
+        ge=0,
+        description="A stored file written or re-uploaded within this many seconds is never deleted, so an upload "
+        "in flight that shares it with a deleted job keeps it; the next purge collects it.",
+    )
+
+
 class MetricsSettings(_Section):
     enabled: bool = Field(True, description="Serve Prometheus metrics at GET /metrics (no API key).")
     allow_from: list[str] = Field(
@@ -357,6 +391,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     webhooks: WebhooksSettings = WebhooksSettings()
     quotas: QuotasSettings = QuotasSettings()
+    retention: RetentionSettings = RetentionSettings()
 
     @field_validator("storage")
     @classmethod

@@ -85,6 +85,9 @@ class BlobWriter:
         try:
             if final.exists():
                 self.tmp_path.unlink(missing_ok=True)
+                # Fresh again: retention never deletes a blob written within its grace period, so a job
+                # being submitted with the same bytes as a deleted one keeps them (core/retention.py).
+                os.utime(final)
             else:
                 final.parent.mkdir(mode=_DIR_MODE, exist_ok=True)
                 os.chmod(self.tmp_path, _BLOB_MODE)
@@ -167,6 +170,30 @@ class BlobStore:
             return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise NotFoundError(f"blob {sha256} is not in the store", code="BLOB_NOT_FOUND") from exc
+
+    def age_seconds(self, sha256: str) -> float | None:
+        """Seconds since the blob was last written (or re-uploaded); None when it is not in the store."""
+        try:
+            return time.time() - os.lstat(self._blob_path(_check_sha(sha256))).st_mtime
+        except OSError:
+            return None
+
+    def delete(self, sha256: str) -> bool:
+        """Remove a blob; False when it was not there. Callers check first that no job still needs it."""
+        try:
+            os.unlink(self._blob_path(_check_sha(sha256)))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def iter_shas(self) -> Iterator[str]:
+        """Every committed blob's digest (for the purge's sweep of files no job references)."""
+        for prefix in os.scandir(self.root):
+            if len(prefix.name) != 2 or not prefix.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(prefix.path):
+                if _SHA256.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    yield entry.name
 
     def ping(self) -> None:
         """Check the store is writable (a probe file in tmp/ is created and deleted)."""

@@ -41,6 +41,7 @@ from core.jobtable import STATES, TERMINAL_STATES, Intake, Job, jobs_table, to_j
 from core.quotas import WINDOW as QUOTA_WINDOW
 from core.quotas import Quota
 from core.store_results import ResultQueries
+from core.store_retention import RetentionQueries
 
 __all__ = ["STATES", "TERMINAL_STATES", "Intake", "Job", "JobStore"]
 
@@ -52,7 +53,7 @@ _SCHEMA_LOCK_KEY = 0x6F6E6E78
 _TENANT_LOCK_SPACE = 0x6F6E6E
 
 
-class JobStore(ResultQueries):
+class JobStore(ResultQueries, RetentionQueries):
     """The job table. Thread-safe: every method takes a pooled connection for one transaction."""
 
     def __init__(self, url: str, schema: str | None = None, *, clock: Callable[[], datetime] | None = None) -> None:
@@ -254,11 +255,12 @@ class JobStore(ResultQueries):
         return int(in_flight), [(created_at, int(size)) for created_at, size in rows]
 
     def get(self, job_id: str, tenant: str | None = None) -> Job:
-        """One job; another tenant's job is reported exactly like a missing one (security.md T13)."""
+        """One job; another tenant's job is reported exactly like a missing one (security.md T13), and so is,
+        to its tenant, a running job that DELETE asked to remove."""
         if valid_id(job_id):
             query = select(self.table).where(self.table.c.id == job_id)
             if tenant is not None:
-                query = query.where(self.table.c.tenant == tenant)
+                query = query.where(self.table.c.tenant == tenant, self.table.c.delete_requested.is_not(True))
             with self._tx(write=False) as conn:
                 row = conn.execute(query).one_or_none()
             if row is not None:
@@ -267,7 +269,8 @@ class JobStore(ResultQueries):
 
     def list(self, tenant: str | None, *, limit: int, offset: int, state: str | None = None) -> tuple[list[Job], int]:
         """A page of jobs, newest first, and the total matching (tenant None: every tenant)."""
-        where = []
+        # A running job that DELETE asked to remove is gone as far as its tenant is concerned.
+        where = [self.table.c.delete_requested.is_not(True)]
         if tenant is not None:
             where.append(self.table.c.tenant == tenant)
         if state is not None:
@@ -472,9 +475,13 @@ class JobStore(ResultQueries):
         return self._cas(job_id, attempt, values) is not None
 
     def mark_canceled(self, job_id: str, attempt: int) -> bool:
+        """The attempt stopped on request. A job that DELETE asked to remove goes now (its files: purge)."""
         now = self._clock()
         values = {"state": "canceled", "finished_at": now, "updated_at": now, "lease_expires_at": None}
-        return self._cas(job_id, attempt, values) is not None
+        job = self._cas(job_id, attempt, values)
+        if job is not None and job.delete_requested:
+            self.delete_finished(job_id)
+        return job is not None
 
     def _cas(self, job_id: str, attempt: int | None, values: dict[str, Any]) -> Job | None:
         c = self.table.c

@@ -52,6 +52,8 @@ class ResultQueries:
         c = self.table.c
         now = self._clock()
         where = [c.cache_key == cache_key, c.state == "succeeded", c.cached_from.is_(None)]
+        # A result whose files retention removed, or whose job is being deleted, is not reused.
+        where += [c.artifact_expired_at.is_(None), c.reports_expired_at.is_(None), c.delete_requested.is_not(True)]
         if tenant is not None:
             where.append(c.tenant == tenant)
         if max_age_seconds:

@@ -141,6 +141,29 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_purge(args: argparse.Namespace) -> int:
+    from core.retention import purge
+    from core.storage import BlobStore
+    from core.store import JobStore
+
+    settings = _settings()
+    store = JobStore(settings.database_url, settings.database.schema_name)
+    try:
+        store.check_schema()
+        stats = purge(store, BlobStore(settings.storage.blobs_dir), settings.retention, sweep=args.sweep)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(stats.as_dict(), sort_keys=True))
+    else:
+        expired = ", ".join(f"{kind} {count}" for kind, count in stats.files_expired.items())
+        print(
+            f"purged: {stats.jobs_deleted} jobs deleted; files expired: {expired}; {stats.blobs_deleted} files "
+            f"({stats.bytes_freed} bytes) deleted; {stats.blobs_kept_in_grace} left for the next run (grace period)"
+        )
+    return 0
+
+
 def cmd_passes(args: argparse.Namespace) -> int:
     from passes.registry import PRESETS, catalogue
 
@@ -379,6 +402,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="downgrade to this older revision (default: head, i.e. upgrade); for rolling back a release",
     )
     p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser(
+        "purge",
+        help="delete what the retention settings say is due (run it from cron)",
+        description="Apply the retention settings once: delete the uploads, optimized models and reports of jobs "
+        "finished longer ago than retention.uploads_days / artifacts_days / reports_days, and whole jobs "
+        "(row and files) past retention.jobs_days (each per team in retention.teams; 0 keeps forever), plus "
+        "jobs a DELETE left to be removed. A file another job still uses is kept. Safe to run while the "
+        "service runs.",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also delete every stored file that no job names (older than retention.blob_grace_seconds)",
+    )
+    p.add_argument("--json", action="store_true", help="print the counts as JSON")
+    p.set_defaults(func=cmd_purge)
 
     p = sub.add_parser(
         "optimize",

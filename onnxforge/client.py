@@ -90,7 +90,13 @@ class Client:
         return dict(self._request("GET", f"/v1/jobs/{job_id}").json())
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return dict(self._request("DELETE", f"/v1/jobs/{job_id}").json())
+        """Stop a queued or running job, keeping it and what it produced."""
+        return dict(self._request("POST", f"/v1/jobs/{job_id}/cancel").json())
+
+    def delete(self, job_id: str) -> dict[str, Any] | None:
+        """Delete a job and its files; a running job is canceled first, and this returns it (else None)."""
+        response = self._request("DELETE", f"/v1/jobs/{job_id}")
+        return dict(response.json()) if response.status_code == 202 else None
 
     def passes(self) -> dict[str, Any]:
         return dict(self._request("GET", "/v1/passes").json())

@@ -20,7 +20,8 @@ from sqlalchemy import create_engine, inspect, text
 
 from core import migrations
 from core.errors import ConflictError, InvalidConfigError, NotFoundError, UnavailableError
-from core.store import Job, JobStore
+from core.quotas import Quota, QuotaExceededError
+from core.store import Intake, Job, JobStore
 
 LEASE = 60
 SHA = "a" * 64
@@ -544,3 +545,61 @@ def test_check_schema_refuses_database_when_behind_head_and_create_schema_upgrad
     store.create_schema()
     store.check_schema()
     assert _create(store).idempotency_key is None
+
+
+def test_remove_deletes_queued_job_at_once_and_flags_running_one(store: JobStore) -> None:
+    queued = _create(store, tenant="t")
+    running = _create(store, tenant="t")
+    claimed = store.claim(running.id, "w", LEASE, max_attempts=3)
+    assert claimed is not None
+
+    assert store.remove(queued.id, "t")[1] is True
+    job, deleted = store.remove(running.id, "t")
+
+    assert not deleted
+    assert (job.state, job.cancel_requested, job.delete_requested) == ("running", True, True)
+    with pytest.raises(NotFoundError):
+        store.get(queued.id)
+    with pytest.raises(NotFoundError):
+        store.get(running.id, "t")  # gone for its tenant
+    assert store.get(running.id).state == "running"  # the worker still sees it
+    assert store.list("t", limit=10, offset=0) == ([], 0)
+    assert store.mark_canceled(running.id, claimed.attempts)
+    with pytest.raises(NotFoundError):
+        store.get(running.id)
+    with pytest.raises(NotFoundError):
+        store.remove(queued.id, "t")
+
+
+def test_referenced_ignores_columns_whose_files_expired(store: JobStore) -> None:
+    job = _create(store)
+    assert store.referenced([SHA, "b" * 64]) == {SHA}
+
+    store.expire(job.id, ["uploads"])
+
+    assert store.referenced([SHA]) == set()
+
+
+def test_create_refuses_job_over_quota_and_duplicate_idempotency_key(store: JobStore) -> None:
+    quota = Quota(max_concurrent_jobs=1, retry_after_seconds=9)
+    intake = Intake(upload_bytes=10, idempotency_key="k-1", request_sha256="f" * 64)
+    first = store.create(
+        tenant="t", model_sha256=SHA, model_filename="m.onnx", model_format="onnx", model_size=10,
+        samples_sha256=None, config={}, queue="cpu", intake=intake, quota=quota,
+    )  # fmt: skip
+
+    with pytest.raises(QuotaExceededError) as over:
+        store.create(
+            tenant="t", model_sha256=SHA, model_filename="m.onnx", model_format="onnx", model_size=10,
+            samples_sha256=None, config={}, queue="cpu", quota=quota,
+        )  # fmt: skip
+    with pytest.raises(ConflictError) as duplicate:
+        store.create(
+            tenant="t", model_sha256=SHA, model_filename="m.onnx", model_format="onnx", model_size=10,
+            samples_sha256=None, config={}, queue="cpu", intake=intake,
+        )  # fmt: skip
+
+    assert (over.value.code, over.value.detail["retry_after"]) == ("QUOTA_CONCURRENT_JOBS", 9)
+    assert duplicate.value.code == "IDEMPOTENCY_KEY_IN_USE"
+    assert store.find_idempotent("t", "k-1") == first
+    assert store.find_idempotent("other", "k-1") is None

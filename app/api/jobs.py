@@ -8,7 +8,7 @@ from urllib.parse import urlencode
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 
 from app.deps import JobServiceDep, SettingsDep, TenantDep
 from app.schemas import MULTIPART_JOB_BODY, JobList, JobOut, JobState, problem_responses
@@ -102,13 +102,34 @@ def get_job(job_id: str, service: JobServiceDep, tenant: TenantDep) -> JobOut:
 
 @router.delete(
     "/{job_id}",
+    status_code=204,
+    responses={
+        202: {"model": JobOut, "description": "The job was running: canceled, and deleted once its worker stops."},
+        **problem_responses(404),
+    },
+    summary="Delete a job and its files",
+)
+def delete_job(job_id: str, service: JobServiceDep, tenant: TenantDep) -> Response:
+    """A queued or finished job is deleted at once with its files (204): its model, samples, optimized model
+    and reports, except files another job still uses. A running job is canceled first (202, with the job)
+    and deleted when its worker stops; it is not found from then on. To stop a job but keep it, use
+    ``POST /v1/jobs/{id}/cancel``."""
+    job, deleted = service.delete(tenant, job_id)
+    if deleted:
+        return Response(status_code=204)
+    return JSONResponse(JobOut.from_job(job).model_dump(mode="json", by_alias=True), status_code=202)
+
+
+@router.post(
+    "/{job_id}/cancel",
     status_code=202,
     response_model=JobOut,
     responses=problem_responses(404, 409),
-    summary="Cancel a job",
+    summary="Cancel a job, keeping it",
 )
 def cancel_job(job_id: str, service: JobServiceDep, tenant: TenantDep) -> JobOut:
-    """A queued job is canceled at once; a running one stops at its worker's next heartbeat."""
+    """A queued job is canceled at once; a running one stops at its worker's next heartbeat. A finished job
+    answers 409 JOB_FINISHED."""
     return JobOut.from_job(service.cancel(tenant, job_id))
 
 

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from app.services import cache
 from app.services.uploads import Upload, UploadSlots
 from core.config import JobConfig
-from core.errors import ConflictError, InvalidInputError, OnnxforgeError, UnavailableError
+from core.errors import ConflictError, InvalidInputError, NotFoundError, OnnxforgeError, UnavailableError
 from core.logs import bind
 from core.quotas import Quota
+from core.retention import drop_unreferenced
 from core.settings import Settings
 from core.storage import BlobStore
 from core.store import STATES, Intake, Job, JobStore
+from core.store_retention import job_blobs
 from core.webhooks import check_destination
 
 if TYPE_CHECKING:
@@ -282,6 +284,19 @@ class JobService:
     def cancel(self, tenant: str, job_id: str) -> Job:
         return self.store.request_cancel(job_id, tenant)
 
+    def delete(self, tenant: str, job_id: str) -> tuple[Job, bool]:
+        """Delete a job: a queued or finished one at once, row and files (True); a running one is canceled
+        first and goes when its worker stops (False). Files another job still names stay; files younger
+        than retention.blob_grace_seconds are left to the next purge (core/retention.py)."""
+        job, deleted = self.store.remove(job_id, tenant)
+        if deleted:
+            grace = self.settings.retention.blob_grace_seconds
+            stats = drop_unreferenced(self.store, self.blobs, job_blobs(job), grace_seconds=grace)
+            log.info("job %s deleted (%d files, %d bytes freed)", job.id, stats.blobs_deleted, stats.bytes_freed)
+        else:
+            log.info("job %s: cancel requested; deleted once its worker stops", job.id)
+        return job, deleted
+
     def _succeeded(self, tenant: str, job_id: str) -> Job:
         job = self.store.get(job_id, tenant)
         if job.state != "succeeded":
@@ -294,6 +309,10 @@ class JobService:
 
     def artifact(self, tenant: str, job_id: str) -> Download:
         job = self._succeeded(tenant, job_id)
+        if job.artifact_expired_at is not None:
+            raise NotFoundError(
+                f"job {job_id}'s optimized model was deleted by the retention policy", code="ARTIFACT_EXPIRED"
+            )
         assert job.artifact_sha256 is not None and job.artifact_format is not None
         return Download(
             path=self.blobs.path(job.artifact_sha256),
@@ -303,6 +322,8 @@ class JobService:
 
     def report(self, tenant: str, job_id: str, *, html: bool) -> Download:
         job = self._succeeded(tenant, job_id)
+        if job.reports_expired_at is not None:
+            raise NotFoundError(f"job {job_id}'s reports were deleted by the retention policy", code="REPORT_EXPIRED")
         sha = job.report_html_sha256 if html else job.report_sha256
         assert sha is not None
         return Download(

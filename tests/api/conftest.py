@@ -108,7 +108,9 @@ def make_settings(data_dir: Path, **sections: dict[str, Any]) -> Settings:
         "page_size_max": 50,
         **sections.pop("api", {}),
     }
-    return Settings(storage={"data_dir": data_dir}, api=api, **sections)
+    # Files of a deleted job go at once: no upload here runs long enough to need the grace period.
+    retention = {"blob_grace_seconds": 0, **sections.pop("retention", {})}
+    return Settings(storage={"data_dir": data_dir}, api=api, retention=retention, **sections)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from core.errors import NotFoundError
 from tests.api.conftest import CONFIG_CAP, MODEL_CAP, Live
 
 pytestmark = pytest.mark.integration
@@ -289,7 +290,7 @@ def test_list_jobs_pages_newest_first_with_next_link(api: Live) -> None:
 
 def test_list_jobs_filters_by_state(api: Live) -> None:
     job_id = _submit(api).json()["id"]
-    api.client.delete(f"/v1/jobs/{job_id}")
+    api.client.post(f"/v1/jobs/{job_id}/cancel")
     canceled = api.client.get("/v1/jobs", params={"state": "canceled", "limit": 50}).json()
     assert job_id in {j["id"] for j in canceled["jobs"]}
     assert {j["state"] for j in canceled["jobs"]} == {"canceled"}
@@ -302,20 +303,50 @@ def test_list_jobs_returns_422_when_query_invalid(api: Live, query: dict) -> Non
     assert body["code"] in {"REQUEST_INVALID", "PAGINATION_INVALID"}
 
 
-def test_delete_job_cancels_queued_job_then_returns_409(api: Live) -> None:
+def test_cancel_job_cancels_queued_job_then_returns_409_when_finished(api: Live) -> None:
     job_id = _submit(api).json()["id"]
-    response = api.client.delete(f"/v1/jobs/{job_id}")
+    response = api.client.post(f"/v1/jobs/{job_id}/cancel")
     assert response.status_code == 202
     assert response.json()["state"] == "canceled"
-    _assert_problem(api.client.delete(f"/v1/jobs/{job_id}"), 409, "JOB_FINISHED")
+    _assert_problem(api.client.post(f"/v1/jobs/{job_id}/cancel"), 409, "JOB_FINISHED")
+    assert api.client.get(f"/v1/jobs/{job_id}").json()["state"] == "canceled"  # canceled, not deleted
 
 
-def test_delete_job_flags_running_job(api: Live) -> None:
+def test_delete_job_removes_queued_job_and_its_upload_when_no_other_job_uses_it(api: Live) -> None:
+    own = b"\x08\x07" + uuid.uuid4().bytes * 64  # bytes no other test uploads
+    job = _submit(api, model=("own.onnx", own)).json()
+    shared = _submit(api).json()
+    path = api.blobs.path(job["model"]["sha256"])
+    shared_path = api.blobs.path(shared["model"]["sha256"])
+
+    response = api.client.delete(f"/v1/jobs/{job['id']}")
+
+    assert response.status_code == 204
+    assert not path.exists()
+    _assert_problem(api.client.get(f"/v1/jobs/{job['id']}"), 404, "JOB_NOT_FOUND")
+    _assert_problem(api.client.delete(f"/v1/jobs/{job['id']}"), 404, "JOB_NOT_FOUND")
+    # Deleting another job with the same model as a live one keeps the file the live one needs.
+    twin = _submit(api).json()
+    assert api.client.delete(f"/v1/jobs/{twin['id']}").status_code == 204
+    assert shared_path.exists()
+    assert api.client.get(f"/v1/jobs/{shared['id']}").status_code == 200
+
+
+def test_delete_job_cancels_running_job_and_removes_it_when_worker_stops(api: Live) -> None:
     job_id = _submit(api).json()["id"]
-    api.store.claim(job_id, "test-worker", 60, max_attempts=3)
+    claimed = api.store.claim(job_id, "test-worker", 60, max_attempts=3)
+    assert claimed is not None
+
     response = api.client.delete(f"/v1/jobs/{job_id}")
+
     assert response.status_code == 202
     assert (response.json()["state"], response.json()["cancel_requested"]) == ("running", True)
+    _assert_problem(api.client.get(f"/v1/jobs/{job_id}"), 404, "JOB_NOT_FOUND")
+    assert job_id not in {j["id"] for j in api.client.get("/v1/jobs", params={"limit": 50}).json()["jobs"]}
+    # The worker sees the cancel at its next heartbeat and stops: the row goes with it.
+    assert api.store.mark_canceled(job_id, claimed.attempts)
+    with pytest.raises(NotFoundError):
+        api.store.get(job_id)
 
 
 def test_artifact_returns_409_when_job_not_succeeded(api: Live) -> None:
