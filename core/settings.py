@@ -104,13 +104,22 @@ class StorageSettings(_Section):
         "workers in distributed mode (a network volume).",
     )
 
+    scratch_dir: Path | None = Field(
+        None,
+        description="Where a worker unpacks each job attempt (input, output, temp files): local disk of the worker, "
+        "deleted when the attempt ends. Unset: <data_dir>/work, i.e. on the shared volume.",
+    )
+
+    _empty_is_unset = field_validator("scratch_dir", mode="before")(_none_if_empty)
+
     @property
     def blobs_dir(self) -> Path:
         return self.data_dir / "blobs"
 
     @property
     def work_dir(self) -> Path:
-        return self.data_dir / "work"
+        """Per-job scratch: scratch_dir when set (local disk), else under the shared data_dir."""
+        return self.scratch_dir if self.scratch_dir is not None else self.data_dir / "work"
 
     @property
     def queue_dir(self) -> Path:
@@ -397,7 +406,8 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute_data_dir(cls, storage: StorageSettings) -> StorageSettings:
         # API and workers run from different working directories; a relative path would split the store.
-        return storage.model_copy(update={"data_dir": storage.data_dir.expanduser().resolve()})
+        scratch = storage.scratch_dir.expanduser().resolve() if storage.scratch_dir is not None else None
+        return storage.model_copy(update={"data_dir": storage.data_dir.expanduser().resolve(), "scratch_dir": scratch})
 
     @model_validator(mode="after")
     def _safe(self) -> Settings:

@@ -91,3 +91,13 @@ def test_serve_refuses_to_start_when_production_has_empty_broker_url(tmp_path: P
     assert result.returncode != 0
     assert "environment=production needs ONNXFORGE_BROKER__URL" in result.stderr
     assert not (tmp_path / "data" / "onnxforge.db").exists()
+
+
+def test_settings_put_job_scratch_on_local_disk_when_scratch_dir_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert Settings().storage.work_dir == (tmp_path / "data" / "work").resolve()  # unset: the shared volume
+
+    monkeypatch.setenv("ONNXFORGE_STORAGE__SCRATCH_DIR", str(tmp_path / "local" / ".." / "scratch"))
+
+    assert Settings().storage.work_dir == (tmp_path / "scratch").resolve()
