@@ -1,0 +1,376 @@
+"""quantize_int4: weight-only int4 ``MatMulNBits`` (ORT ``MatMulNBitsQuantizer``), accuracy-checked per output.
+
+Wraps ``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`` (it never re-implements the
+quantizer). Each ``MatMul`` with a constant 2-D weight ``W[K, N]`` becomes::
+
+    x --> MatMul(x, W) --> y          =>          x --> com.microsoft::MatMulNBits(x, W_q4, scales) --> y
+                                                       (K, N, bits=4, block_size, accuracy_level)
+
+with ``W`` in blocks of ``block_size`` along K, one scale per block (RTN, ``DefaultWeightOnlyQuantConfig``;
+``HQQ`` as an option where torch imports, since ORT's HQQ runs on torch). Activations stay float: the
+kernel dequantizes weights on the fly, so decode (a GEMV per token, bound by weight bandwidth) gains most.
+
+What ORT leaves to the user, and this pass decides:
+
+* **accuracy_level by measurement.** 4 (int8 compute of the activations, the fast x86 path) and 0 (fp32
+  compute) give the same weights; the pass times both on the samples (ORT's default optimizations, 1
+  thread) and keeps the fastest whose outputs meet the accuracy budget.
+* **The lm_head is never int4** by default (an int4 head made a model repeat itself, issue 19): it is found
+  from the graph, the MatMul whose output reaches a graph output through reshapes and elementwise ops only,
+  never by name, and stays float, or becomes 8-bit ``MatMulNBits`` where that measures no slower and the
+  budget still holds (``lm_head="auto"``, the default).
+* **Mixed precision by measured sensitivity.** When the outputs miss the budget, ``q.drive`` ranks every
+  quantized MatMul by the error it introduces and keeps the worst in float (``passes/precision/
+  _quantization.py``); the report names them.
+
+Refuses (no change, with a reason) when no MatMul has a constant weight, when ``nodes_to_exclude`` names a
+node the graph lacks, when HQQ is asked for without torch, and when the budget is missed even with
+``max_exclusions`` MatMuls in float.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from pydantic import Field
+
+from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes.precision import _quantization as q
+
+# Ops a head's output may pass through on its way to a graph output and still be "the head's output":
+# shape changes, casts and elementwise scaling/bias/soft-capping. A norm or a Concat (a KV cache) is not.
+_PASS_THROUGH = {
+    "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast", "Transpose",
+    "Add", "Sub", "Mul", "Div", "Tanh",
+}  # fmt: skip
+_LEVELS = {"fp32": 0, "int8": 4}
+
+
+class QuantizeInt4Options(PassOptions):
+    algorithm: Literal["rtn", "hqq"] = Field(
+        "rtn",
+        description="rtn: round-to-nearest per block (ORT's DefaultWeightOnlyQuantConfig). hqq: half-quadratic "
+        "quantization (ORT's HQQWeightOnlyQuantConfig, always asymmetric), needs torch in the worker.",
+    )
+    block_size: int = Field(32, ge=16, description="Weights per quantization block along K (a power of 2, >= 16).")
+    symmetric: bool = Field(True, description="Symmetric blocks (no zero point). rtn only; hqq is asymmetric.")
+    accuracy_level: Literal["auto", 0, 1, 4] = Field(
+        "auto",
+        description="MatMulNBits compute type: 4 quantizes activations to int8 (fastest on x86), 0/1 compute in "
+        "fp32. auto: measure 4 and 0 and keep the fastest within the accuracy budget.",
+    )
+    lm_head: Literal["float", "auto", "int8", "int4"] = Field(
+        "auto",
+        description="The LM head (found from the graph): float keeps it; int8 makes it 8-bit MatMulNBits; auto "
+        "does so only where that measures no slower and the budget holds; int4 quantizes it like the rest.",
+    )
+    quantize_embeddings: bool = Field(
+        False,
+        description="Also make constant-table Gathers (token embeddings) GatherBlockQuantized (int4): smaller, "
+        "not faster; raises the model's opset to 21.",
+    )
+    nodes_to_exclude: list[str] = Field(
+        default_factory=list, description="Node NAMES to keep in float. An unknown name refuses the pass."
+    )
+    min_cosine: float = Field(
+        0.98, ge=-1, le=1, description="Accuracy budget: least cosine of every float output to the original's."
+    )
+    max_rel_error: float | None = Field(None, gt=0, description="Accuracy budget: largest relative L2 error.")
+    max_abs_error: float | None = Field(None, gt=0, description="Accuracy budget: largest absolute difference.")
+    max_exclusions: int = Field(
+        8, ge=0, description="Most MatMuls the exclusion loop may keep in float to meet the budget (0: none)."
+    )
+    max_samples: int = Field(8, ge=1, description="Samples used to measure accuracy and speed.")
+
+
+class QuantizeInt4(Pass):
+    name = "quantize_int4"
+    summary = "Weight-only int4 MatMulNBits (ORT MatMulNBitsQuantizer), lm_head float or 8-bit, accuracy-checked."
+    exact = False
+    in_place = False
+    Options = QuantizeInt4Options
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        options: QuantizeInt4Options = self.options  # type: ignore[assignment]
+        unchanged = q.unchanged(model)
+        refusal = q.unknown_node_names(model, options.nodes_to_exclude)
+        if options.algorithm == "hqq" and importlib.util.find_spec("torch") is None:
+            refusal.append(NonMatch("algorithm 'hqq' runs on torch (ORT's HQQ quantizer), not installed here"))
+        if options.block_size & (options.block_size - 1):
+            refusal.append(NonMatch(f"block_size {options.block_size} is not a power of 2 (MatMulNBits needs one)"))
+        if refusal:
+            return PassResult(unchanged, False, {"nodes_quantized": 0}, refusal, {"decision": "refused"})
+        heads = lm_heads(model)
+        candidates, non_matches = _candidates(model, set(options.nodes_to_exclude))
+        kept_float = [] if options.lm_head == "int4" else [h for h in heads if h in candidates]
+        candidates = [c for c in candidates if c not in kept_float]
+        notes: dict[str, Any] = {
+            "algorithm": options.algorithm,
+            "block_size": options.block_size,
+            "symmetric": options.symmetric if options.algorithm == "rtn" else False,
+            "lm_head": heads or "none found",
+            "candidates": len(candidates),
+        }
+        if not candidates:
+            non_matches.append(NonMatch("no MatMul with a constant 2-D weight to quantize (the lm_head aside)"))
+            notes["decision"] = "skipped: nothing to quantize"
+            return PassResult(unchanged, False, {"nodes_quantized": 0}, non_matches, notes)
+        budget_options = q.QuantizationOptions(
+            nodes_to_exclude=[*options.nodes_to_exclude, *kept_float],
+            min_cosine=options.min_cosine,
+            max_rel_error=options.max_rel_error,
+            max_abs_error=options.max_abs_error,
+            max_exclusions=options.max_exclusions,
+            max_samples=options.max_samples,
+        )
+        level = _choose_level(model, ctx.samples, options, budget_options, notes)
+
+        def quantize(src: Path, dst: Path, exclude: list[str], large: bool) -> None:
+            proto = quantize_proto(onnx.load(str(src), load_external_data=True), options, level, exclude)
+            q.save_proto(proto, dst, large)
+
+        out = q.drive(
+            model,
+            ctx.samples,
+            budget_options,
+            candidates=candidates,
+            quantize=quantize,
+            quantized_nodes=replaced_nodes,
+            notes=notes,
+        )
+        non_matches += out.non_matches
+        if out.model is None:
+            return PassResult(unchanged, False, out.counts, non_matches, out.notes)
+        result = out.model
+        if options.lm_head in ("auto", "int8") and kept_float:
+            result = _head_int8(
+                model,
+                result,
+                kept_float,
+                samples=ctx.samples,
+                options=options,
+                budget_options=budget_options,
+                notes=notes,
+            )
+        notes["weight_bytes"] = {
+            "before": q.tensor_bytes(ir.serde.serialize_model(model)),
+            "after": q.tensor_bytes(ir.serde.serialize_model(result)),
+        }
+        notes["matmulnbits"] = sum(1 for n in result.graph if n.op_type == "MatMulNBits")
+        return PassResult(result, True, out.counts, non_matches, notes)
+
+
+def quantize_proto(
+    proto: onnx.ModelProto,
+    options: QuantizeInt4Options,
+    level: int,
+    exclude: Sequence[str],
+    *,
+    bits: int = 4,
+    include: Sequence[str] = (),
+) -> onnx.ModelProto:
+    """ORT's MatMulNBitsQuantizer on ``proto``; every MatMulNBits it writes gets ``accuracy_level=level``."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnb
+
+    op_types: tuple[str, ...] = ("MatMul", "Gather") if options.quantize_embeddings and bits == 4 else ("MatMul",)
+    config: Any
+    if options.algorithm == "hqq" and bits == 4:
+        config = mnb.HQQWeightOnlyQuantConfig(block_size=options.block_size, bits=4, op_types_to_quantize=op_types)
+    else:
+        config = mnb.DefaultWeightOnlyQuantConfig(
+            block_size=options.block_size,
+            is_symmetric=options.symmetric,
+            accuracy_level=level,
+            op_types_to_quantize=op_types,
+            bits=bits,
+        )
+    with q.quiet_ort_quantization():
+        quantizer = mnb.MatMulNBitsQuantizer(
+            proto, nodes_to_exclude=list(exclude), nodes_to_include=list(include) or None, algo_config=config
+        )
+        quantizer.process()
+    out = quantizer.model.model
+    set_accuracy_level(out, level)
+    return out
+
+
+def set_accuracy_level(proto: onnx.ModelProto, level: int) -> None:
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
+
+
+def lm_heads(model: ir.Model) -> list[str]:
+    """Names of the MatMuls whose output reaches a graph output through ``_PASS_THROUGH`` ops only."""
+    heads: list[str] = []
+    for output in model.graph.outputs:
+        value: ir.Value | None = output
+        while value is not None and (node := value.producer()) is not None:
+            if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
+                if node.name and node.name not in heads:
+                    heads.append(node.name)
+                break
+            if node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
+                break
+            # follow the one non-constant input; two computed inputs (a residual Add) end the walk
+            computed = [v for v in node.inputs if v is not None and v.const_value is None and v.producer() is not None]
+            computed = [v for v in computed if v.producer().op_type != "Constant"]
+            value = computed[0] if len(computed) == 1 else None
+    return heads
+
+
+def _candidates(model: ir.Model, excluded: set[str]) -> tuple[list[str], list[NonMatch]]:
+    found, non_matches = [], []
+    for node in model.graph:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.name in excluded:
+            continue
+        weight = node.inputs[1] if len(node.inputs) > 1 else None
+        if weight is None or weight.const_value is None:
+            continue  # attention's Q.K^T and P.V: activations on both sides, nothing to quantize
+        shape = weight.const_value.shape
+        if len(shape) < 2 or any(d != 1 for d in shape[:-2]):
+            non_matches.append(NonMatch(f"weight of shape {list(shape)} is not 2-D", node.name, node.op_type))
+        elif not node.name:
+            non_matches.append(NonMatch("unnamed MatMul: the accuracy loop tracks nodes by name", None, "MatMul"))
+        else:
+            found.append(node.name)
+    return found, non_matches
+
+
+def _budget(options: q.QuantizationOptions) -> q.Budget:
+    return q.Budget(options.min_cosine, options.max_rel_error, options.max_abs_error)
+
+
+def replaced_nodes(original: onnx.ModelProto, quantized: onnx.ModelProto, candidates: Sequence[str]) -> list[str]:
+    """Candidates ORT replaced (MatMulNBitsQuantizer renames the node it replaces to ``<name>_Q4``/``_Q8``)."""
+    remaining = {n.name for n in quantized.graph.node}
+    return [name for name in candidates if name not in remaining]
+
+
+def _latency_ms(proto: onnx.ModelProto, feeds: Sequence[dict[str, np.ndarray]], repeats: int = 5) -> float:
+    """Median latency over the feeds at ORT's default optimizations and 1 thread (how it will run)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    for feed in feeds:
+        sess.run(None, feed)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for feed in feeds:
+            sess.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _measure(
+    original: onnx.ModelProto,
+    candidates: dict[str, onnx.ModelProto],
+    samples: Sequence[dict[str, np.ndarray]],
+    limit: int,
+) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, float]] | None:
+    """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto."""
+    with q.workdir() as tmp:
+        src = Path(tmp) / "original.onnx"
+        large = q.tensor_bytes(original) > q.EXTERNAL_DATA_BYTES
+        q.save_proto(original, src, large)
+        ref_sess = q.session(src)
+        feeds = q.feeds_for(ref_sess, samples, limit)
+        outputs = q.float_outputs(ref_sess)
+        del ref_sess
+        if not feeds or not outputs:
+            return None
+        reference = q.run_outputs(src, feeds, outputs)
+        accuracy, latency = {}, {}
+        for key, proto in candidates.items():
+            path = Path(tmp) / f"{key}.onnx"
+            q.save_proto(proto, path, large)
+            accuracy[key] = q.measure(path, feeds, outputs, reference)
+            latency[key] = _latency_ms(onnx.load(str(path), load_external_data=True), feeds)
+        return accuracy, latency
+
+
+def _choose_level(
+    model: ir.Model,
+    samples: Sequence[dict[str, np.ndarray]],
+    options: QuantizeInt4Options,
+    budget_options: q.QuantizationOptions,
+    notes: dict[str, Any],
+) -> int:
+    if options.accuracy_level != "auto":
+        notes["accuracy_level"] = {"chosen": options.accuracy_level, "by": "option"}
+        return int(options.accuracy_level)
+    original = ir.serde.serialize_model(model)
+    full = quantize_proto(
+        onnx.ModelProto.FromString(original.SerializeToString()), options, 4, budget_options.nodes_to_exclude
+    )
+    fp32 = onnx.ModelProto()
+    fp32.CopyFrom(full)
+    set_accuracy_level(fp32, 0)
+    measured = _measure(original, {"int8": full, "fp32": fp32}, samples, options.max_samples)
+    if measured is None:
+        notes["accuracy_level"] = {"chosen": 0, "by": "no samples give every input: fp32 compute, the accurate one"}
+        return 0
+    accuracy, latency = measured
+    budget = _budget(budget_options)
+    holding = [k for k in ("int8", "fp32") if not budget.misses(accuracy[k])]
+    # Neither holds: the exclusion loop starts from the more accurate fp32 compute.
+    chosen = min(holding, key=lambda k: latency[k]) if holding else "fp32"
+    notes["accuracy_level"] = {
+        "chosen": _LEVELS[chosen],
+        "by": "measured: fastest within the budget" if holding else "measured: neither holds, fp32 compute",
+        "latency_ms": {f"level {_LEVELS[k]}": round(v, 3) for k, v in latency.items()},
+        "within_budget": {f"level {_LEVELS[k]}": k in holding for k in latency},
+    }
+    return _LEVELS[chosen]
+
+
+def _head_int8(
+    original: ir.Model,
+    quantized: ir.Model,
+    heads: list[str],
+    *,
+    samples: Sequence[dict[str, np.ndarray]],
+    options: QuantizeInt4Options,
+    budget_options: q.QuantizationOptions,
+    notes: dict[str, Any],
+) -> ir.Model:
+    """The quantized model with its head(s) as 8-bit MatMulNBits, when ``lm_head`` asks and (auto) it pays."""
+    proto = ir.serde.serialize_model(quantized)
+    level = notes.get("accuracy_level", {}).get("chosen", 0)
+    others = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in heads]
+    head8 = quantize_proto(
+        onnx.ModelProto.FromString(proto.SerializeToString()), options, level, others, bits=8, include=heads
+    )
+    if options.lm_head == "int8":
+        notes["lm_head_decision"] = "int8 (option)"
+        return ir.serde.deserialize_model(head8)
+    measured = _measure(
+        ir.serde.serialize_model(original), {"float": proto, "int8": head8}, samples, options.max_samples
+    )
+    if measured is None:
+        notes["lm_head_decision"] = "float: no samples to measure an 8-bit head"
+        return quantized
+    accuracy, latency = measured
+    misses = _budget(budget_options).misses(accuracy["int8"])
+    faster = latency["int8"] <= latency["float"]
+    notes["lm_head_latency_ms"] = {k: round(v, 3) for k, v in latency.items()}
+    if faster and not misses:
+        notes["lm_head_decision"] = "int8: measured no slower and within the budget"
+        return ir.serde.deserialize_model(head8)
+    notes["lm_head_decision"] = "float: " + ("; ".join(misses) if misses else "the 8-bit head measured slower")
+    return quantized
