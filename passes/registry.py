@@ -28,6 +28,7 @@ from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
 from passes.precision.float16 import Float16
 from passes.precision.mixed_precision import MixedPrecision
 from passes.precision.quantize_dynamic import QuantizeDynamic
+from passes.precision.quantize_int4 import QuantizeInt4
 from passes.precision.quantize_static import QuantizeStatic
 from passes.prepost.extract_adapters import ExtractAdapters
 from passes.prepost.prepost import Prepost
@@ -51,6 +52,7 @@ PASSES: tuple[type[Pass], ...] = (
     UnfuseSkipLayerNorm,
     QuantizeDynamic,
     QuantizeStatic,
+    QuantizeInt4,
     Float16,
     MixedPrecision,
     TuneSession,
@@ -148,6 +150,10 @@ _INT8 = [
     "dead_node_elimination",
 ]
 _FP16 = [*_CLEANUP, "fuse_transformer", "mixed_precision", "dead_node_elimination"]
+# Weight-only int4 moves a random-weight decoder's logits by ~0.1 relative L2 (cosine > 0.99 on the corpus
+# decoders, tests/models/decoders); the tensor tolerance is loose and quantize_int4 checks its own budget.
+INT4_TOLERANCE = Tolerance(atol=1e-1, rtol=1e-1, min_cosine=0.98, max_mismatch_ratio=0.1)
+_INT4 = [*_CLEANUP, "quantize_int4", "dead_node_elimination"]
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -171,6 +177,13 @@ PRESETS: dict[str, Preset] = {
             "per output (CPU).",
             _INT8,
             INT8_TOLERANCE,
+        ),
+        Preset(
+            "int4",
+            "Weight-only int4 MatMulNBits (block 32, symmetric, accuracy_level measured), the lm_head float or "
+            "8-bit, the most sensitive MatMuls float, accuracy-checked per output (CPU decoders).",
+            _INT4,
+            INT4_TOLERANCE,
         ),
         Preset(
             "fp16",
