@@ -112,16 +112,16 @@ def _optimize(model: Path, preset: str, out_dir: Path, args: argparse.Namespace)
 def _shapes(model: Path, args: argparse.Namespace) -> dict[str, list[int]]:
     import onnx
 
-    from workers.verify import graph_inputs
+    from core.inputs import graph_inputs
 
     return {spec.name: [args.batch, args.seq] for spec in graph_inputs(onnx.load(str(model), load_external_data=False))}
 
 
 def run_model(name: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from bench.models import ensure_bench_model, make_inputs
+    from core.inputs import InputSet
     from core.recipe import read_recipe
     from workers.benchmark import BenchmarkParams, compare
-    from workers.verify import InputSet
 
     model = ensure_bench_model(name)
     feeds = make_inputs(name, args.batch, args.seq, pad_fraction=0.25)

@@ -66,7 +66,8 @@ from passes.fusion import _fusion_families as fam  # noqa: E402
 from passes.precision._accuracy import compare_arrays  # noqa: E402
 from passes.registry import build_passes, get_preset  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
-from workers.verify import compare_output, make_session  # noqa: E402
+from workers.sessions import make_session  # noqa: E402
+from workers.verify import compare_output  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "presets"
 TABLE_START = "<!-- presets-table:start -->"

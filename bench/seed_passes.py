@@ -53,11 +53,13 @@ import onnx_ir as ir  # noqa: E402
 from bench._report import unmarked, write_blocks  # noqa: E402
 from bench.models import ensure_bench_model, make_inputs  # noqa: E402
 from core.config import EXACT_TOLERANCE, PassSpec  # noqa: E402
+from core.inputs import InputSet  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
 from passes.cleanup.dead_node_elimination import DeadNodeElimination  # noqa: E402
 from passes.registry import build_passes, get_preset  # noqa: E402
 from workers.benchmark import BenchmarkParams, compare, host_info  # noqa: E402
-from workers.verify import InputSet, Verifier, compare_output, make_session  # noqa: E402
+from workers.sessions import make_session  # noqa: E402
+from workers.verify import Verifier, compare_output  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "seed_passes"
 TABLE_START = "<!-- seed-passes-table:start -->"

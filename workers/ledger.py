@@ -33,13 +33,14 @@ import onnx
 
 from core.config import Tolerance
 from core.errors import PassError, VerificationError
+from core.inputs import InputSet
 from core.recipe import read_recipe
 from passes._infra import Pass, PassContext, PassResult, op_histogram
 from workers import artifacts
 from workers.benchmark import BenchmarkParams, Comparison, compare, measure
 from workers.measurement import BenchmarkMeasure
 from workers.report import PassRecord
-from workers.verify import InputSet, VerificationResult, Verifier
+from workers.verify import VerificationResult, Verifier
 
 ProgressFn = Callable[[str, float], None]
 

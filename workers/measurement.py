@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from core.inputs import InputSet
 from core.verdict import Verdict
 from workers.benchmark import BenchmarkParams, compare
-from workers.verify import InputSet
 
 WARMUP = 2  # untimed runs of each session per feed before the paired runs
 

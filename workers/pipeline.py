@@ -33,13 +33,15 @@ import onnx
 import onnx_ir as ir
 
 from core.config import EXACT_TOLERANCE, JobConfig, Tolerance
+from core.inputs import InputSet, load_raw_samples, make_input_sets
 from passes._infra import Pass, op_histogram
 from workers import artifacts, auto_search, gate
 from workers import report as report_mod
 from workers.benchmark import BenchmarkParams, measure
 from workers.ledger import Ledger, Setup
 from workers.report_builder import build_report
-from workers.verify import InputSet, Verifier, load_raw_samples, make_input_sets, providers_for
+from workers.sessions import providers_for
+from workers.verify import Verifier
 
 if TYPE_CHECKING:
     from core.settings import PipelineSettings

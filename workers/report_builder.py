@@ -11,6 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from core.config import JobConfig, Tolerance
+from core.inputs import InputSet
 from core.recipe import read_recipe
 from core.version import __version__
 from passes._infra import op_histogram
@@ -19,7 +20,7 @@ from workers.benchmark import host_info
 from workers.gate import GateResult
 from workers.ledger import Ledger, Outcome
 from workers.report import SCHEMA_VERSION
-from workers.verify import InputSet, VerificationResult
+from workers.verify import VerificationResult
 
 
 def _input_set_entry(input_set: InputSet, origin: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ sequences, special tokens, no padding) before asking the user for shapes or samp
 the record of what was tried (``InputSet.provenance``).
 
 The inputs themselves are made in ``core.inputs`` (by input role, one implementation for every caller) and
-the sessions in ``workers.sessions``; the names below are re-exported for the engine's callers.
+the sessions in ``workers.sessions``.
 """
 
 from __future__ import annotations
@@ -24,38 +24,9 @@ from core.adapters import run_options as run_options_with
 from core.config import Tolerance
 from core.errors import InvalidInputError, InvalidModelError, UnavailableError
 from core.inputs import (
-    IGNORE_INDEX,
-    RAW_SAMPLE_SETS,
     InputSet,
-    InputSpec,
-    generate_input_sets,
-    graph_inputs,
-    index_ranges,
-    load_raw_samples,
-    load_samples,
-    make_input_sets,
 )
-from workers.sessions import make_session, needs_extensions, providers_for
-
-__all__ = [
-    "IGNORE_INDEX",
-    "RAW_SAMPLE_SETS",
-    "InputSet",
-    "InputSpec",
-    "OutputStats",
-    "VerificationResult",
-    "Verifier",
-    "compare_output",
-    "generate_input_sets",
-    "graph_inputs",
-    "index_ranges",
-    "load_raw_samples",
-    "load_samples",
-    "make_input_sets",
-    "make_session",
-    "needs_extensions",
-    "providers_for",
-]
+from workers.sessions import make_session
 
 
 @dataclasses.dataclass

@@ -17,11 +17,13 @@ import pytest
 
 from core import runtime
 from core.config import JobConfig, Tolerance
+from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
 from workers.benchmark import BenchmarkParams, compare
 from workers.gpu import MEM_LIMIT_ENV, with_cuda_graph
 from workers.pipeline import PipelineRequest, run_pipeline
-from workers.verify import Verifier, generate_input_sets, make_session
+from workers.sessions import make_session
+from workers.verify import Verifier
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 pytestmark = [

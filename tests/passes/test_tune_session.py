@@ -13,12 +13,12 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from core.inputs import generate_input_sets
 from core.recipe import RECIPE_KEY, apply_recipe, recipe_of
 from passes._infra import PassContext
 from passes.session.tune_session import TuneSession
 from tests.passes._util import MLP_CLEANUP
 from workers.measurement import BenchmarkMeasure
-from workers.verify import generate_input_sets
 
 FAST = {"runs": 3, "threads": [0, 1], "optimization_levels": False, "max_seconds": 20}
 

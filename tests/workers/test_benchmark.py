@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
 from core.verdict import MIN_MARGIN, LatencyStats, slower_beyond_noise
 from workers.benchmark import BenchmarkParams, compare, host_info
-from workers.verify import generate_input_sets
 
 
 def _noisy(n: int, center: float, spread: float, seed: int) -> np.ndarray:

@@ -13,10 +13,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from core.inputs import generate_input_sets
 from core.runtime import BoundRun
 from workers.benchmark import BenchmarkParams, Runs, _prepared, compare, try_cuda_graph
 from workers.gpu import cuda_graph_eligibility
-from workers.verify import generate_input_sets, make_session
+from workers.sessions import make_session
 
 
 def _session(path: Path) -> ort.InferenceSession:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import onnx
 
+from core.inputs import generate_input_sets
 from passes._infra import Measure
 from workers.measurement import BenchmarkMeasure
-from workers.verify import generate_input_sets
 
 
 def test_measure_says_faster_when_model_b_drops_a_chain_of_200_kernels(mlp_path: Path, slow_mlp_path: Path) -> None:

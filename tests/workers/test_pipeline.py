@@ -17,12 +17,12 @@ import pytest
 
 from core.config import JobConfig
 from core.errors import InvalidModelError, RegressionError
+from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
 from passes._infra import Pass
 from tests.workers.conftest import MODELS, AddReluChain, Crash, DropReluChain, FlipSign, Idle, resolver
 from workers.ledger import bisect_first_failing
 from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
-from workers.verify import generate_input_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,6 +28,7 @@ from PIL import Image
 
 from core.config import JobConfig
 from core.errors import InvalidInputError, InvalidModelError, PassError
+from core.inputs import load_raw_samples
 from core.settings import PipelineSettings
 from passes._infra import Pass, PassContext, PassResult
 from passes.prepost.prepost import Prepost
@@ -36,8 +37,8 @@ from tests.workers.conftest import AddReluChain, resolver
 from workers.archive import extract_archive
 from workers.child import run as run_child
 from workers.pipeline import PipelineRequest, run_pipeline
+from workers.sessions import make_session, needs_extensions
 from workers.validate import validate_model_dir
-from workers.verify import load_raw_samples, make_session, needs_extensions
 
 ortx = pytest.importorskip("onnxruntime_extensions")  # a declared dependency of the pass: never absent in CI
 

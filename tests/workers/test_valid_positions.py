@@ -8,10 +8,11 @@ import onnx
 import onnx_ir as ir
 
 from core.config import EXACT_TOLERANCE
+from core.inputs import make_input_sets
 from passes._infra import PassContext
 from passes.cleanup.shape_inference import ShapeInference
 from passes.compute_order.padding_elimination import PaddingElimination
-from workers.verify import Verifier, make_input_sets
+from workers.verify import Verifier
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "hf_bert_encoder.onnx"
 

@@ -12,17 +12,9 @@ from onnx import TensorProto, helper
 
 from core.config import Tolerance
 from core.errors import InvalidInputError, UnavailableError
+from core.inputs import IGNORE_INDEX, generate_input_sets, graph_inputs, index_ranges, load_samples, make_input_sets
 from tests.workers.conftest import make_bert_like
-from workers.verify import (
-    IGNORE_INDEX,
-    Verifier,
-    compare_output,
-    generate_input_sets,
-    graph_inputs,
-    index_ranges,
-    load_samples,
-    make_input_sets,
-)
+from workers.verify import Verifier, compare_output
 
 TOL = Tolerance()
 
