@@ -43,6 +43,7 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._match import take_graph_output
 from passes.precision import _quantization as q
 
 # Ops a head's output may pass through on its way to a graph output and still be "the head's output":
@@ -108,6 +109,11 @@ class QuantizeInt4(Pass):
             refusal.append(NonMatch(f"block_size {options.block_size} is not a power of 2 (MatMulNBits needs one)"))
         if refusal:
             return PassResult(unchanged, False, {"nodes_quantized": 0}, refusal, {"decision": "refused"})
+        if _gemm_sites(model):
+            model = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # functional: input untouched
+            notes_gemm = unfuse_gemms(model)
+        else:
+            notes_gemm = 0
         heads = lm_heads(model)
         candidates, non_matches = _candidates(model, set(options.nodes_to_exclude))
         kept_float = [] if options.lm_head == "int4" else [h for h in heads if h in candidates]
@@ -118,6 +124,7 @@ class QuantizeInt4(Pass):
             "symmetric": options.symmetric if options.algorithm == "rtn" else False,
             "lm_head": heads or "none found",
             "candidates": len(candidates),
+            "gemms_unfused": notes_gemm,
         }
         if not candidates:
             non_matches.append(NonMatch("no MatMul with a constant 2-D weight to quantize (the lm_head aside)"))
@@ -147,6 +154,9 @@ class QuantizeInt4(Pass):
             notes=notes,
         )
         non_matches += out.non_matches
+        if "nodes_excluded_by_user" in out.counts:  # drive counts the float head among the user's exclusions
+            out.counts["nodes_excluded_by_user"] = len(options.nodes_to_exclude)
+            out.counts["lm_head_kept_float"] = len(kept_float)
         if out.model is None:
             return PassResult(unchanged, False, out.counts, non_matches, out.notes)
         result = out.model
@@ -227,6 +237,53 @@ def lm_heads(model: ir.Model) -> list[str]:
             computed = [v for v in computed if v.producer().op_type != "Constant"]
             value = computed[0] if len(computed) == 1 else None
     return heads
+
+
+def _gemm_sites(model: ir.Model) -> list[ir.Node]:
+    sites = []
+    for node in model.graph:
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or not node.name or len(node.inputs) < 2:
+            continue
+        attrs = {name: attr.value for name, attr in node.attributes.items()}
+        weight = node.inputs[1]
+        if weight is None or weight.const_value is None or len(weight.const_value.shape) != 2:
+            continue
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            continue
+        sites.append(node)
+    return sites
+
+
+def unfuse_gemms(model: ir.Model) -> int:
+    """``Gemm(A, B, C)`` with a constant B (alpha = beta = 1, no transA) -> ``Add(MatMul(A, B), C)``; the count.
+
+    MatMulNBitsQuantizer knows MatMul only, and the TorchScript and dynamo exports of GPT-2's Conv1D layers
+    (and of ``nn.Linear`` on 2-D inputs) are Gemms: left so, a GPT-2 keeps every projection float. The
+    MatMul takes the Gemm's name, so ``nodes_to_exclude`` and the report's node names still apply."""
+    sites = _gemm_sites(model)
+    for node in sites:
+        a, b = node.inputs[0], node.inputs[1]
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        if node.attributes.get("transB") is not None and node.attributes["transB"].value:
+            name = f"{b.name}_transposed_for_{node.name}"
+            tensor = ir.tensor(b.const_value.numpy().T.copy(), name=name)
+            b = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+            model.graph.register_initializer(b)
+        name = node.name
+        node.name = f"{name}_unfused"
+        matmul = ir.node("MatMul", [a, b], name=name)
+        model.graph.insert_before(node, matmul)
+        new = matmul.outputs[0]
+        if c is not None:
+            add = ir.node("Add", [new, c], name=f"{name}_bias")
+            model.graph.insert_before(node, add)
+            new = add.outputs[0]
+        old = node.outputs[0]
+        new.shape, new.type = old.shape, old.type
+        take_graph_output(model.graph, old, new, "_gemm")
+        ir.convenience.replace_all_uses_with(old, new)
+        model.graph.remove(node, safe=True)
+    return len(sites)
 
 
 def _candidates(model: ir.Model, excluded: set[str]) -> tuple[list[str], list[NonMatch]]:
