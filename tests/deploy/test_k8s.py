@@ -180,6 +180,15 @@ def _apply_images(docs: list[dict[str, Any]], images: list[dict[str, Any]]) -> N
                 container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
 
 
+def _expand_paths(doc: dict[str, Any], path: str) -> list[str]:
+    """``a.*.b`` -> ``a.0.b``, ``a.1.b``... (kustomize's wildcard over list items)."""
+    head, star, tail = path.partition(".*")
+    if not star:
+        return [path]
+    items = _get_path(doc, head)
+    return [p for i in range(len(items)) for p in _expand_paths(doc, f"{head}.{i}{tail}")]
+
+
 def _get_path(doc: dict[str, Any], path: str) -> Any:
     node: Any = doc
     for part in path.split("."):
@@ -220,7 +229,7 @@ def _apply_replacements(docs: list[dict[str, Any]], replacements: list[dict[str,
                     continue
                 if select.get("name", doc["metadata"]["name"]) != doc["metadata"]["name"]:
                     continue
-                for path in target["fieldPaths"]:
+                for path in [p for pattern in target["fieldPaths"] for p in _expand_paths(doc, pattern)]:
                     new = value
                     if "delimiter" in options:
                         parts = str(_get_path(doc, path)).split(options["delimiter"])
@@ -705,7 +714,16 @@ def test_services_select_pods_and_name_their_ports(rendered):
 # -------------------------------------------------------------------------------------------- KEDA
 
 
-def test_every_worker_deployment_is_scaled_on_its_own_queue_list(rendered, secret):
+def _priority_lists(queue_key: str) -> list[str]:
+    from core.broker import create_celery
+    from core.settings import Settings
+
+    redis_broker = Settings(broker={"url": "redis://redis:6379/0"})
+    steps = create_celery(redis_broker).conf.broker_transport_options["priority_steps"]
+    return [queue_key if p == 0 else f"{queue_key}\x06\x16{p}" for p in steps]
+
+
+def test_every_worker_deployment_is_scaled_on_its_own_queue_lists(rendered, secret):
     _, docs = rendered
     deployments = _by_kind(docs, "Deployment")
     services = _by_kind(docs, "Service")
@@ -722,18 +740,23 @@ def test_every_worker_deployment_is_scaled_on_its_own_queue_list(rendered, secre
         assert "," not in queue, "one queue per worker Deployment, so one list per ScaledObject"
         env = _container_env(container, docs, secret)
         assert env["ONNXFORGE_BROKER__KEY_PREFIX"] == prefix
-        (trigger,) = so["spec"]["triggers"]
-        assert trigger["type"] == "redis"
-        meta = trigger["metadata"]
-        # kombu's Redis transport keeps queue Q's waiting messages in the list Q, prefixed by global_keyprefix.
-        assert meta["listName"] == f"{prefix}{queue}"
-        host, port = meta["address"].rsplit(":", 1)
-        broker = env["ONNXFORGE_BROKER__URL"]
-        broker_host = broker.split("@", 1)[1].split("/", 1)[0]
-        assert host == f"{broker_host.split(':')[0]}.{so['metadata']['namespace']}.svc.cluster.local"
-        assert int(port) == int(broker_host.split(":")[1]) == services["redis"]["spec"]["ports"][0]["port"]
-        assert meta.get("databaseIndex", "0") == broker.rsplit("/", 1)[1]
-        assert trigger["authenticationRef"]["name"] in auths
+        triggers = so["spec"]["triggers"]
+        # kombu's Redis transport keeps queue Q's waiting messages in the list Q (priority 0) and
+        # Q\x06\x16N (priority N), prefixed by global_keyprefix; onnxforge sends priorities 0-9.
+        assert [tr["metadata"]["listName"] for tr in triggers] == _priority_lists(f"{prefix}{queue}")
+        modifiers = so["spec"]["advanced"]["scalingModifiers"]
+        assert modifiers["formula"].replace(" ", "") == "+".join(tr["name"] for tr in triggers), "sum every list"
+        assert modifiers["metricType"] == "AverageValue" and int(modifiers["target"]) >= 1
+        for trigger in triggers:
+            assert trigger["type"] == "redis"
+            meta = trigger["metadata"]
+            host, port = meta["address"].rsplit(":", 1)
+            broker = env["ONNXFORGE_BROKER__URL"]
+            broker_host = broker.split("@", 1)[1].split("/", 1)[0]
+            assert host == f"{broker_host.split(':')[0]}.{so['metadata']['namespace']}.svc.cluster.local"
+            assert int(port) == int(broker_host.split(":")[1]) == services["redis"]["spec"]["ports"][0]["port"]
+            assert meta.get("databaseIndex", "0") == broker.rsplit("/", 1)[1]
+            assert trigger["authenticationRef"]["name"] in auths
         assert so["spec"]["maxReplicaCount"] >= max(1, so["spec"].get("minReplicaCount", 0))
     # The reconciler (T17) runs inside worker processes: some worker must never scale to zero.
     assert any(so["spec"].get("minReplicaCount", 0) >= 1 for so in scaled.values())
@@ -815,14 +838,20 @@ def test_the_list_keda_watches_holds_the_jobs_onnxforge_enqueues(manifest_redis,
         mp.undo()
     with Dispatcher(settings) as dispatcher:
         dispatcher.enqueue(str(uuid.uuid4()), "cpu")
-        dispatcher.enqueue(str(uuid.uuid4()), "gpu")
-        dispatcher.enqueue(str(uuid.uuid4()), "gpu")
+        dispatcher.enqueue(str(uuid.uuid4()), "cpu", priority=4)
+        dispatcher.enqueue(str(uuid.uuid4()), "gpu", priority=0)
+        dispatcher.enqueue(str(uuid.uuid4()), "gpu", priority=1)
+        dispatcher.enqueue(str(uuid.uuid4()), "gpu", priority=9)
 
-    # What the KEDA redis scaler does: LLEN <listName>, authenticated as the ACL user.
+    # What the KEDA redis scaler does: LLEN <listName> per trigger, authenticated as the ACL user; then
+    # scalingModifiers sums the triggers.
     keda = redis.Redis(port=port, username=user, password=password, db=0)
     try:
-        lengths = {name: keda.llen(so["spec"]["triggers"][0]["metadata"]["listName"]) for name, so in scaled.items()}
-        assert lengths == {"worker-cpu": 1, "worker-gpu": 2}
+        lengths = {
+            name: sum(keda.llen(tr["metadata"]["listName"]) for tr in so["spec"]["triggers"])
+            for name, so in scaled.items()
+        }
+        assert lengths == {"worker-cpu": 2, "worker-gpu": 3}
         prefix = configmap["ONNXFORGE_BROKER__KEY_PREFIX"]
         unprefixed = [k for k in keda.scan_iter(match="*") if not k.decode().startswith(prefix)]
         assert not unprefixed, f"keys without the prefix {prefix!r}: {unprefixed}"
