@@ -8,39 +8,91 @@
 Uploads stream from the file (httpx reads it in chunks); downloads stream to a temp file that is renamed
 into place, so a failed download never leaves a truncated model behind. Server errors (RFC 9457 problem
 documents) raise ``ApiError`` carrying the stable ``code``.
+
+Retries (tenacity): a request that could not reach the server, or that was answered 429, 502, 503 or 504,
+is sent again up to ``retries`` times, after the server's ``Retry-After`` when it gave one (capped at
+``max_wait`` seconds), else after an exponential backoff with jitter. ``submit`` sends an
+``Idempotency-Key`` (a new UUID per call unless given), so a retried upload whose first attempt did reach
+the server answers the job it created instead of a second one.
 """
 
 from __future__ import annotations
 
+import email.utils
 import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+from tenacity.wait import wait_exponential_jitter
 
 from core.errors import OnnxforgeError
 
 TERMINAL = frozenset({"succeeded", "failed", "canceled"})
+RETRY_STATUSES = frozenset({0, 429, 502, 503, 504})
 
 
 class ApiError(OnnxforgeError):
     """The server answered with an error (or could not be reached: status 0)."""
 
-    def __init__(self, status: int, code: str, message: str, pass_name: str | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, pass_name: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message, code=code, pass_name=pass_name)
         self.status = status
+        self.retry_after = retry_after  # seconds, from the answer's Retry-After header
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, ApiError) and exc.status in RETRY_STATUSES
+
+
+class _WaitRetryAfter:
+    """tenacity wait: the server's Retry-After when it sent one, else exponential backoff with jitter."""
+
+    def __init__(self, max_wait: float) -> None:
+        self.max_wait = max_wait
+        self.backoff = wait_exponential_jitter(multiplier=0.5, max=max_wait)
+
+    def __call__(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, ApiError) and exc.retry_after is not None:
+            return min(max(exc.retry_after, 0.0), self.max_wait)
+        return float(self.backoff(state))
 
 
 class Client:
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        *,
+        retries: int = 5,
+        max_wait: float = 60.0,
+    ) -> None:
+        """``retries``: further attempts of a request answered 429/502/503/504 or not answered (0: none)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.retries = retries
+        self.max_wait = max_wait
+
+    def _retrying(self) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception(_retryable),
+            stop=stop_after_attempt(self.retries + 1),
+            wait=_WaitRetryAfter(self.max_wait),
+            reraise=True,
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -54,6 +106,12 @@ class Client:
     # --------------------------------------------------------------------------------------------- calls
 
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        for attempt in self._retrying():
+            with attempt:
+                return self._send(method, url, **kwargs)
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self._http.request(method, url, **kwargs)
         except httpx.HTTPError as exc:
@@ -67,9 +125,21 @@ class Client:
         *,
         config: dict[str, Any] | None = None,
         samples: str | Path | None = None,
+        idempotency_key: str | None = None,
     ) -> dict[str, Any]:
-        """Upload a model (.onnx, or .zip/.tar with external data) and queue a job; returns the job."""
-        model = Path(model)
+        """Upload a model (.onnx, or .zip/.tar with external data) and queue a job; returns the job.
+
+        Every attempt re-opens the files; all attempts send the same ``idempotency_key`` (default: a new UUID),
+        so at most one job is created."""
+        key = idempotency_key or str(uuid.uuid4())
+        for attempt in self._retrying():
+            with attempt:
+                return self._submit_once(Path(model), config, samples, key)
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    def _submit_once(
+        self, model: Path, config: dict[str, Any] | None, samples: str | Path | None, key: str
+    ) -> dict[str, Any]:
         with ExitStack() as stack:
             files: dict[str, Any] = {
                 "model": (model.name, stack.enter_context(model.open("rb")), "application/octet-stream")
@@ -83,7 +153,8 @@ class Client:
                 )
             if config is not None:
                 files["config"] = (None, json.dumps(config), "application/json")
-            response = self._request("POST", "/v1/jobs", files=files, timeout=None)
+            headers = {"Idempotency-Key": key}
+            response = self._send("POST", "/v1/jobs", files=files, headers=headers, timeout=None)
         return dict(response.json())
 
     def get(self, job_id: str) -> dict[str, Any]:
@@ -134,6 +205,12 @@ class Client:
         return dict(self._request("GET", f"/v1/jobs/{job_id}/report").json())
 
     def _download(self, url: str, dest: Path) -> Path:
+        for attempt in self._retrying():
+            with attempt:
+                return self._download_once(url, dest)
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    def _download_once(self, url: str, dest: Path) -> Path:
         tmp = dest.with_name(f".{dest.name}.part")
         try:
             with self._http.stream("GET", url, timeout=None) as response:
@@ -195,4 +272,20 @@ def _raise_for_problem(response: httpx.Response) -> None:
         str(body.get("code") or f"HTTP_{response.status_code}"),
         str(body.get("detail") or response.reason_phrase or "request failed"),
         body.get("pass"),
+        retry_after=_retry_after(response.headers.get("Retry-After")),
     )
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After as seconds: delta-seconds, or an HTTP date (RFC 9110 10.2.3)."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return float(value.strip())
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())

@@ -1,0 +1,76 @@
+"""onnxforge/client.py against a live server: retries with backoff that honour Retry-After, and one job per
+submit however often it is retried (Idempotency-Key)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from app.main import create_app
+from onnxforge.client import ApiError, Client
+from tests.api.conftest import RecordingDispatcher, ServerThread, make_settings, serve
+
+pytestmark = pytest.mark.integration
+
+MODEL_BYTES = b"\x08\x07" + b"\x00" * 1000
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "m.onnx"
+    path.write_bytes(MODEL_BYTES)
+    return path
+
+
+def test_client_submit_waits_retry_after_and_succeeds_when_quota_frees_up(tmp_path: Path, model: Path) -> None:
+    settings = make_settings(tmp_path / "data", quotas={"max_concurrent_jobs": 1, "retry_after_seconds": 1})
+    with serve(settings) as live, Client(live.base_url, max_wait=5) as client:
+        first = client.submit(model)
+        threading.Timer(0.3, live.store.request_cancel, args=(first["id"], None)).start()
+
+        started = time.monotonic()
+        second = client.submit(model)
+        waited = time.monotonic() - started
+
+        assert second["state"] == "queued" and second["id"] != first["id"]
+        assert waited >= 1.0  # the 429's Retry-After, not an immediate retry
+        assert len(live.dispatcher.enqueued) == 2
+
+
+def test_client_raises_api_error_with_retry_after_when_retries_run_out(tmp_path: Path, model: Path) -> None:
+    settings = make_settings(tmp_path / "data", quotas={"max_concurrent_jobs": 1, "retry_after_seconds": 1})
+    with serve(settings) as live, Client(live.base_url, retries=1) as client:
+        client.submit(model)
+        started = time.monotonic()
+        with pytest.raises(ApiError) as refused:
+            client.submit(model)
+
+        error = refused.value
+        assert (error.status, error.code, error.retry_after) == (429, "QUOTA_CONCURRENT_JOBS", 1)
+        assert 1.0 <= time.monotonic() - started < 5.0  # one retry after one Retry-After
+        assert len(live.dispatcher.enqueued) == 1
+
+
+def test_client_retries_until_server_answers_when_it_starts_late(tmp_path: Path, model: Path) -> None:
+    server = ServerThread(create_app(make_settings(tmp_path / "data"), dispatcher=RecordingDispatcher()))
+    starter = threading.Timer(0.5, server.start)  # the port refuses connections until then
+    starter.start()
+    try:
+        with Client(f"http://127.0.0.1:{server.port}", retries=8, max_wait=1) as client:
+            job = client.submit(model)
+            assert client.get(job["id"])["state"] == "queued"
+    finally:
+        starter.join()
+        server.stop()
+
+
+def test_client_submit_returns_the_first_job_when_resent_with_same_idempotency_key(tmp_path: Path, model: Path) -> None:
+    with serve(make_settings(tmp_path / "data")) as live, Client(live.base_url) as client:
+        first = client.submit(model, idempotency_key="pipeline-run-42")
+        again = client.submit(model, idempotency_key="pipeline-run-42")
+
+        assert again["id"] == first["id"]
+        assert len(live.dispatcher.enqueued) == 1
