@@ -24,7 +24,10 @@ from workers.verify import VerificationResult
 
 
 def _input_set_entry(input_set: InputSet, origin: str) -> dict[str, Any]:
-    return {"name": input_set.name, "origin": origin, "shapes": input_set.shapes()}
+    entry: dict[str, Any] = {"name": input_set.name, "origin": origin, "shapes": input_set.shapes()}
+    if input_set.provenance:  # which inputs were used and why (core.inputs), and the guesses the model refused
+        entry["inputs"] = input_set.provenance
+    return entry
 
 
 def _session_entry(recipe: dict[str, Any] | None) -> dict[str, Any] | None:
