@@ -42,8 +42,14 @@ _CODE = (
     "workers/measurement.py",
     "workers/report_builder.py",
     "workers/verify.py",
+    "workers/sessions.py",
     "workers/benchmark.py",
     "workers/report.py",
+    "core/inputs",
+    "core/recipe.py",
+    "core/verdict.py",
+    "core/runtime.py",
+    "core/config.py",
 )
 # x86 and Arm flags ONNX Runtime's kernels (MLAS) pick code paths on.
 _ISA_FLAGS = frozenset(

@@ -17,7 +17,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
-PIPELINE_MODULES = ["workers.pipeline", "workers.verify", "workers.benchmark", "workers.report"]
+PIPELINE_MODULES = [
+    "workers.pipeline",
+    "workers.artifacts",
+    "workers.ledger",
+    "workers.auto_search",
+    "workers.gate",
+    "workers.measurement",
+    "workers.report_builder",
+    "workers.verify",
+    "workers.sessions",
+    "workers.benchmark",
+    "workers.report",
+    "core.inputs",
+]
 PASS_MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
     for p in (ROOT / "passes").rglob("*.py")
