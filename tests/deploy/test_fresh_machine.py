@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -61,20 +63,27 @@ def test_private_redis_answers_then_leaves_nothing_behind():
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_suite_starts_its_own_servers_when_nothing_answers_on_the_configured_ports(tmp_path: Path):
+def test_suite_starts_its_own_servers_when_nothing_answers_on_the_configured_ports():
     dead_redis, dead_postgres = free_port(), free_port()
-    env = {**os.environ, "TEST_REDIS_PORT": str(dead_redis), "TEST_POSTGRES_PORT": str(dead_postgres)}
-    before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("onnxforge-test-*"))
+    # The child's temporary directory, traversable by the postgres user (pytest's own is 0700): its private
+    # servers live there, so what they leave behind is seen here and nowhere else.
+    scratch = Path(tempfile.mkdtemp(prefix="onnxforge-fresh-"))
+    scratch.chmod(0o755)
+    env = {**os.environ, "TMPDIR": str(scratch), "TEST_REDIS_PORT": str(dead_redis),
+           "TEST_POSTGRES_PORT": str(dead_postgres)}  # fmt: skip
     # The PostgreSQL job-store tests, and a distributed job over Redis with the store on PostgreSQL, through
     # the session fixtures.
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "postgresql",
-         "tests/test_store.py", "tests/integration/test_service_redis.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "postgresql",
+             "tests/test_store.py", "tests/integration/test_service_redis.py"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        left = sorted(p.name for p in scratch.glob("onnxforge-test-*"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     assert result.returncode == 0, f"{result.stdout[-4000:]}{result.stderr[-2000:]}"
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary and "error" not in summary, summary
     assert not _listening(dead_redis) and not _listening(dead_postgres)
-    after = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("onnxforge-test-*"))
-    assert after <= before, f"private server directories left behind: {sorted(after - before)}"
+    assert not left, f"private server directories left behind: {left}"
