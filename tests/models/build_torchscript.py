@@ -1,4 +1,4 @@
-"""Build the TorchScript-exporter graphs the fusion tests read: ``ts_<arch>_<attention>.onnx``.
+"""Build the exporter graphs the fusion tests read: ``ts_<arch>_<attention>.onnx`` and ``dynamo_<arch>.onnx``.
 
 Run ``python -m tests.models.build_torchscript``. The committed ``hf_*.onnx`` files come from the dynamo
 exporter; users still export mostly with ``torch.onnx.export(dynamo=False)``, whose graphs differ where the
@@ -7,6 +7,11 @@ fusions look: heads split by ``view(*shape, -1, head_dim)`` (a runtime shape hol
 guard after the Softmax. Each model is built from a transformers config (no hub), seeded, its parameters
 perturbed (so biases are not zero), exported at batch 2 / sequence 16 with dynamic batch and sequence
 (opset 17), and checked against torch in ONNX Runtime on other shapes; any failure raises.
+
+``dynamo_<arch>.onnx`` come from ``torch.onnx.export(dynamo=True)`` (opset 18, eager attention), the keyword
+tensors passed to the HF model inside a wrapper whose forward spells out the inputs (torch.export reads the
+graph's inputs off that signature). DistilBERT's is the graph ``padding_elimination`` unpads and whose
+attention ``fast`` then failed to fuse; Llama's adds RMS norms, rotary embeddings and a causal mask.
 """
 
 from __future__ import annotations
@@ -19,21 +24,43 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ATTENTION = ("eager", "sdpa")
 VOCAB = 256
+# What main() builds: (arch, exporter); exporter "eager"/"sdpa" is TorchScript with that attention.
+BUILDS = (("bert", "eager"), ("bert", "sdpa"), ("distilbert", "dynamo"), ("llama", "dynamo"))
 
 
-def build(arch: str, attention: str, out: Path) -> Path:
+def _model(arch: str, attention: str):
+    """A tiny transformers model of ``arch`` with every parameter perturbed, in eval mode."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    if arch == "bert":
+    small = {"vocab_size": VOCAB, "max_position_embeddings": 128, "attn_implementation": attention}
+    if arch == "bert":  # the committed ts_bert_* were built with BERT's default 512 positions
         config = transformers.BertConfig(
-            hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB
+            hidden_size=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            attn_implementation=attention,
         )
         model = transformers.BertModel(config, add_pooling_layer=False)
+    elif arch == "distilbert":
+        config = transformers.DistilBertConfig(dim=32, n_heads=4, n_layers=2, hidden_dim=64, **small)
+        model = transformers.DistilBertModel(config)
+    elif arch == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            use_cache=False,
+            **small,
+        )
+        model = transformers.LlamaModel(config)
     else:
         raise ValueError(f"unknown arch {arch!r}")
-    config._attn_implementation = attention
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.02)
@@ -45,9 +72,40 @@ def build(arch: str, attention: str, out: Path) -> Path:
             self.inner = inner
 
         def forward(self, input_ids, attention_mask):
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask, return_dict=False)[0]
+            extra = {"use_cache": False} if arch == "llama" else {}
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, return_dict=False, **extra)[0]
 
-    wrapper = Hidden(model).eval()
+    return Hidden(model).eval()
+
+
+def build_dynamo(arch: str, out: Path) -> Path:
+    import torch
+
+    wrapper = _model(arch, "eager")
+    ids, mask = inputs(2, 16, seed=0)
+    path = out / f"dynamo_{arch}.onnx"
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    program = torch.onnx.export(
+        wrapper,
+        (torch.from_numpy(ids), torch.from_numpy(mask)),
+        dynamo=True,
+        opset_version=18,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["last_hidden_state"],
+        dynamic_shapes={"input_ids": {0: batch, 1: sequence}, "attention_mask": {0: batch, 1: sequence}},
+    )
+    program.save(str(path))
+    _strip_metadata(path)
+    _check(path, wrapper)
+    return path
+
+
+def build(arch: str, attention: str, out: Path) -> Path:
+    import torch
+
+    if attention == "dynamo":
+        return build_dynamo(arch, out)
+    wrapper = _model(arch, attention)
     ids, mask = inputs(2, 16, seed=0)
     path = out / f"ts_{arch}_{attention}.onnx"
     axes = {"batch": 0, "sequence": 1}
@@ -78,6 +136,18 @@ def inputs(batch: int, seq: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def _strip_metadata(path: Path) -> None:
+    """Drop the dynamo exporter's per-node stack traces (local paths, several times the weights' size)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    for item in [model, model.graph, *model.graph.node, *model.graph.value_info]:
+        if hasattr(item, "metadata_props"):
+            del item.metadata_props[:]
+        item.doc_string = ""
+    onnx.save(model, str(path))
+
+
 def _check(path: Path, wrapper) -> None:
     import onnx
     import onnxruntime as ort
@@ -96,9 +166,11 @@ def _check(path: Path, wrapper) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--only", help="build only this arch (bert, distilbert, llama)")
     args = parser.parse_args()
-    for attention in ATTENTION:
-        print(build("bert", attention, args.out))
+    for arch, exporter in BUILDS:
+        if args.only in (None, arch):
+            print(build(arch, exporter, args.out))
 
 
 if __name__ == "__main__":
