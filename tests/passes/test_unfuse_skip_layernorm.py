@@ -81,7 +81,7 @@ def test_unfuse_skip_layernorm_maps_every_output_when_all_are_graph_outputs():
     """Mean, inverse std and the skip+bias sum are graph outputs: each keeps its name and its values."""
     original = parse(SLN_WITH_EVERYTHING, check=False)  # the checker does not know com.microsoft ops
     model, result = apply(UnfuseSkipLayerNorm(), original)
-    assert result.counts == {"skip_layernorms_unfused": 1, "residual_adds_guarded": 0}
+    assert result.counts == {"skip_layernorms_unfused": 1, "skip_rms_norms_unfused": 0, "residual_adds_guarded": 0}
     assert ops(model) == {"Constant": 3, "Add": 1, "Sum": 1, "LayerNormalization": 1}
     assert [o.name for o in model.graph.outputs] == ["y", "mean", "inv_std", "total"]
     norm = next(n for n in model.graph if n.op_type == "LayerNormalization")
@@ -145,3 +145,39 @@ def test_unfuse_skip_layernorm_changes_nothing_when_opset_has_no_layernormalizat
     assert not result.modified
     assert ops(model)[SLN] == 1
     assert "opset 16" in result.non_matches[0].reason
+
+
+SKIP_RMS = """
+<ir_version: 9, opset_import: ["" : %d, "com.microsoft" : 1]>
+g (float[B, S, 8] x, float[B, S, 8] skip) => (float[B, S, 8] y, float[B, S, 8] total) {
+    gamma = Constant <value = float[8] {0.5, 1.5, 1, 2, 0.25, 1, 0.75, 1.25}> ()
+    bias = Constant <value = float[8] {0.1, -0.2, 0.3, 0, 0.05, -0.1, 0.2, 0.4}> ()
+    [srms] y, mean, inv_rms, total = com.microsoft.SkipSimplifiedLayerNormalization <epsilon = 1e-6> (
+        x, skip, gamma, bias
+    )
+}"""
+
+
+@pytest.mark.parametrize("opset", [17, 18])  # ReduceMean's axes moved from attribute to input at 18
+def test_unfuse_skip_layernorm_writes_add_and_rms_when_skip_simplified_layernorm(opset, tmp_path):
+    """Residual + RMS norm (Llama, T5): ORT 1.32's CPU kernel is 1.2-4.9x slower than Add + the
+    SimplifiedLayerNormalization ORT's session builds from the decomposition, and it does not re-fuse them."""
+    original = parse(SKIP_RMS % opset, check=False)
+    model, result = apply(UnfuseSkipLayerNorm(), original)
+    assert result.counts["skip_rms_norms_unfused"] == 1
+    found = ops(model)
+    assert "SkipSimplifiedLayerNormalization" not in str(found) and found["Add"] == 3  # bias, residual, epsilon
+    assert [o.name for o in model.graph.outputs] == ["y", "total"]
+    assert_equivalent(
+        original, checked(model), shapes=[{"x": (2, 5, 8), "skip": (2, 5, 8)}, {"x": (1, 9, 8), "skip": (1, 9, 8)}]
+    )
+    ran = _ort_optimized_ops(model, tmp_path)
+    assert ran.get("SimplifiedLayerNormalization") == 1 and "SkipSimplifiedLayerNormalization" not in ran
+
+
+def test_unfuse_skip_layernorm_keeps_skip_rms_when_its_statistics_are_read():
+    original = parse((SKIP_RMS % 18).replace("float[B, S, 8] total)", "float[B, S, 1] inv_rms)"), check=False)
+    model, result = apply(UnfuseSkipLayerNorm(), original)
+    assert result.counts["skip_rms_norms_unfused"] == 0
+    assert "inverse-RMS output is read" in result.non_matches[0].reason
+    assert ops(model)["com.microsoft::SkipSimplifiedLayerNormalization"] == 1
