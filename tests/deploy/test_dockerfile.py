@@ -206,6 +206,31 @@ def test_dockerfile_build_stage_copies_every_package_in_pyproject(dockerfile):
         assert package in copied, f"build stage does not copy {package}/, so the wheel would lack it"
 
 
+def test_wheel_the_images_install_carries_every_module_and_data_file():
+    """setuptools' find includes a directory only with an __init__.py, and non-Python files only as
+    package-data: anything else would be missing from the image though present in a checkout."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_data = pyproject.get("package-data", {})
+    tracked = subprocess.run(
+        ["git", "ls-files", *[p.rstrip("*") for p in pyproject["packages"]["find"]["include"]]],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert tracked
+    missing = []
+    for name in tracked:
+        path = Path(name)
+        if path.suffix == ".py":
+            if not (ROOT / path.parent / "__init__.py").is_file():
+                missing.append(f"{path.parent}/ has no __init__.py, so {name} is not in the wheel")
+            continue
+        package = ".".join(path.parent.parts[:1])
+        patterns = package_data.get(package, [])
+        relative = path.relative_to(path.parts[0]).as_posix()
+        if not any(Path(relative).match(pattern) for pattern in patterns) and path.name != "py.typed":
+            missing.append(f"{name} is not package-data, so it is not in the wheel")
+    assert not missing, "; ".join(missing)
+
+
 def test_dockerfile_passes_hadolint_with_the_project_settings():
     binary = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     if not Path(binary).is_file():
