@@ -1,8 +1,8 @@
 """Move shrinking slices (Gather, Slice, GatherND) above the ops that produce their data.
 
 Re-implements ORT's training-only ``UpStreamGatherGraphTransformer`` ("compute optimizer",
-``onnxruntime/core/optimizer/compute_optimizer/upstream_gather.cc``, PR #13672; spec ``seed-passes.md``
-section 1), which stock ``onnxruntime`` inference never runs. RoBERTa's classification head takes
+``onnxruntime/core/optimizer/compute_optimizer/upstream_gather.cc``, PR #13672), which stock
+``onnxruntime`` inference never runs. RoBERTa's classification head takes
 ``features[:, 0, :]``; moved up, the last layer's LayerNorm, FFN and residual Adds run on one token::
 
     before:  x[B,S,H] --MatMul(W)--> Add(b) --> LayerNorm(-1) --> Gather(axis 1, 0) --> [B,H] --> Tanh
@@ -26,6 +26,9 @@ Fixes over ORT:
 
 * a branch that reaches a graph input or initializer ends only that branch (ORT breaks the whole queue);
 * refused when P's output feeding S, or any other output of P, is a graph output (its shape would change);
+* a slice whose own output is a graph output (the CLS pooling ``last_hidden_state[:, 0]`` as a model output)
+  moves too: the value that replaces it (P's output, or the Squeeze after P) takes the output's name, so
+  the model's signature is unchanged; ORT declines it;
 * the broadcast rule slices a lower-rank input at ``axis - (rank(out) - rank(input))``, not ``axis``;
 * a scalar slice with a broadcast input gets one Squeeze after P feeding *all* former consumers of S;
 * Reshape requires every dim before (or after) the axis to be unchanged, honours ``allowzero=1``, and
@@ -55,7 +58,7 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import node_label
+from passes._match import node_label, take_graph_output
 from passes.compute_order._upstream_rules import (
     Dim,
     FreshNames,
@@ -293,6 +296,8 @@ class _Rewriter:
             self.graph.insert_after(p, squeeze)
             replacement = squeeze.outputs[0]
             self.squeezes += 1
+        if take_graph_output(self.graph, s.node.outputs[0], replacement, "/sliced"):
+            replacement.shape = s.node.outputs[0].shape  # the same dims; keep the names the model declares
         ir.convenience.replace_all_uses_with(s.node.outputs[0], replacement)
         inputs = list(s.node.inputs)
         self.graph.remove(s.node, safe=True)
@@ -333,11 +338,6 @@ class UpstreamSlice(Pass):
                 if isinstance(info, str):
                     non_matches.append(
                         NonMatch(f"{node.op_type} {label!r} is no slice to move: {info}", label, node.op_type)
-                    )
-                    continue
-                if node.outputs[0].is_graph_output():
-                    non_matches.append(
-                        NonMatch(f"{node.op_type} {label!r} output is a graph output", label, node.op_type)
                     )
                     continue
                 queue = deque([info])
