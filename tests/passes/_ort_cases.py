@@ -1,11 +1,10 @@
 """ORT's compute-optimizer test graphs, rebuilt with ``onnx.helper`` for ``test_upstream_slice.py``.
 
 Source: ``onnxruntime/test/optimizer/compute_optimizer_test.cc`` and its ``testdata/transform/
-computation_reduction/`` models (spec ``seed-passes.md`` 1.6). The ``.onnx`` files are not vendored;
-each builder recreates the graph the C++ test describes, with smaller hidden sizes so a numeric check
-takes milliseconds. Like ORT's tests, an Identity follows every slice that would otherwise be a graph
-output (a slice producing a graph output is never moved). Batch and sequence dims are symbolic where
-ORT's are, so the numeric checks also run at other sizes.
+computation_reduction/`` models. The ``.onnx`` files are not vendored; each builder recreates the graph
+the C++ test describes, with smaller hidden sizes so a numeric check takes milliseconds. Like ORT's tests,
+an Identity follows every slice that would otherwise be a graph output (ORT never moves such a slice).
+Batch and sequence dims are symbolic where ORT's are, so the numeric checks also run at other sizes.
 
 Every builder returns a shape-inferred ``onnx.ModelProto``; node names follow ORT's (``m1``, ``a1``...).
 """
