@@ -1,0 +1,85 @@
+"""workers/model_check.py: the ONNX checker, accepting graph inputs and outputs with a type but no shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.models.build_hf import make_inputs
+from workers.model_check import check_model, shapeless_io
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def _matmul_relu(y_shape: list | None, x_shape: list | None = ("batch", 4), op: str = "Relu") -> onnx.ModelProto:
+    """x @ W -> op -> y, built as users build graphs by hand: ``make_tensor_value_info(name, type, shape)``."""
+    weight = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node(op, ["m"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None if x_shape is None else list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
+        [weight],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _save(proto: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(proto, str(path))
+    return path
+
+
+def test_check_model_accepts_the_graph_when_its_output_has_a_type_but_no_shape(tmp_path):
+    path = _save(_matmul_relu(y_shape=None), tmp_path / "model.onnx")
+    with pytest.raises(onnx.checker.ValidationError, match="shape"):
+        onnx.checker.check_model(str(path))  # what the engine ran before
+    before = path.read_bytes()
+    check_model(path)
+    assert path.read_bytes() == before  # checked on a copy: the model is not changed
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (1, 5):
+        (y,) = session.run(None, {"x": np.ones((batch, 4), np.float32)})
+        assert y.shape == (batch, 3)
+
+
+def test_check_model_accepts_a_torch_export_when_its_io_shapes_are_dropped(tmp_path):
+    """The tiny BERT encoder export with the shape of every graph input and output removed, as some tools
+    write them: still checked in full, and ONNX Runtime runs it."""
+    proto = onnx.load(str(MODELS / "hf_bert_encoder.onnx"))
+    for value in (*proto.graph.input, *proto.graph.output):
+        value.type.tensor_type.ClearField("shape")
+    assert len(shapeless_io(proto)) == 4
+    path = _save(proto, tmp_path / "model.onnx")
+    check_model(path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (hidden,) = session.run(None, make_inputs("bert_encoder", 2, 7, pad_fraction=0.25, size="tiny"))
+    assert hidden.shape == (2, 7, 32)
+
+
+def test_check_model_accepts_the_graph_when_an_input_has_no_shape(tmp_path):
+    check_model(_save(_matmul_relu(y_shape=["batch", 3], x_shape=None), tmp_path / "model.onnx"))
+
+
+def test_check_model_refuses_when_an_output_has_no_type(tmp_path):
+    proto = _matmul_relu(y_shape=None)
+    proto.graph.output[0].ClearField("type")
+    with pytest.raises(onnx.checker.ValidationError, match="type"):
+        check_model(_save(proto, tmp_path / "model.onnx"))
+
+
+def test_check_model_refuses_what_else_the_checker_refuses_when_an_output_is_shapeless(tmp_path):
+    """A shapeless output waives only its shape: an unknown op in the same graph is still refused."""
+    proto = _matmul_relu(y_shape=None, op="NoSuchOp")
+    with pytest.raises(onnx.checker.ValidationError, match="NoSuchOp"):
+        check_model(_save(proto, tmp_path / "model.onnx"))
+
+
+def test_check_model_passes_when_every_shape_is_declared(tmp_path):
+    path = _save(_matmul_relu(y_shape=["batch", 3]), tmp_path / "model.onnx")
+    assert not shapeless_io(onnx.load(str(path)))
+    check_model(path)
