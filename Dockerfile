@@ -48,7 +48,7 @@ RUN apt-get update \
     && "python${PYTHON_VERSION}" -m venv /opt/venv \
     && groupadd --system --gid 10001 onnxforge \
     && useradd --system --uid 10001 --gid 10001 --home-dir /data --shell /usr/sbin/nologin onnxforge \
-    && mkdir -p /data && chown 10001:10001 /data
+    && mkdir -p /data /scratch && chown 10001:10001 /data /scratch
 COPY deploy/requirements/cpu.lock /tmp/requirements.lock
 COPY --from=build /wheels /wheels
 RUN python -m pip install --no-cache-dir --require-hashes -r /tmp/requirements.lock \
@@ -79,7 +79,7 @@ RUN apt-get update \
     && "python${PYTHON_VERSION}" -m venv /opt/venv \
     && groupadd --system --gid 10001 onnxforge \
     && useradd --system --uid 10001 --gid 10001 --home-dir /data --shell /usr/sbin/nologin onnxforge \
-    && mkdir -p /data && chown 10001:10001 /data
+    && mkdir -p /data /scratch && chown 10001:10001 /data /scratch
 # The gpu lock pins onnxruntime-gpu and not onnxruntime: the CPU build never enters this image.
 COPY deploy/requirements/gpu.lock /tmp/requirements.lock
 COPY --from=build /wheels /wheels

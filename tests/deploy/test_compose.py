@@ -122,3 +122,12 @@ def test_compose_images_are_tagged_with_the_project_version_one_repository_per_f
                       "worker-gpu": f"onnxforge-gpu:{version}"}  # fmt: skip
     assert compose["services"]["api"]["build"]["target"] == "cpu"
     assert compose["services"]["worker-gpu"]["build"]["target"] == "gpu"
+
+
+@pytest.mark.parametrize("name", ["worker-cpu", "worker-gpu"])
+def test_compose_workers_unpack_jobs_on_their_own_volume_not_the_shared_one(compose, name):
+    service = compose["services"][name]
+    scratch = service["environment"]["ONNXFORGE_STORAGE__SCRATCH_DIR"]
+    assert scratch in service["volumes"], f"{name}: {scratch} is not a volume of its own"
+    data_dir = service["environment"]["ONNXFORGE_STORAGE__DATA_DIR"]
+    assert not Path(scratch).is_relative_to(data_dir), f"{name}: scratch is on the shared volume"

@@ -960,3 +960,13 @@ def test_api_stays_ready_on_the_manifests_probe_while_the_broker_is_down(service
     checks = ready.json()["checks"]
     assert checks["database"] == "ok" and checks["storage"] == "ok" and checks["broker"] != "ok"
     assert httpx.get(f"{service.url}/v1/jobs", timeout=10).status_code == 200  # a read path, served
+
+
+def test_workers_unpack_jobs_on_local_disk_not_on_the_shared_volume(rendered, secret):
+    _, docs = rendered
+    for doc, container in [(d, c) for d, c in _onnxforge_workloads(docs) if c["args"][0] == "worker"]:
+        scratch = _container_env(container, docs, secret)["ONNXFORGE_STORAGE__SCRATCH_DIR"]
+        volumes = {v["name"]: v for v in _pod_spec(doc)["volumes"]}
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == scratch]
+        assert "emptyDir" in volumes[mount["name"]], f"{doc['metadata']['name']}: scratch is not node-local"
+        assert volumes[mount["name"]]["emptyDir"].get("sizeLimit"), "an unbounded emptyDir can fill the node"
