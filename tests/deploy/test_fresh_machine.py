@@ -87,3 +87,45 @@ def test_suite_starts_its_own_servers_when_nothing_answers_on_the_configured_por
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary and "error" not in summary, summary
     assert not _listening(dead_redis) and not _listening(dead_postgres)
     assert not left, f"private server directories left behind: {left}"
+
+
+def _make_dry_run(target: str) -> str:
+    """What ``make <target>`` would run from scratch (-B: as if no stamp existed)."""
+    result = subprocess.run(
+        ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_make_run_installs_only_what_serving_needs():
+    installs = [line for line in _make_dry_run("run").splitlines() if "pip install" in line and " -e " in line]
+    assert installs == [".venv/bin/python -m pip install --quiet -e '.[cpu,prepost]'"]
+
+
+def test_make_test_installs_the_test_extra_and_the_servers_it_needs():
+    commands = _make_dry_run("test")
+    assert ".venv/bin/python -m pip install --quiet -e '.[test]'" in commands
+    assert "apt-get install" in commands and "redis-server" in commands and "postgresql" in commands
+
+
+def test_make_servers_installs_redis_and_postgresql_with_apt_when_missing(tmp_path: Path):
+    # A PATH with none of the server binaries, and an apt-get that records what it is asked for.
+    fakebin = tmp_path / "bin"
+    fakebin.mkdir()
+    for tool in ("id", "ls"):
+        (fakebin / tool).symlink_to(shutil.which(tool))
+    calls = tmp_path / "apt-calls"
+    (fakebin / "apt-get").write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    (fakebin / "apt-get").chmod(0o755)
+    env = {**os.environ, "PATH": str(fakebin)}
+    result = subprocess.run(
+        [shutil.which("make"), "servers"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    if os.geteuid() != 0:
+        assert not calls.exists() and "install them as root" in result.stderr
+        return
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("update")
+    assert lines[1].split()[-4:] == ["redis-server", "redis-tools", "postgresql", "postgresql-client"]
