@@ -1,8 +1,8 @@
 """Per-op rules for ``upstream_slice``: which inputs of a producer P a slice can move to, and on which axis.
 
-Re-implements the actors of ORT's ``upstream_gather_actors.{h,cc}`` (spec ``seed-passes.md`` 1.3-1.4)
-as plain functions ``rule(P, slice, out_shape) -> Move | str``: a ``Move`` says how to rewrite, a string
-says why not. Rules only read the graph. Fixes over ORT are marked "ORT:" where they apply.
+Re-implements the actors of ORT's ``upstream_gather_actors.{h,cc}`` (``onnxruntime/core/optimizer/
+compute_optimizer/``) as plain functions ``rule(P, slice, out_shape) -> Move | str``: a ``Move`` says how
+to rewrite, a string says why not. Rules only read the graph. Fixes over ORT are marked "ORT:" where they apply.
 
 Dims compare as Equal when both are the same int or the same named symbol; an unknown dim never equals
 anything, so a rule refuses rather than guesses.
@@ -103,7 +103,7 @@ def _dims(value: ir.Value | None) -> list[Dim] | None:
 
 
 def broadcast_axes(shapes: dict[int, Sequence[Dim] | None], out: Sequence[Dim], axis: int, scalar: bool) -> Move | str:
-    """SimplePointwise (spec 1.3): inputs right-aligned against the output; slice those Equal at the axis.
+    """ORT's SimplePointwise actor: inputs right-aligned against the output; slice those Equal at the axis.
 
     ORT: a lower-rank input sliced on the axis gets the absolute axis; the right one is
     ``axis - (rank(out) - rank(input))``, which is what ``sliced`` holds here.
