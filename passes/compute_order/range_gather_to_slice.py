@@ -1,7 +1,6 @@
 """Turn ``Gather(data, Range(start, limit, delta))`` into one ``Slice``, only where that is exact.
 
-Re-implements ORT's ``GatherToSliceFusion`` (``onnxruntime/core/optimizer/gather_fusion.cc``, PR #13599;
-spec ``seed-passes.md`` section 5)::
+Re-implements ORT's ``GatherToSliceFusion`` (``onnxruntime/core/optimizer/gather_fusion.cc``, PR #13599)::
 
     start  limit  delta                         start   limit   delta
        \\     |     /                              |       |       |
