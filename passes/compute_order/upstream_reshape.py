@@ -1,7 +1,7 @@
 """Move a ``[B,S,H] -> [B*S,H]`` Reshape above the ops that produce its input.
 
 Re-implements ORT's training-only ``UpStreamReshapeGraphTransformer`` (``onnxruntime/core/optimizer/
-compute_optimizer/upstream_reshape.cc`` and ``upstream_reshape_actors.cc``; spec ``seed-passes.md`` 1.5).
+compute_optimizer/upstream_reshape.cc`` and ``upstream_reshape_actors.cc``).
 An LM head ends in ``logits.view(-1, V)`` for the loss; moving the flatten up makes the head 2-D, so a
 row filter on axis 0 (``label_sparsity``'s Gather, moved by ``upstream_slice``) can then climb the head::
 
