@@ -2,7 +2,7 @@
 
 Tracing exporters (torch.jit.trace, gluon ``.shape`` calls, seed 004) bake the example's batch and sequence
 sizes into ``Reshape``/``Expand``/``ConstantOfShape`` constants, so the "dynamic" model runs at the export
-shape only (field.md §2 item 9; onnxsim #21, #86: "outputs no longer dynamic"). ONNX shape inference shows
+shape only (onnxsim #21, #86: "outputs no longer dynamic"). ONNX shape inference shows
 it: the constant makes every value downstream static. This pass re-implements the fix people apply by hand
 (ORT's transformers ``fusion_reshape`` does the same for one BERT pattern), on the general rule:
 
