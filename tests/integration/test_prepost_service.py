@@ -11,13 +11,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import onnxruntime as ort
+import onnxruntime_extensions as ortx
 import pytest
 
 from tests.conftest import FAST_PIPELINE, Services, service_env
 from tests.integration._flow import wait
 from tests.models.build_prepost import MINILM_TOKENIZER, tiny_bert
-
-ortx = pytest.importorskip("onnxruntime_extensions")
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
