@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime_extensions as ortx
 import pytest
 from PIL import Image
 
@@ -30,8 +31,6 @@ from passes._infra import PassContext
 from passes.prepost._prepost_text import BUILTIN_SENTENCES
 from passes.prepost.prepost import META_REGISTER, META_REQUIRES, Prepost
 from tests.models.build_prepost import MINILM_TOKENIZER, ST_REFERENCE, ST_TINY_BERT, image_classifier, tiny_bert
-
-ortx = pytest.importorskip("onnxruntime_extensions")  # a declared dependency of the pass: never absent in CI
 
 MEAN = [0.485, 0.456, 0.406]
 STD = [0.229, 0.224, 0.225]
