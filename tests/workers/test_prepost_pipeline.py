@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+import onnxruntime_extensions as ortx
 import pytest
 from PIL import Image
 
@@ -39,8 +40,6 @@ from workers.child import run as run_child
 from workers.pipeline import PipelineRequest, run_pipeline
 from workers.sessions import make_session, needs_extensions
 from workers.validate import validate_model_dir
-
-ortx = pytest.importorskip("onnxruntime_extensions")  # a declared dependency of the pass: never absent in CI
 
 ROOT = Path(__file__).resolve().parents[2]
 MEAN, STD, SIZE = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], 32
