@@ -244,8 +244,6 @@ def test_hf_bert_mlm_row_filter_reaches_the_last_attention_when_copies_merge():
     from tests.models.build_hf import make_inputs
 
     path = Path(__file__).resolve().parents[1] / "models" / "hf_bert_mlm_loss.onnx"
-    if not path.exists():
-        pytest.skip("tests/models/hf_bert_mlm_loss.onnx not built")
     proto = onnx.load(str(path))
     outputs = [o for o in proto.graph.output if o.name != "logits"]
     del proto.graph.output[:]
