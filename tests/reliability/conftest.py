@@ -1,4 +1,4 @@
-"""Reliability tests (security spec checklist (b)): the runs live in bench/reliability.py, with their own
+"""Reliability tests (measured in docs/reliability.md): the runs live in bench/reliability/, with their own
 redis-server (AOF on, free port), API and worker subprocesses and temp data dirs; these tests call them
 with small parameters and assert on what they measured. Nothing here touches the shared Redis."""
 
