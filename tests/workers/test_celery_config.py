@@ -1,4 +1,4 @@
-"""Celery configuration invariants (security.md (c), T15-T18), the dispatcher and the reconciler.
+"""Celery configuration invariants (docs/security.md T15-T18), the dispatcher and the reconciler.
 
 The filesystem-queue test runs a consumer in another interpreter: embedded mode depends on the API
 process and the worker processes sharing one queue.
