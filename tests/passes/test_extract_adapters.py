@@ -17,12 +17,13 @@ import pytest
 from core.adapters import ADAPTER_SUFFIX, SLOTS_KEY, read_adapter, read_slots, run_options
 from core.config import EXACT_TOLERANCE, JobConfig
 from core.errors import InvalidPassOptionsError
+from core.inputs import InputSet
 from core.settings import PipelineSettings
 from passes._infra import PassContext
 from passes.prepost.extract_adapters import ExtractAdapters
 from passes.registry import get_pass_class
 from workers.pipeline import PipelineRequest, run_pipeline
-from workers.verify import InputSet, Verifier
+from workers.verify import Verifier
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 LORA = MODELS / "lora"
