@@ -341,14 +341,14 @@ class _Walker:
                 code="MODEL_TOO_LARGE",
             )
 
-    def external(self, proto: Any, where: str) -> int:
+    def external(self, tensor: Any, where: str) -> int:
         rng = "EXTERNAL_DATA_RANGE_INVALID"
-        if proto.data_location != _EXTERNAL:
+        if tensor.data_location != _EXTERNAL:
             raise _err(rng, f"{where} has external_data entries but is not marked EXTERNAL")
-        if any(len(getattr(proto, f)) for f in _INLINE_FIELDS):
+        if any(len(getattr(tensor, f)) for f in _INLINE_FIELDS):
             raise _err(rng, f"{where} is EXTERNAL but also holds inline data")
         entries: dict[str, str] = {}
-        for entry in proto.external_data:
+        for entry in tensor.external_data:
             key = _s(entry.key)
             if key not in EXTERNAL_KEYS:
                 raise _err(rng, f"{where} has an external_data key {_q(key, 40)}; allowed: {sorted(EXTERNAL_KEYS)}")
@@ -360,8 +360,8 @@ class _Walker:
             raise _err("EXTERNAL_DATA_PATH_INVALID", f"{where} has external data without a location")
         size = self.file_size(location, where)
         offset = self._decimal(entries.get("offset", "0"), "offset", where)
-        elements = _checked_elements(proto.dims, where, rng)
-        expected = _byte_size(elements, proto.data_type, where, rng)
+        elements = _checked_elements(tensor.dims, where, rng)
+        expected = _byte_size(elements, tensor.data_type, where, rng)
         length = self._decimal(entries["length"], "length", where) if "length" in entries else size - offset
         if length != expected:
             raise _err(rng, f"{where} declares length {length}, but its shape and type need {expected} bytes")
