@@ -25,7 +25,23 @@ HERE = Path(__file__).resolve().parent
 ATTENTION = ("eager", "sdpa")
 VOCAB = 256
 # What main() builds: (arch, exporter); exporter "eager"/"sdpa" is TorchScript with that attention.
-BUILDS = (("bert", "eager"), ("bert", "sdpa"), ("distilbert", "dynamo"), ("llama", "dynamo"))
+BUILDS = (
+    ("bert", "eager"),
+    ("bert", "sdpa"),
+    ("distilbert", "dynamo"),
+    ("llama", "dynamo"),
+    ("gpt2", "eager"),
+    ("gpt2", "sdpa"),
+    ("gpt2", "dynamo"),
+    ("llama", "eager"),
+    ("llama", "sdpa"),
+    ("t5enc", "eager"),
+    ("bartenc", "eager"),
+    ("bartenc", "sdpa"),
+)
+# The decoders are exported without a cache (use_cache=False): their attention is the causal self-attention
+# fuse_transformer targets; decoders with a cache are their own issue.
+_NO_CACHE = ("llama", "gpt2")
 
 
 def _model(arch: str, attention: str):
@@ -59,6 +75,45 @@ def _model(arch: str, attention: str):
             **small,
         )
         model = transformers.LlamaModel(config)
+    elif arch == "gpt2":  # tanh GELU (gelu_new), Conv1D projections, causal mask
+        config = transformers.GPT2Config(
+            n_embd=32,
+            n_head=4,
+            n_layer=2,
+            n_inner=64,
+            n_positions=128,
+            vocab_size=VOCAB,
+            use_cache=False,
+            attn_implementation=attention,
+        )
+        model = transformers.GPT2Model(config)
+    elif arch == "t5enc":  # RMS norms, no scaling, relative position bias added to the scores
+        config = transformers.T5Config(
+            d_model=32,
+            d_kv=8,
+            num_heads=4,
+            num_layers=2,
+            d_ff=64,
+            vocab_size=VOCAB,
+            use_cache=False,
+            attn_implementation=attention,
+        )
+        model = transformers.T5EncoderModel(config)
+    elif arch == "bartenc":  # post-norm, learned positions with offset 2, LayerNorm on the embeddings
+        config = transformers.BartConfig(
+            d_model=32,
+            encoder_attention_heads=4,
+            encoder_layers=2,
+            encoder_ffn_dim=64,
+            decoder_layers=1,
+            decoder_attention_heads=4,
+            decoder_ffn_dim=64,
+            max_position_embeddings=128,
+            vocab_size=VOCAB,
+            use_cache=False,
+            attn_implementation=attention,
+        )
+        model = transformers.BartModel(config).get_encoder()
     else:
         raise ValueError(f"unknown arch {arch!r}")
     with torch.no_grad():
@@ -72,7 +127,7 @@ def _model(arch: str, attention: str):
             self.inner = inner
 
         def forward(self, input_ids, attention_mask):
-            extra = {"use_cache": False} if arch == "llama" else {}
+            extra = {"use_cache": False} if arch in _NO_CACHE else {}
             return self.inner(input_ids=input_ids, attention_mask=attention_mask, return_dict=False, **extra)[0]
 
     return Hidden(model).eval()
@@ -166,7 +221,7 @@ def _check(path: Path, wrapper) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE)
-    parser.add_argument("--only", help="build only this arch (bert, distilbert, llama)")
+    parser.add_argument("--only", help="build only this arch (bert, distilbert, llama, gpt2, t5enc, bartenc)")
     args = parser.parse_args()
     for arch, exporter in BUILDS:
         if args.only in (None, arch):
