@@ -5,10 +5,16 @@ Detection reads only structure, never names of nodes (exporters rename them free
 ============  ==========================================================================================
 family        signal (first that holds wins)
 ============  ==========================================================================================
-t5            a graph input named ``decoder_input_ids`` (encoder-decoder), or RMS norms and no LayerNorm
+t5            a graph input ``decoder_input_ids`` and no LayerNorm (encoder-decoder), or RMS norms, no
+              LayerNorm and no causal mask (the T5 encoder: relative position bias added to the scores)
+llama         RMS norms, no LayerNorm, and a causal mask (a decoder: Llama, Qwen2, Mistral, Phi-3; rotary
+              embeddings, SiLU feed-forward)
+bart          a graph input ``decoder_input_ids`` and LayerNorms (encoder-decoder)
 vit           a ``Conv`` on a rank-4 float graph input (patch embedding) and LayerNorms
 gpt2          a comparison (``LessOrEqual``, ``Greater``...) of two ``Range``-derived index tensors (the
               causal mask), or a ``Trilu``
+bart          learned positions read at ``ids + 2`` (BART's offset): an embedding Gather indexed by an
+              ``Add`` of the constant 2 (the BART encoder alone)
 roberta       position ids computed from the input ids (``CumSum`` of the non-pad mask, padding offset)
 bert          an embedding table with 2-16 rows (token types; RoBERTa's has 1 row)
 distilbert    word and position embeddings only, LayerNorm right after their sum
@@ -28,8 +34,8 @@ import onnx_ir as ir
 
 from core.inputs import InputSynthesis
 
-Family = Literal["bert", "roberta", "distilbert", "gpt2", "t5", "vit", "unknown"]
-FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "t5", "vit")
+Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "unknown"]
+FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit")
 
 # Fusion group -> the com.microsoft ops that count as achieving it.
 GROUPS: dict[str, frozenset[str]] = {
@@ -45,7 +51,9 @@ ORT_MODEL_TYPE: dict[str, str] = {
     "roberta": "bert",
     "distilbert": "bert",
     "gpt2": "gpt2",
+    "llama": "gpt2",  # ORT's optimizer has no llama type; its gpt2 fusions are the decoder ones
     "t5": "t5",
+    "bart": "bart",
     "vit": "vit",
 }
 
@@ -61,8 +69,13 @@ def expected_fusions(family: str, layers: int) -> dict[str, int]:
     if family in ("gpt2", "vit"):
         # pre-norm: ln_2 of every layer, ln_1 of layers 2..n and the final LN each follow a residual Add.
         return {"attention": n, "skip_layer_norm": 2 * n, "gelu": n}
-    if family == "t5":
-        # encoder self-attention, decoder self- and cross-attention; RMS norms; ReLU feed-forward.
+    if family == "bart":
+        # post-norm like BERT, plus the embedding sum's LayerNorm as one more skip norm (no token types, and
+        # its positions sit at an offset of 2, which ORT's EmbedLayerNormalization does not express).
+        return {"attention": n, "skip_layer_norm": 2 * n + 1, "gelu": n}
+    if family in ("t5", "llama"):
+        # pre-RMS-norm: the norm of every block but the first follows a residual Add, and so does the final
+        # norm; T5's feed-forward is ReLU, the decoders' SiLU gated: no GELU to fuse.
         return {"attention": n, "skip_layer_norm": 2 * n}
     return {}
 
@@ -108,24 +121,28 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
     if not ops["Softmax"]:
         return "unknown", "no Softmax: no attention block"
     if "decoder_input_ids" in input_names:
-        return "t5", "encoder-decoder: graph input decoder_input_ids"
+        if ops["LayerNormalization"]:
+            return "bart", "encoder-decoder (graph input decoder_input_ids) with LayerNorms"
+        return "t5", "encoder-decoder (graph input decoder_input_ids) with RMS norms"
+    causal = _causal_mask(model)
     if not ops["LayerNormalization"]:
         if ops["Sqrt"] and ops["ReduceMean"] and ops["Pow"]:
-            return "t5", "RMS normalization (Pow, ReduceMean, Sqrt) and no LayerNormalization"
+            if causal:
+                return "llama", f"a decoder: RMS normalization, no LayerNormalization, {causal}"
+            return "t5", "RMS normalization (Pow, ReduceMean, Sqrt), no LayerNormalization, no causal mask"
         return "unknown", "no LayerNormalization: not a LayerNorm transformer"
     for node in graph:
         if node.op_type == "Conv" and node.inputs[0] is not None and node.inputs[0].is_graph_input():
             shape = node.inputs[0].shape
             if shape is not None and len(shape) == 4:
                 return "vit", f"patch-embedding Conv {node.name!r} on the 4-D input {node.inputs[0].name!r}"
-    if ops["Trilu"]:
-        return "gpt2", "causal mask built with Trilu"
-    for node in graph:
-        if node.op_type in _COMPARE and all(
-            v is not None and v.const_value is None and _derives_from(v, "Range") for v in node.inputs
-        ):
-            return "gpt2", f"causal mask: {node.op_type} {node.name!r} compares two Range-derived index tensors"
+    if causal:
+        return "gpt2", causal
     gathers = _embedding_gathers(model)
+    for node, _table in gathers:
+        offset = node.inputs[1].producer() if node.inputs[1] is not None else None
+        if offset is not None and offset.op_type == "Add" and any(_is_const(v, 2) for v in offset.inputs):
+            return "bart", f"positions read at an offset of 2 by {node.name!r} (BART's learned positions)"
     for node, _table in gathers:
         if _derives_from(node.inputs[1], "CumSum"):
             return "roberta", f"position ids from CumSum of the non-pad mask feed {node.name!r} (padding offset)"
@@ -136,6 +153,29 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
     if len(gathers) >= 2:
         return "distilbert", f"{len(gathers)} embedding tables, no token types, no causal mask"
     return "unknown", "attention found, but no embedding structure of a known family"
+
+
+def _causal_mask(model: ir.Model) -> str:
+    """The causal mask's evidence as words, or "" when the graph has none."""
+    for node in model.graph:
+        if node.op_type == "Trilu":
+            return "causal mask built with Trilu"
+        if node.op_type in _COMPARE and all(
+            v is not None and v.const_value is None and _derives_from(v, "Range") for v in node.inputs
+        ):
+            return f"causal mask: {node.op_type} {node.name!r} compares two Range-derived index tensors"
+    return ""
+
+
+def _is_const(value: ir.Value | None, number: float) -> bool:
+    if value is None:
+        return False
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        attr = producer.attributes.get("value")
+        tensor = attr.value if attr is not None else None
+    return tensor is not None and tensor.size == 1 and float(tensor.numpy().reshape(-1)[0]) == number
 
 
 def detect_sizes(model: ir.Model) -> tuple[int, int]:

@@ -11,12 +11,16 @@ from the ``fast`` preset. The range this table was read from is pinned in pyproj
 
 ``fuse_for_ort`` replays ``ort_fusions._core.optimize_for_ort`` of onnxscript 0.7.2 step by step (its test
 checks the replay builds the same graph as the exported function where that graph is right), with
-``stop_before`` cutting the attention steps for ``fuse_transformer``'s ``attention`` option, and one step
-of ours before SDPA (``_merge_heads``) that keeps onnxscript's MHA rule from absorbing a flattening Reshape.
+``stop_before`` cutting the attention steps for ``fuse_transformer``'s ``attention`` option, and steps of
+ours where onnxscript's rules miss an exporter's form: ``_rms_norm_opset17`` (TorchScript's opset-17 RMS norm),
+``_merge_heads`` (keeps onnxscript's MHA rule from absorbing a flattening Reshape), ``_attention_bias``
+(T5's relative position bias and mask as one ``attention_bias``) and ``_tanh_gelu`` (GPT-2's GELU with its
+bias), each before the step it feeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Literal
 
@@ -28,7 +32,10 @@ from onnxscript.rewriter import pattern, rewrite
 from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES
 from onnxscript.rewriter.rules.common import gemm_to_matmul_add_rule
 
+from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _merge_heads as merge_heads
+from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
+from passes.fusion import _tanh_gelu as tanh_gelu
 
 # The onnxscript releases whose unexported names below were checked; pyproject.toml pins the same range.
 SUPPORTED_VERSIONS = ">=0.7.2,<0.8"
@@ -114,6 +121,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     optimizer.optimize(model)
     rule_set("shape_optimization").apply_to_model(model)
     optimizer.optimize(model)
+    # Ours: the opset-17 RMS norm of TorchScript exports, which onnxscript's rule does not read.
+    counts["rms_norms_opset17"] = rms_norm_opset17.rules.apply_to_model(model)
     for step in ("erf_gelu", "rms_normalization", "skip_layer_normalization", "skip_rms_normalization"):
         fuse(step)
     fuse("rotary_embedding")
@@ -122,6 +131,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     fuse("partial_rotary_embedding")
     # Ours, not onnxscript's: keeps the MHA rule from swallowing a flattening Reshape (see _merge_heads).
     counts["merge_heads_split"] = 0 if "sdpa" in cut else merge_heads.rules.apply_to_model(model)
+    # Ours too: T5's relative position bias and its mask become one attention_bias (see _attention_bias).
+    counts["attention_biases_grouped"] = 0 if "sdpa" in cut else attention_bias.rules.apply_to_model(model)
     fuse("sdpa", shape_inference=True)
     for step in ("gqa", "packed_qkv_for_gqa", "mha1", "mha2", "mha_scale"):
         fuse(step)
@@ -130,6 +141,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     else:
         fuse("mha_bias")
         fuse("attention")
+    # Ours: GPT-2's (0.5 * x) * (1 + tanh(..)) order, with its bias, which onnxscript's gelu rule does not read.
+    counts["tanh_gelu"] = tanh_gelu.rules.apply_to_model(model)
     for step in ("gelu", "bias_gelu", "sdpa_via_mha"):
         fuse(step)
     optimizer.optimize(model)  # inlines the intermediate fusion functions no later rule consumed
@@ -161,3 +174,48 @@ def closest_match(model: ir.Model, step: str) -> str:
         f"closest onnxscript {step} match: {len(result.nodes)} nodes matched at {best.root_node.name!r} "
         f"({best.status.name}): {result.reason or 'pattern diverges there'}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """The best attempt of a rule set at one root node: how far its pattern got and why it stopped."""
+
+    rule: str
+    status: str  # onnxscript's MatchStatus name: NO_MATCH, CONDITION_FAILED, REPLACEMENT_FAILED, SUCCESS
+    matched: int  # pattern nodes matched before it stopped
+    reason: str
+
+    def describe(self) -> str:
+        if self.status == "SUCCESS":
+            return f"{self.rule} matches here now (an earlier rewrite or a later step stopped it)"
+        why = self.reason or "pattern diverges"
+        return f"{self.rule} stopped after {self.matched} matched nodes ({self.status}): {why}"
+
+
+class _PerRootTracer(pattern.MatchingTracer):
+    """The exported tracer keeps only the best-scoring matches of a rule over the whole graph; this keeps the
+    best one at every root node, so that each layer gets its own reason. ``log`` is the tracer's hook, called
+    by the rewriter for every attempt (onnxscript 0.7.2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_root: dict[str, tuple[int, Attempt]] = {}
+
+    def log(self, rule, container, node, match_result, status) -> None:  # type: ignore[override]
+        super().log(rule, container, node, match_result, status)
+        score = len(match_result.nodes) + int(status.value) * 100
+        best = self.per_root.get(node.name or "")
+        if best is None or score > best[0]:
+            name = getattr(rule, "name", None) or type(rule).__name__
+            reason = match_result.reason or ""
+            self.per_root[node.name or ""] = (score, Attempt(name, status.name, len(match_result.nodes), reason))
+
+
+def trace_roots(model: ir.Model, rule_sets: list[pattern.RewriteRuleSet | str]) -> dict[str, Attempt]:
+    """Root node name -> the best attempt of any of ``rule_sets`` (steps named as in ``_RULE_SETS``, or rule
+    sets of ours) there, traced on a copy: tracing never touches ``model``."""
+    tracer = _PerRootTracer()
+    for rules in rule_sets:
+        copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        (rule_set(rules) if isinstance(rules, str) else rules).apply_to_model(copy, tracer=tracer)
+    return {root: attempt for root, (_score, attempt) in tracer.per_root.items()}

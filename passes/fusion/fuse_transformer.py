@@ -64,6 +64,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes.fusion import _fusion_families as fam
+from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
 from passes.fusion import _rms_norm as rms_norm
@@ -75,8 +76,10 @@ _ORT_LOGGERS = ("fusion_attention", "fusion_gpt_attention_no_past", "fusion_embe
 
 
 class FuseTransformerOptions(PassOptions):
-    family: Literal["bert", "roberta", "distilbert", "gpt2", "t5", "vit"] | None = Field(
-        None, description="Model family; None detects it from the graph (embeddings, causal mask, patch Conv)."
+    family: Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit"] | None = Field(
+        None,
+        description="Model family; None detects it from the graph (embeddings, causal mask, RMS norms, patch Conv). "
+        "'llama' covers the RMS-norm decoders (Llama, Qwen2, Mistral, Phi-3).",
     )
     num_heads: int = Field(0, ge=0, description="Attention heads for ORT's optimizer; 0 detects from shapes.")
     hidden_size: int = Field(0, ge=0, description="Hidden size for ORT's optimizer; 0 detects from shapes.")
@@ -137,6 +140,7 @@ class FuseTransformer(Pass):
         candidates: dict[str, dict[str, Any]] = {}
         built: dict[str, onnx.ModelProto] = {}
         ort_failures: Counter[str] = Counter()
+        traced: ir.Model | None = None  # the onnxscript candidate, verified or not: where each layer is explained
         for engine in opts.engines:
             report: dict[str, Any] = {}
             try:
@@ -149,6 +153,8 @@ class FuseTransformer(Pass):
                     report["gemm"] = candidates.get("onnxscript", report).get("gemm", 0)
                     built[engine] = _ort(first, family, heads, hidden, ort_failures)
                 fused = ir.serde.deserialize_model(built[engine])
+                if engine == "onnxscript":
+                    traced = ir.serde.deserialize_model(built[engine])
                 # Both engines emit RMS norms as an op ONNX has no schema for; ORT's session rebuilds it.
                 report["rms_norms_expanded"] = rms_norm.expand_simplified_layer_norms(fused)
                 _import_contrib_domain(fused)
@@ -182,16 +188,25 @@ class FuseTransformer(Pass):
             achieved = dict.fromkeys(expected, 0)
             notes |= {"achieved": achieved, "missing": _missing(expected, achieved, base, ort_failures)}
             non_matches += [NonMatch(f"{g}: {r}") for g, r in notes["missing"].items()]
+            non_matches += _per_layer(traced or base, base, family, notes["missing"])
             return PassResult(unchanged, False, {}, non_matches, notes | _skip(reason))
         result = ir.serde.deserialize_model(built[best])
         achieved = fam.achieved_fusions(result)
         missing = _missing(expected, achieved, result, ort_failures)
         non_matches += [NonMatch(f"{group}: {reason}") for group, reason in missing.items()]
+        non_matches += _per_layer(result, base, family, missing)
         notes |= {"chosen": best, "achieved": achieved, "missing": missing, "decision": f"applied ({best})"}
         counts = {f"fused_{g}": n for g, n in achieved.items()} | {"gemm_to_matmul": candidates[best].get("gemm", 0)}
         if opts.pack_qkv:
             counts["packed_qkv"] = candidates[best].get("packed_qkv", 0)
         return PassResult(result, True, counts, non_matches, notes)
+
+
+def _per_layer(model: ir.Model, original: ir.Model, family: str, missing: dict[str, str]) -> list[NonMatch]:
+    """Each unfused attention, residual norm and GELU of the groups that fell short, by layer and with the
+    pattern that blocked it (``_layer_reasons``)."""
+    groups = {g for g in missing if g in ("attention", "skip_layer_norm", "gelu")}
+    return layer_reasons.layer_reasons(model, original, family, groups) if groups else []
 
 
 def _import_contrib_domain(model: ir.Model) -> None:

@@ -1,0 +1,147 @@
+"""Per-layer reasons for ``fuse_transformer``: every attention, residual norm and GELU left unfused, by layer.
+
+A count ("attention: expected 12, achieved 11") does not say which layer stayed, nor why. After the pass, each
+unfused site is found by its anchor op, the one op that survives only where the fusion did not happen:
+
+=================  ====================================================================================
+group              anchor (left in the graph)                rule sets traced at the site
+=================  ====================================================================================
+attention          ``Softmax``                               onnxscript ``sdpa``
+skip_layer_norm    ``LayerNormalization`` of a residual Add,  onnxscript ``skip_layer_normalization``;
+                   or an RMS norm's ``Pow(x, 2)`` of one      ``rms_normalization`` and ours (opset 17)
+gelu               ``Erf`` or ``Tanh``                        onnxscript ``gelu``, ``bias_gelu``; ours (tanh)
+=================  ====================================================================================
+
+Each reason names the layer (the anchor's rank among the original graph's anchors of that op), the family,
+the node, what the rule expects, the subgraph found (its ops, constants by value, a few producers deep) and
+where the closest rule stopped, with onnxscript's own ``MatchResult.fail`` reason, traced per root node
+(``_onnxscript_adapter.trace_roots``). A shortfall is then never just a number.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from passes._infra import NonMatch
+from passes.fusion import _onnxscript_adapter as adapter
+from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
+from passes.fusion import _tanh_gelu as tanh_gelu
+
+_ONNX = ("", "ai.onnx")
+_FOUND_CHARS = 400  # the found subgraph, cut: the report is read by people
+EXPECTED = {
+    "attention": "MatMul(q, Transpose(k)) scaled by a constant (Mul/Div on q, k or the scores), at most one "
+    "additive mask, Softmax, MatMul(., v); q, k, v of shape [B, heads, S, head_dim]",
+    "skip_layer_norm": "a norm of a residual Add(x, skip) (LayerNormalization, or x * rsqrt(mean(x^2) + eps) * weight)",
+    "gelu": "0.5 * x * (1 + Erf(x / sqrt(2))) or 0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))",
+}
+
+
+def layer_reasons(model: ir.Model, original: ir.Model, family: str, groups: set[str]) -> list[NonMatch]:
+    """A NonMatch per unfused site of ``groups`` in ``model`` (the fused candidate), layers numbered on
+    ``original``."""
+    reasons: list[NonMatch] = []
+    sites = [(group, node) for node in model.graph for group in _groups_of(node) if group in groups]
+    if not sites:
+        return reasons
+    traced = {
+        "attention": adapter.trace_roots(model, ["sdpa"]),
+        "skip_layer_norm": adapter.trace_roots(
+            model, ["skip_layer_normalization", "rms_normalization", rms_norm_opset17.rules]
+        ),
+        "gelu": adapter.trace_roots(model, ["gelu", "bias_gelu", tanh_gelu.rules]),
+    }
+    order = _ranks(original)
+    for group, anchor in sites:
+        layer = order.get((anchor.op_type, anchor.name), "?")
+        kind = {"attention": "attention", "skip_layer_norm": "residual norm", "gelu": "GELU"}[group]
+        attempt = _closest(anchor, traced[group])
+        if group == "gelu":
+            found = describe(_gelu_root(anchor).outputs[0])
+        else:
+            found = f"{anchor.op_type}({describe(anchor.inputs[0])})"
+        blocked = attempt.describe() if attempt else "no rule got past its first node here"
+        head = f"{kind} layer {layer} ({family}, node {anchor.name})"
+        reason = f"{group}: {head}: expected {EXPECTED[group]}; found {found[:_FOUND_CHARS]}; {blocked}"
+        reasons.append(NonMatch(reason, node=anchor.name, op_type=anchor.op_type))
+    return reasons
+
+
+def _groups_of(node: ir.Node) -> list[str]:
+    if node.domain not in _ONNX:
+        return []
+    if node.op_type == "Softmax":
+        return ["attention"]
+    if node.op_type in ("Erf", "Tanh"):
+        return ["gelu"]
+    if node.op_type == "LayerNormalization" and _is_residual(node.inputs[0]):
+        return ["skip_layer_norm"]
+    if node.op_type == "Pow" and _is_residual(node.inputs[0]) and _reads_mean(node):
+        return ["skip_layer_norm"]
+    return []
+
+
+def _is_residual(value: ir.Value | None) -> bool:
+    """An Add of two computed tensors: a residual sum, which a Skip norm would take in."""
+    producer = value.producer() if value is not None else None
+    if producer is None or producer.op_type != "Add" or producer.domain not in _ONNX:
+        return False
+    return all(v is not None and v.const_value is None and v.producer() is not None for v in producer.inputs)
+
+
+def _reads_mean(pow_node: ir.Node) -> bool:
+    return any(use.node.op_type == "ReduceMean" for use in pow_node.outputs[0].uses())
+
+
+def _ranks(model: ir.Model) -> dict[tuple[str, str], int]:
+    """(op_type, node name) -> the node's rank among the anchors of its op in graph order, counted from 0."""
+    seen: dict[str, int] = {}
+    ranks = {}
+    for node in model.graph:
+        if _groups_of(node):
+            ranks[(node.op_type, node.name)] = seen.get(node.op_type, 0)
+            seen[node.op_type] = seen.get(node.op_type, 0) + 1
+    return ranks
+
+
+def _neighbourhood(anchor: ir.Node, down: int = 4) -> list[ir.Node]:
+    """The anchor and the nodes up to ``down`` consumers below it: where the rule's root node sits."""
+    found, frontier = [anchor], [anchor]
+    for _ in range(down):
+        frontier = [use.node for node in frontier for out in node.outputs for use in out.uses()]
+        found += frontier
+    return found
+
+
+def _closest(anchor: ir.Node, attempts: dict[str, adapter.Attempt]) -> adapter.Attempt | None:
+    candidates = [attempts[n.name] for n in _neighbourhood(anchor) if n.name in attempts]
+    order = {"SUCCESS": 3, "REPLACEMENT_FAILED": 2, "CONDITION_FAILED": 1, "NO_MATCH": 0}
+    return max(candidates, key=lambda a: (order.get(a.status, 0), a.matched), default=None)
+
+
+def _gelu_root(anchor: ir.Node) -> ir.Node:
+    """The last Mul below an Erf/Tanh within three consumers: the GELU's output node."""
+    root = anchor
+    for node in _neighbourhood(anchor, 3)[1:]:
+        if node.op_type == "Mul":
+            root = node
+    return root
+
+
+def describe(value: ir.Value | None, depth: int = 4) -> str:
+    """The ops computing ``value``, ``depth`` producers deep, constants by value: ``Div(MatMul(..), Sqrt(..))``."""
+    if value is None:
+        return "none"
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        attr = producer.attributes.get("value")
+        tensor = attr.value if attr is not None else None
+    if tensor is not None:
+        return f"{float(tensor.numpy().reshape(-1)[0]):g}" if tensor.size == 1 else f"const{list(tensor.shape)}"
+    if producer is None:
+        return value.name or "input"
+    if depth == 0:
+        return f"{producer.op_type}(..)"
+    args = ", ".join(describe(v, depth - 1) for v in producer.inputs)
+    return f"{producer.op_type}({args})"

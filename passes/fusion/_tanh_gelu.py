@@ -1,0 +1,71 @@
+"""GELU's tanh form as GPT-2 writes it (``gelu_new``), with its bias, fused into ``com.microsoft::FastGelu``.
+
+onnxscript's ``gelu`` rule (0.7.2) reads ``x * (0.5 * (1 + tanh(..)))``; GPT-2 (TorchScript and dynamo
+exports alike) computes ``(0.5 * x) * (1 + tanh(..))``, so the rule stops at the outer Mul and only ORT's
+optimizer engine fused it. This rule reads GPT-2's order and takes the projection's bias into the kernel::
+
+    h = Add(MatMul(x, W), b)                             (b a constant vector over the last axis)
+    Mul(Mul(h, 0.5), Add(Tanh(Mul(Add(h, Mul(Pow(h, 3), 0.044715)), sqrt(2/pi))), 1))
+    ==>  FastGelu(MatMul(x, W), b)                        (com.microsoft; FastGelu(h) without a bias)
+
+Exact up to the kernel's rounding (``FastGelu`` evaluates the same tanh formula). The constants are checked
+with a relative tolerance of 1e-4, ORT ``fusion_fastgelu``'s habit, and a mismatch names the constant and the
+value found. Built with onnxscript's exported pattern API (``RewriteRuleClassBase``, ``MatchResult.fail``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+_EXPECTED = {"half": 0.5, "three": 3.0, "cubic": 0.044715, "sqrt_2_over_pi": math.sqrt(2.0 / math.pi), "one": 1.0}
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    tensor = value.const_value if value is not None else None
+    if tensor is None or tensor.size != 1:
+        return None
+    return float(tensor.numpy().reshape(-1)[0])
+
+
+def _bias_split(h: ir.Value) -> tuple[ir.Value, ir.Value] | None:
+    """(input, bias) when ``h = Add(y, b)`` with ``b`` a constant vector matching ``y``'s last axis."""
+    producer = h.producer()
+    if producer is None or producer.op_type != "Add" or producer.domain not in ("", "ai.onnx"):
+        return None
+    for y, b in (producer.inputs, reversed(producer.inputs)):
+        if y is None or b is None or b.const_value is None or len(b.const_value.shape) != 1:
+            continue
+        if y.shape is not None and y.shape.rank() and y.shape[-1] == b.const_value.shape[0] and y.dtype == b.dtype:
+            return y, b
+    return None
+
+
+class TanhGelu(pattern.RewriteRuleClassBase):
+    # onnxscript binds pattern variables by parameter name: each constant is a positional parameter.
+    def pattern(self, op, h, half, three, cubic, sqrt_2_over_pi, one):  # noqa: PLR0917
+        inner = op.Add(h, op.Mul(op.Pow(h, three), cubic))
+        return op.Mul(op.Mul(h, half), op.Add(op.Tanh(op.Mul(inner, sqrt_2_over_pi)), one))
+
+    def check(self, context, h: ir.Value, **constants) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if h.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            return result.fail(f"input of type {h.dtype}: FastGelu takes float or float16", h)
+        for name, want in _EXPECTED.items():
+            got = _scalar(constants[name])
+            if got is None:
+                return result.fail(f"{name} is not a constant scalar (expected {want:g})", constants[name])
+            if not math.isclose(got, want, rel_tol=1e-4):
+                return result.fail(f"{name} is {got:g}, expected {want:g}: not the tanh GELU", constants[name])
+        return result
+
+    def rewrite(self, op, h, **_):
+        split = _bias_split(h)
+        if split is not None and len(h.uses()) == 3:  # the Add feeds only this GELU: its bias moves in
+            return op.FastGelu(*split, _domain="com.microsoft")
+        return op.FastGelu(h, _domain="com.microsoft")
+
+
+rules = pattern.RewriteRuleSet([TanhGelu.rule()])

@@ -1,0 +1,94 @@
+"""fuse_transformer's per-layer reasons: a layer made not to fuse is named in the report, with its family,
+what the rule expects, the subgraph found and where onnxscript's rule stopped (MatchResult.fail).
+
+Each test breaks one layer of a committed export (tests/models/build_torchscript.py) in a way an exporter or
+a hand edit could, checks the other layer still fuses, and that the fused graph computes what the edited
+original does (ONNX Runtime, graph optimizations off, shapes other than the export's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from passes._infra import op_histogram
+from passes.fusion.fuse_transformer import FuseTransformer
+from tests.models.build_torchscript import inputs
+from tests.passes._util import MODELS, session
+
+SHAPES = ((1, 5), (3, 37))
+
+
+def assert_same_as(original: ir.Model, optimized: ir.Model) -> None:
+    reference, candidate = session(original), session(optimized)
+    for batch, seq in SHAPES:
+        ids, mask = inputs(batch, seq, seed=seq)
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        np.testing.assert_allclose(candidate.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def const(value: np.ndarray, name: str) -> ir.Node:
+    return ir.node("Constant", [], {"value": ir.tensor(value)}, name=name)
+
+
+def scale_by_sequence_length(model: ir.Model, layer: int) -> str:
+    """Layer ``layer``'s scores scaled by 1/sqrt(S) computed from the mask's shape (a run-time value) instead
+    of the constant 1/sqrt(head_dim); the Softmax's name."""
+    softmax = [n for n in model.graph if n.op_type == "Softmax"][layer]
+    add = softmax.inputs[0].producer()
+    scale = next(v.producer() for v in add.inputs if v.producer() is not None and v.producer().op_type == "Mul")
+    mask = next(v for v in model.graph.inputs if v.name == "attention_mask")
+    shape = ir.node("Shape", [mask], name="probe/shape")
+    index = const(np.array(1, np.int64), "probe/axis")
+    length = ir.node("Gather", [shape.outputs[0], index.outputs[0]], name="probe/length")
+    cast = ir.node("Cast", [length.outputs[0]], {"to": ir.DataType.FLOAT}, name="probe/cast")
+    root = ir.node("Sqrt", [cast.outputs[0]], name="probe/sqrt")
+    inverse = ir.node("Reciprocal", [root.outputs[0]], name="probe/inverse")
+    model.graph.insert_before(scale, [shape, index, length, cast, root, inverse])
+    scale.replace_input_with(1, inverse.outputs[0])
+    return softmax.name
+
+
+def test_fuse_transformer_names_layer_and_blocking_pattern_when_one_attention_scale_is_computed():
+    # setup
+    model = ir.load(MODELS / "ts_bert_eager.onnx")
+    softmax = scale_by_sequence_length(model, layer=1)
+    original = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    # execute
+    result = FuseTransformer({"engines": ["onnxscript"]})(model)
+    # assert
+    ops = op_histogram(result.model)
+    assert ops["com.microsoft::MultiHeadAttention"] == 1 and ops["Softmax"] == 1
+    layer = [nm for nm in result.non_matches if nm.node == softmax]
+    assert len(layer) == 1, [nm.reason for nm in result.non_matches]
+    reason = layer[0].reason
+    assert reason.startswith(f"attention: attention layer 1 (bert, node {softmax}): expected MatMul(q, Transpose(k))")
+    assert "found Softmax(Add(Mul(MatMul(Transpose(" in reason and "Reciprocal(Sqrt(Cast(" in reason
+    assert reason.endswith("SDPA stopped after 6 matched nodes (CONDITION_FAILED): qk_scale is not a scalar.")
+    assert layer[0].op_type == "Softmax"
+    assert not any("attention layer 0" in nm.reason for nm in result.non_matches)
+    assert_same_as(original, result.model)
+
+
+def test_fuse_transformer_names_gelu_layer_and_wrong_constant_when_one_tanh_gelu_is_not_gelu():
+    # setup: layer 1's cubic coefficient 0.05 instead of 0.044715, an activation that is not GELU
+    model = ir.load(MODELS / "ts_gpt2_eager.onnx")
+    tanh = [n for n in model.graph if n.op_type == "Tanh"][1]
+    inner = tanh.inputs[0].producer().inputs[0].producer()  # Add(h, Mul(Pow(h, 3), 0.044715))
+    cubic = next(v.producer() for v in inner.inputs if v.producer().op_type == "Mul")
+    other = const(np.array(0.05, np.float32), "probe/cubic")
+    model.graph.insert_before(cubic, [other])
+    cubic.replace_input_with(1, other.outputs[0])
+    original = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    # execute
+    result = FuseTransformer({"engines": ["onnxscript"]})(model)
+    # assert
+    ops = op_histogram(result.model)
+    assert ops["com.microsoft::FastGelu"] == 1 and ops["Tanh"] == 1
+    assert ops["com.microsoft::MultiHeadAttention"] == 2
+    reasons = [nm.reason for nm in result.non_matches if nm.node == tanh.name]
+    assert len(reasons) == 1, [nm.reason for nm in result.non_matches]
+    assert reasons[0].startswith(f"gelu: GELU layer 1 (gpt2, node {tanh.name}): expected 0.5 * x * (1 + Erf(")
+    assert "found Mul(Mul(" in reasons[0] and "Tanh(" in reasons[0]
+    assert reasons[0].endswith("(CONDITION_FAILED): cubic is 0.05, expected 0.044715: not the tanh GELU")
+    assert result.notes["missing"]["gelu"].startswith("expected 2, achieved 1")
+    assert_same_as(original, result.model)
