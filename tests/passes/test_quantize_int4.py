@@ -1,0 +1,229 @@
+"""quantize_int4 on the tiny decoder corpus (tests/models/decoders): structure (MatMulNBits per projection,
+the lm_head found from the graph and left float), int4 numerics at prompt and cache lengths other than the
+export's, accuracy_level by measurement, the exclusion loop, the refusals, and next-token agreement of the
+trained decoder under teacher forcing on held-out text."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from passes._infra import PassContext
+from passes.precision.quantize_int4 import QuantizeInt4, lm_heads
+from tests.models.build_decoders import HELDOUT, OUT, Signature, decoder_feeds, presents_as_past
+
+# Projections per layer: q, k, v, o, gate, up, down; Phi-3 fuses qkv and gate_up; GPT-2 has c_attn, c_proj,
+# c_fc, mlp.c_proj (Gemms in the export). Two layers each.
+PROJECTIONS = {"llama": 14, "qwen2": 14, "mistral": 14, "phi3": 8, "gpt2": 8}
+PAST_FILES = [f"{family}_past_{exporter}" for family in PROJECTIONS for exporter in ("ts", "dynamo")]
+# (batch, prompt, past): none of them the export's (2, 3, 4)
+SHAPES = ((2, 7, 0), (2, 1, 9), (1, 4, 6))
+
+
+def samples_for(path, shapes=SHAPES, seed=0):
+    signature = Signature.of(path)
+    past_free = signature.layers == 0
+    return [decoder_feeds(signature, b, s, 0 if past_free else p, seed=seed + i) for i, (b, s, p) in enumerate(shapes)]
+
+
+def cosine(a, b):
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def session(model, optimized=False):
+    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else onnx.load(str(model))
+    options = ort.SessionOptions()
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def quantize(name, options=None, samples=None):
+    path = OUT / f"{name}.onnx"
+    model = ir.load(path)
+    ctx = PassContext(samples=samples_for(path) if samples is None else samples)
+    return model, QuantizeInt4(options)(model, ctx)
+
+
+@pytest.fixture(scope="module")
+def llama_default():
+    return quantize("llama_past_ts")
+
+
+@pytest.mark.parametrize("name", PAST_FILES)
+def test_quantize_int4_makes_every_projection_matmulnbits_and_keeps_the_head_float_when_decoder_has_a_cache(name):
+    # setup / execute
+    original, result = quantize(name, {"accuracy_level": 4, "lm_head": "float"})
+    # assert
+    family = name.split("_")[0]
+    assert result.modified and result.model is not original
+    nbits = [n for n in result.model.graph if n.op_type == "MatMulNBits"]
+    assert len(nbits) == PROJECTIONS[family] == result.counts["nodes_quantized"]
+    for node in nbits:
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        assert node.domain == "com.microsoft"
+        assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (4, 32, 4)
+        assert node.inputs[1].const_value.dtype == ir.DataType.UINT8  # two int4 weights per byte
+    (head,) = lm_heads(original)
+    kept = {n.name: n for n in result.model.graph if n.op_type == "MatMul"}
+    assert head in kept and kept[head].inputs[1].const_value.dtype == ir.DataType.FLOAT
+    assert result.notes["lm_head"] == [head] and result.counts["lm_head_kept_float"] == 1
+    assert result.notes["weight_bytes"]["after"] < result.notes["weight_bytes"]["before"]
+    assert sum(1 for n in original.graph if n.op_type == "MatMulNBits") == 0  # functional: input untouched
+
+
+def test_quantize_int4_stays_within_the_int4_budget_when_prompt_and_cache_lengths_differ_from_the_export(
+    llama_default,
+):
+    # setup
+    original, result = llama_default
+    reference, candidate = session(original), session(result.model, optimized=True)
+    signature = Signature.of(OUT / "llama_past_ts.onnx")
+    names = [o.name for o in reference.get_outputs()]
+    # execute: a prefill of 11 tokens, then 3 decode steps, each on the cache the previous call returned
+    feeds = decoder_feeds(signature, 2, 11, 0, seed=7)
+    ref_past = got_past = None
+    for step in range(4):
+        if step:
+            tokens = np.full((2, 1), 17 + step, dtype=np.int64)
+            past = 10 + step
+            ref_feeds = decoder_feeds(signature, 2, 1, past, tokens=tokens, past_values=ref_past)
+            got_feeds = decoder_feeds(signature, 2, 1, past, tokens=tokens, past_values=got_past)
+        else:
+            ref_feeds = got_feeds = feeds
+        ref = dict(zip(names, reference.run(names, ref_feeds), strict=True))
+        got = dict(zip(names, candidate.run(names, got_feeds), strict=True))
+        # assert
+        assert got["logits"].shape == ref["logits"].shape == (2, 11 if step == 0 else 1, signature.vocab)
+        assert got["present.1.key"].shape == ref["present.1.key"].shape == (2, 2, 11 + step, 8)
+        max_abs, cos = float(np.abs(got["logits"] - ref["logits"]).max()), cosine(ref["logits"], got["logits"])
+        assert max_abs > 0 and cos >= 0.98, (step, max_abs, cos)
+        ref_past, got_past = presents_as_past(ref), presents_as_past(got)
+    assert result.notes["decision"].endswith("within the accuracy budget")
+
+
+def test_quantize_int4_chooses_accuracy_level_by_measurement_when_auto(llama_default):
+    _, result = llama_default
+    level = result.notes["accuracy_level"]
+    assert level["by"].startswith("measured") and set(level["latency_ms"]) == {"level 4", "level 0"}
+    assert all(v > 0 for v in level["latency_ms"].values())
+    for node in result.model.graph:
+        if node.op_type == "MatMulNBits" and node.attributes["bits"].value == 4:
+            assert node.attributes["accuracy_level"].value == level["chosen"]
+
+
+def test_quantize_int4_names_its_lm_head_choice_when_lm_head_is_auto(llama_default):
+    _, result = llama_default
+    decision = result.notes["lm_head_decision"]
+    head_nodes = [n for n in result.model.graph if n.name.startswith("/model/lm_head/MatMul")]
+    assert len(head_nodes) == 1
+    if decision.startswith("int8"):
+        assert head_nodes[0].op_type == "MatMulNBits" and head_nodes[0].attributes["bits"].value == 8
+    else:
+        assert decision.startswith("float") and head_nodes[0].op_type == "MatMul"
+    assert set(result.notes["lm_head_latency_ms"]) == {"float", "int8"}
+
+
+def test_lm_heads_finds_the_head_by_structure_when_its_name_says_nothing():
+    model = ir.load(OUT / "qwen2_past_ts.onnx")
+    (head,) = lm_heads(model)
+    node = next(n for n in model.graph if n.name == head)
+    node.name = "proj_17"
+    assert lm_heads(model) == ["proj_17"]
+    # an encoder's output comes from a LayerNorm, not through elementwise ops from a MatMul: no head
+    assert lm_heads(ir.load(OUT.parent / "hf_bert_encoder.onnx")) == []
+
+
+def test_quantize_int4_keeps_the_most_sensitive_matmuls_float_when_the_budget_is_tighter_than_full_int4(
+    llama_default,
+):
+    # setup: a budget between the fully quantized model's cosine and 1
+    _, full = llama_default
+    worst = min(a["cosine"] for a in full.notes["accuracy_all_quantized"].values())
+    budget = 1 - (1 - worst) / 3
+    # execute
+    _, result = quantize("llama_past_ts", {"min_cosine": budget, "max_exclusions": 14, "lm_head": "float"})
+    # assert
+    assert result.modified
+    excluded = [e["node"] for e in result.notes["excluded_for_accuracy"]]
+    assert 1 <= len(excluded) == result.counts["nodes_excluded_for_accuracy"] < 14
+    kept = {n.name for n in result.model.graph if n.op_type == "MatMul"}
+    assert set(excluded) <= kept
+    assert sum(1 for n in result.model.graph if n.op_type == "MatMulNBits") == 14 - len(excluded)
+    assert min(a["cosine"] for a in result.notes["accuracy"].values()) >= budget
+
+
+def test_quantize_int4_is_refused_when_the_budget_is_missed_and_max_exclusions_is_0():
+    _, result = quantize("llama_past_ts", {"min_cosine": 0.999999, "max_exclusions": 0, "accuracy_level": 0})
+    assert not result.modified
+    assert any("max_exclusions is 0" in m.reason for m in result.non_matches)
+
+
+def test_quantize_int4_is_refused_when_no_matmul_has_a_constant_weight():
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "y"], ["z"], name="mm")],
+        "no_weights",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 32]) for n in ("x",)]
+        + [helper.make_tensor_value_info("y", TensorProto.FLOAT, [32, 32])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 32])],
+    )
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    result = QuantizeInt4()(model, PassContext())
+    assert not result.modified and result.counts == {"nodes_quantized": 0}
+    assert "no MatMul with a constant 2-D weight" in result.non_matches[-1].reason
+
+
+def test_quantize_int4_is_refused_when_the_only_weight_matmul_is_the_lm_head():
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"], name="head")],
+        "head_only",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 32])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 64])],
+        [numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32), "w")],
+    )
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    result = QuantizeInt4()(model, PassContext())
+    assert not result.modified and result.notes["lm_head"] == ["head"]
+    assert "lm_head aside" in result.non_matches[-1].reason
+
+
+def test_quantize_int4_is_refused_when_nodes_to_exclude_names_no_node():
+    _, result = quantize("llama_past_ts", {"nodes_to_exclude": ["model.layers.0.self_attn.q_proj"]})
+    assert not result.modified and result.notes["decision"] == "refused"
+    assert "close node names" in result.non_matches[0].reason
+
+
+def test_quantize_int4_quantizes_with_hqq_when_torch_imports():
+    pytest.importorskip("torch")
+    _, result = quantize("qwen2_past_dynamo", {"algorithm": "hqq", "accuracy_level": 0, "lm_head": "float"})
+    assert result.modified and result.notes["algorithm"] == "hqq" and not result.notes["symmetric"]
+    nbits = [n for n in result.model.graph if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 14 and all(len(n.inputs) >= 4 for n in nbits)  # asymmetric: zero points
+
+
+def test_quantize_int4_agrees_on_the_next_token_when_the_decoder_is_trained():
+    """Teacher forcing on held-out text (Python docs topics never trained on): the int4 model's greedy next
+    byte equals the float model's at >= 95% of 1024 positions. Measured 96.0-96.5% with the default budget
+    (logits cosine 0.9966): issue 19's bar of 99% is NOT met on this 64-wide model, where a block of 32 is half
+    of every K; keeping 7 of 14 MatMuls float (min_cosine 0.999) gives 98.5%. A top-1 gate is issue 19 item 4."""
+    # setup
+    path = OUT / "trained_llama_past_ts.onnx"
+    held = np.load(HELDOUT)
+    signature = Signature.of(path)
+    samples = [decoder_feeds(signature, 2, 64, 0, tokens=held[i : i + 2, :64]) for i in (0, 2)]
+    # execute
+    original, result = quantize("trained_llama_past_ts", samples=samples)
+    feeds = decoder_feeds(signature, held.shape[0], held.shape[1], 0, tokens=held)
+    ref = session(original).run(["logits"], feeds)[0]
+    got = session(result.model, optimized=True).run(["logits"], feeds)[0]
+    # assert
+    agreement = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+    assert result.modified and result.counts["nodes_quantized"] >= 10
+    assert agreement >= 0.95, f"top-1 agreement {agreement:.4f} over {ref.shape[0] * ref.shape[1]} positions"
