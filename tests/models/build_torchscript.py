@@ -44,13 +44,15 @@ BUILDS = (
 _NO_CACHE = ("llama", "gpt2")
 
 
-def _model(arch: str, attention: str):
-    """A tiny transformers model of ``arch`` with every parameter perturbed, in eval mode."""
+def _model(arch: str, attention: str, width: int = 32):
+    """A tiny transformers model of ``arch`` with every parameter perturbed, in eval mode. ``width`` (hidden size;
+    4 heads, feed-forward twice as wide) is for bench/fusions.py: the committed exports are 32 wide."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    small = {"vocab_size": VOCAB, "max_position_embeddings": 128, "attn_implementation": attention}
+    positions = max(128, 2 * width)  # the benchmark's widths time sequences up to 256
+    small = {"vocab_size": VOCAB, "max_position_embeddings": positions, "attn_implementation": attention}
     if arch == "bert":  # the committed ts_bert_* were built with BERT's default 512 positions
         config = transformers.BertConfig(
             hidden_size=32,
@@ -66,22 +68,22 @@ def _model(arch: str, attention: str):
         model = transformers.DistilBertModel(config)
     elif arch == "llama":
         config = transformers.LlamaConfig(
-            hidden_size=32,
+            hidden_size=width,
             num_attention_heads=4,
             num_key_value_heads=4,
             num_hidden_layers=2,
-            intermediate_size=64,
+            intermediate_size=2 * width,
             use_cache=False,
             **small,
         )
         model = transformers.LlamaModel(config)
     elif arch == "gpt2":  # tanh GELU (gelu_new), Conv1D projections, causal mask
         config = transformers.GPT2Config(
-            n_embd=32,
+            n_embd=width,
             n_head=4,
             n_layer=2,
-            n_inner=64,
-            n_positions=128,
+            n_inner=2 * width,
+            n_positions=positions,
             vocab_size=VOCAB,
             use_cache=False,
             attn_implementation=attention,
@@ -89,11 +91,11 @@ def _model(arch: str, attention: str):
         model = transformers.GPT2Model(config)
     elif arch == "t5enc":  # RMS norms, no scaling, relative position bias added to the scores
         config = transformers.T5Config(
-            d_model=32,
-            d_kv=8,
+            d_model=width,
+            d_kv=width // 4,
             num_heads=4,
             num_layers=2,
-            d_ff=64,
+            d_ff=2 * width,
             vocab_size=VOCAB,
             use_cache=False,
             attn_implementation=attention,
@@ -101,14 +103,14 @@ def _model(arch: str, attention: str):
         model = transformers.T5EncoderModel(config)
     elif arch == "bartenc":  # post-norm, learned positions with offset 2, LayerNorm on the embeddings
         config = transformers.BartConfig(
-            d_model=32,
+            d_model=width,
             encoder_attention_heads=4,
             encoder_layers=2,
-            encoder_ffn_dim=64,
+            encoder_ffn_dim=2 * width,
             decoder_layers=1,
             decoder_attention_heads=4,
-            decoder_ffn_dim=64,
-            max_position_embeddings=128,
+            decoder_ffn_dim=2 * width,
+            max_position_embeddings=positions,
             vocab_size=VOCAB,
             use_cache=False,
             attn_implementation=attention,
@@ -133,10 +135,10 @@ def _model(arch: str, attention: str):
     return Hidden(model).eval()
 
 
-def build_dynamo(arch: str, out: Path) -> Path:
+def build_dynamo(arch: str, out: Path, width: int = 32) -> Path:
     import torch
 
-    wrapper = _model(arch, "eager")
+    wrapper = _model(arch, "eager", width)
     ids, mask = inputs(2, 16, seed=0)
     path = out / f"dynamo_{arch}.onnx"
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
@@ -155,12 +157,12 @@ def build_dynamo(arch: str, out: Path) -> Path:
     return path
 
 
-def build(arch: str, attention: str, out: Path) -> Path:
+def build(arch: str, attention: str, out: Path, width: int = 32) -> Path:
     import torch
 
     if attention == "dynamo":
-        return build_dynamo(arch, out)
-    wrapper = _model(arch, attention)
+        return build_dynamo(arch, out, width)
+    wrapper = _model(arch, attention, width)
     ids, mask = inputs(2, 16, seed=0)
     path = out / f"ts_{arch}_{attention}.onnx"
     axes = {"batch": 0, "sequence": 1}
