@@ -26,8 +26,8 @@ from app.middleware import RequestContextMiddleware
 from app.schemas import Problem
 from app.services.jobs import Dispatcher, JobService
 from core.errors import InvalidConfigError
+from core.objectstore import open_blob_store
 from core.settings import Settings, get_settings
-from core.storage import BlobStore
 from core.store import JobStore
 
 log = logging.getLogger("onnxforge.api")
@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
         owned: Any = None
         try:
             await anyio.to_thread.run_sync(partial(store.prepare, auto_migrate=settings.database.auto_migrate))
-            blobs = BlobStore(settings.storage.blobs_dir)
+            blobs = open_blob_store(settings.storage)  # local disk or S3 (core/objectstore.py)
             blobs.sweep_tmp(_STALE_TMP_SECONDS)
             active = dispatcher
             if active is None:

@@ -110,7 +110,47 @@ class StorageSettings(_Section):
         "deleted when the attempt ends. Unset: <data_dir>/work, i.e. on the shared volume.",
     )
 
-    _empty_is_unset = field_validator("scratch_dir", mode="before")(_none_if_empty)
+    backend: Literal["local", "s3"] = Field(
+        "local",
+        description="Where uploads, optimized models and reports live: local (blobs/ under data_dir, a shared "
+        "volume in distributed mode) or s3 (an S3-compatible object store; data_dir then holds only the "
+        "SQLite file and the embedded queue).",
+    )
+    s3_bucket: str | None = Field(None, description="Bucket of the s3 backend (must exist).")
+    s3_prefix: str = Field("onnxforge/", description="Key prefix of every object, so deployments share a bucket.")
+    s3_endpoint_url: str | None = Field(
+        None, description="Endpoint of an S3-compatible server (MinIO, Ceph, ...). Unset: AWS S3."
+    )
+    s3_region: str | None = Field(None, description="Region of the bucket. Unset: boto3's default chain.")
+    s3_access_key_id: str | None = Field(
+        None, description="Access key. Unset: boto3's default chain (environment, instance or pod role)."
+    )
+    s3_secret_access_key: SecretStr | None = Field(None, description="Secret key, with s3_access_key_id.")
+    s3_presign_seconds: int = Field(
+        900, ge=1, le=7 * 24 * 3600, description="Lifetime of the presigned URL an artifact download redirects to."
+    )
+    s3_part_bytes: int = Field(
+        16 << 20,
+        ge=5 << 20,
+        le=512 << 20,
+        description="Multipart part size of uploads to the object store; one part per upload is held in memory.",
+    )
+
+    _empty_is_unset = field_validator(
+        "scratch_dir",
+        "s3_bucket",
+        "s3_endpoint_url",
+        "s3_region",
+        "s3_access_key_id",
+        "s3_secret_access_key",
+        mode="before",
+    )(_none_if_empty)
+
+    @model_validator(mode="after")
+    def _s3_needs_bucket(self) -> StorageSettings:
+        if self.backend == "s3" and not self.s3_bucket:
+            raise ValueError("storage.backend=s3 needs storage.s3_bucket")
+        return self
 
     @property
     def blobs_dir(self) -> Path:

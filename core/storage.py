@@ -163,6 +163,31 @@ class BlobStore:
             raise NotFoundError(f"blob {sha256} is not in the store", code="BLOB_NOT_FOUND")
         return self._blob_path(sha256)
 
+    def local_path(self, sha256: str) -> Path | None:
+        """The blob as a local file, to serve or read in place; None where blobs are not local files."""
+        return self.path(sha256)
+
+    def copy_to(self, sha256: str, dest: Path) -> Path:
+        """Copy a blob to a local file (a job's scratch directory)."""
+        with os.fdopen(self.open(sha256), "rb") as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, _COPY_CHUNK)
+        return dest
+
+    def read_chunks(self, sha256: str, chunk_size: int = _COPY_CHUNK) -> Iterator[bytes]:
+        """The blob's bytes, a chunk at a time (NotFoundError before the first when missing)."""
+        src = os.fdopen(self.open(sha256), "rb")
+
+        def chunks() -> Iterator[bytes]:
+            with src:
+                while chunk := src.read(chunk_size):
+                    yield chunk
+
+        return chunks()
+
+    def presigned_url(self, sha256: str, *, filename: str, media_type: str) -> str | None:
+        """A URL the client may download the blob from directly, or None: the API serves it itself."""
+        return None
+
     def open(self, sha256: str) -> int:
         """A read-only file descriptor of a blob, opened without following symlinks."""
         path = self.path(sha256)

@@ -142,15 +142,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
+    from core.objectstore import open_blob_store
     from core.retention import purge
-    from core.storage import BlobStore
     from core.store import JobStore
 
     settings = _settings()
     store = JobStore(settings.database_url, settings.database.schema_name)
     try:
         store.check_schema()
-        stats = purge(store, BlobStore(settings.storage.blobs_dir), settings.retention, sweep=args.sweep)
+        stats = purge(store, open_blob_store(settings.storage), settings.retention, sweep=args.sweep)
     finally:
         store.close()
     if args.json:

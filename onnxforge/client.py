@@ -213,7 +213,8 @@ class Client:
     def _download_once(self, url: str, dest: Path) -> Path:
         tmp = dest.with_name(f".{dest.name}.part")
         try:
-            with self._http.stream("GET", url, timeout=None) as response:
+            # Object storage answers 307 to a presigned URL; httpx drops the API key on that cross-origin hop.
+            with self._http.stream("GET", url, timeout=None, follow_redirects=True) as response:
                 if response.is_error:
                     response.read()
                     _raise_for_problem(response)

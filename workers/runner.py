@@ -112,17 +112,18 @@ def attempt_dir(settings: Settings, job_id: str, attempt: int) -> Path:
 
 def materialize_inputs(job: Any, settings: Settings, blobs: BlobStore, input_dir: Path) -> tuple[Path, Path | None]:
     """Copy or extract the job's model (and samples) from the blob store into ``input_dir``."""
-    source = Path(blobs.path(job.model_sha256))
     fmt = (job.model_format or "onnx").lower()
     if fmt == "onnx":
-        model_path = input_dir / "model.onnx"
-        shutil.copyfile(source, model_path)
+        model_path = blobs.copy_to(job.model_sha256, input_dir / "model.onnx")
     else:
+        # Read in place when the blob is a local file; from object storage, fetched into the scratch first.
+        source = blobs.local_path(job.model_sha256) or blobs.copy_to(
+            job.model_sha256, input_dir.parent / f"upload.{fmt}"
+        )
         model_path = extract_archive(source, input_dir, fmt, max_total_bytes=settings.api.max_upload_bytes)
     samples_path = None
     if job.samples_sha256:
-        samples_path = input_dir / "samples.npz"
-        shutil.copyfile(Path(blobs.path(job.samples_sha256)), samples_path)
+        samples_path = blobs.copy_to(job.samples_sha256, input_dir / "samples.npz")
     return model_path, samples_path
 
 

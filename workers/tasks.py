@@ -54,11 +54,11 @@ def worker_context(settings: Settings) -> WorkerContext:
     with _lock:
         ctx = _contexts.get(key)
         if ctx is None:
-            from core.storage import BlobStore
+            from core.objectstore import open_blob_store
             from core.store import JobStore
 
             store = JobStore(settings.database_url, schema=settings.database.schema_name)
-            ctx = WorkerContext(pid, store, BlobStore(settings.storage.blobs_dir))
+            ctx = WorkerContext(pid, store, open_blob_store(settings.storage))  # local disk or object storage
             # A forked child keeps its parent's entry untouched: collecting it would close the parent's
             # pooled DB connections over the shared sockets.
             _contexts[key] = ctx

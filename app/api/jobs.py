@@ -8,7 +8,7 @@ from urllib.parse import urlencode
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 
 from app.deps import JobServiceDep, SettingsDep, TenantDep
 from app.schemas import MULTIPART_JOB_BODY, JobList, JobOut, JobState, problem_responses
@@ -133,7 +133,17 @@ def cancel_job(job_id: str, service: JobServiceDep, tenant: TenantDep) -> JobOut
     return JobOut.from_job(service.cancel(tenant, job_id))
 
 
-def _file(download: Download, headers: dict[str, str] | None = None, *, inline: bool = False) -> FileResponse:
+def _file(download: Download, headers: dict[str, str] | None = None, *, inline: bool = False) -> Response:
+    if download.url is not None:  # object storage: a presigned URL, valid storage.s3_presign_seconds
+        return RedirectResponse(download.url, status_code=307)
+    if download.chunks is not None:
+        disposition = "inline" if inline else "attachment"
+        return StreamingResponse(
+            download.chunks,
+            media_type=download.media_type,
+            headers={"Content-Disposition": f'{disposition}; filename="{download.filename}"', **(headers or {})},
+        )
+    assert download.path is not None
     return FileResponse(
         download.path,
         media_type=download.media_type,
@@ -149,11 +159,16 @@ _FILE_RESPONSES = problem_responses(404, 409)
 @router.get(
     "/{job_id}/artifact",
     response_class=FileResponse,
-    responses={200: {"content": {"application/octet-stream": {}, "application/zip": {}}}, **_FILE_RESPONSES},
+    responses={
+        200: {"content": {"application/octet-stream": {}, "application/zip": {}}},
+        307: {"description": "Object storage: download it from the presigned URL in Location."},
+        **_FILE_RESPONSES,
+    },
     summary="Download the optimized model",
 )
-def get_artifact(job_id: str, service: JobServiceDep, tenant: TenantDep) -> FileResponse:
-    """``<name>.optimized.onnx``, or ``.zip`` when the model has external data."""
+def get_artifact(job_id: str, service: JobServiceDep, tenant: TenantDep) -> Response:
+    """``<name>.optimized.onnx``, or ``.zip`` when the model has external data. With object storage
+    (storage.backend=s3) this answers 307 to a presigned URL of the store."""
     return _file(service.artifact(tenant, job_id))
 
 
@@ -163,7 +178,7 @@ def get_artifact(job_id: str, service: JobServiceDep, tenant: TenantDep) -> File
     responses={200: {"content": {"application/json": {}}}, **_FILE_RESPONSES},
     summary="The job's JSON report",
 )
-def get_report(job_id: str, service: JobServiceDep, tenant: TenantDep) -> FileResponse:
+def get_report(job_id: str, service: JobServiceDep, tenant: TenantDep) -> Response:
     return _file(service.report(tenant, job_id, html=False), inline=True)
 
 
@@ -173,5 +188,5 @@ def get_report(job_id: str, service: JobServiceDep, tenant: TenantDep) -> FileRe
     responses={200: {"content": {"text/html": {}}}, **_FILE_RESPONSES},
     summary="The job's report as a self-contained HTML page",
 )
-def get_report_html(job_id: str, service: JobServiceDep, tenant: TenantDep) -> FileResponse:
+def get_report_html(job_id: str, service: JobServiceDep, tenant: TenantDep) -> Response:
     return _file(service.report(tenant, job_id, html=True), REPORT_HTML_HEADERS, inline=True)

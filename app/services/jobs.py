@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,9 +80,13 @@ class Submitted:
 
 @dataclasses.dataclass(frozen=True)
 class Download:
-    path: Path
+    """One of: a local file, a URL to redirect to (object storage, presigned), or the bytes to stream."""
+
     filename: str
     media_type: str
+    path: Path | None = None
+    url: str | None = None
+    chunks: Iterator[bytes] | None = None
 
 
 def validate_config(raw: bytes | str | None) -> JobConfig:
@@ -314,11 +319,13 @@ class JobService:
                 f"job {job_id}'s optimized model was deleted by the retention policy", code="ARTIFACT_EXPIRED"
             )
         assert job.artifact_sha256 is not None and job.artifact_format is not None
-        return Download(
-            path=self.blobs.path(job.artifact_sha256),
-            filename=artifact_filename(job.model_filename, job.artifact_format),
-            media_type="application/zip" if job.artifact_format == "zip" else "application/octet-stream",
-        )
+        filename = artifact_filename(job.model_filename, job.artifact_format)
+        media_type = "application/zip" if job.artifact_format == "zip" else "application/octet-stream"
+        # Object storage: the client downloads the (possibly multi-GB) model from the store, not through us.
+        url = self.blobs.presigned_url(job.artifact_sha256, filename=filename, media_type=media_type)
+        if url is not None:
+            return Download(filename, media_type, url=url)
+        return Download(filename, media_type, path=self.blobs.path(job.artifact_sha256))
 
     def report(self, tenant: str, job_id: str, *, html: bool) -> Download:
         job = self._succeeded(tenant, job_id)
@@ -326,11 +333,13 @@ class JobService:
             raise NotFoundError(f"job {job_id}'s reports were deleted by the retention policy", code="REPORT_EXPIRED")
         sha = job.report_html_sha256 if html else job.report_sha256
         assert sha is not None
-        return Download(
-            path=self.blobs.path(sha),
-            filename="report.html" if html else "report.json",
-            media_type="text/html; charset=utf-8" if html else "application/json",
-        )
+        filename = "report.html" if html else "report.json"
+        media_type = "text/html; charset=utf-8" if html else "application/json"
+        # Reports are served by the API wherever they are stored, so their security headers apply.
+        path = self.blobs.local_path(sha)
+        if path is not None:
+            return Download(filename, media_type, path=path)
+        return Download(filename, media_type, chunks=self.blobs.read_chunks(sha))
 
     def readiness(self) -> dict[str, str]:
         """Each dependency and ``ok`` or why it failed; never raises."""
