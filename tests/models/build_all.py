@@ -16,6 +16,9 @@ BUILDERS = (
     "tests.models.build_lora",
     "tests.models.build_prepost",
     "tests.models.build_roles",
+    "tests.models.build_cls_pool",
+    "tests.models.build_torchscript",
+    "tests.models.build_decoders",
 )
 
 
