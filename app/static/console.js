@@ -562,7 +562,8 @@
   $("cancel-job").addEventListener("click", async () => {
     const id = currentJobId();
     try {
-      showJob(await (await api(jobPath(id), { method: "DELETE" })).json());
+      // POST /cancel stops the job and keeps it; DELETE would remove the job and its files.
+      showJob(await (await api(jobPath(id, "/cancel"), { method: "POST" })).json());
     } catch (error) {
       $("job-status").textContent = explain(error);
     }
