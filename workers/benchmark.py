@@ -16,8 +16,16 @@ outputs checked against the run without the graph, then an interleaved A/B) and 
 faster beyond noise; the choice and its reason go into ``Comparison.execution`` (the report's benchmark
 section) and ``Comparison.recipe_b`` (the session recipe that gives users the graph).
 
-Stopping: after ``warmup`` untimed runs of each, at least ``min_runs`` timed runs each, then more while the
-time budget ``max_seconds`` lasts, up to ``max_runs``.
+Stopping, per input set: after ``warmup`` untimed runs of each (a session also runs every set once when it is
+built), at least ``min_runs`` timed blocks, then more
+only while the answer is still open: the run stops as soon as the 95% bootstrap interval of the median paired
+ratio (core/verdict.py) is narrower than the decision needs (``settled``: wholly below 1 - 3%, clearly
+faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise), else when the time budget
+``max_seconds`` is spent or at ``max_runs``. Each set records what stopped it (``stopped_by``).
+
+Sessions: a ``SessionPool`` keeps each model's warm benchmark session for the job, so the original is built
+once (baseline, every A/B against it, the gate) and the model a pass was accepted as is the next pass's A
+without being rebuilt; the owner says which models to keep (``retain``) and closes it at the end.
 
 The "slower beyond noise" rule and the latency statistics live in core/verdict.py.
 """
@@ -26,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import json
 import os
 import platform
 import time
@@ -38,11 +48,15 @@ import psutil
 
 from core.inputs import InputSet
 from core.runtime import BoundRun
-from core.verdict import LatencyStats, Verdict, pooled_verdict, slower_beyond_noise
+from core.verdict import MIN_MARGIN, LatencyStats, Verdict, pooled_verdict, slower_beyond_noise
 from workers.gpu import cuda_graph_eligibility, device_for, is_gpu_target, with_cuda_graph
 from workers.sessions import make_session, providers_for
 
 CLEAR_SLOWDOWN = 0.10  # one input set alone makes a model slower beyond this
+# After min_runs, the interval is looked at again every quarter more blocks (at least this many): a bootstrap
+# per block would cost more than the runs of a small model.
+SETTLE_CHECK_BLOCKS = 5
+QUICK_MIN_BLOCKS = 5  # the per-pass ledger's floor (BenchmarkParams.from_settings)
 
 
 @dataclasses.dataclass
@@ -64,11 +78,13 @@ class BenchmarkParams:
     def from_settings(cls, settings: Any, *, target: str, quick: bool = False) -> BenchmarkParams:
         """Full mode from the benchmark_* settings; quick mode (the per-pass ledger) does ledger_runs."""
         if quick:
+            # ledger_runs blocks at most; fewer once the answer is settled (or the budget spent), never below
+            # QUICK_MIN_BLOCKS: five paired ratios settle only when every one of them agrees (a sign test at 1/32).
             runs = settings.ledger_runs
             return cls(
                 warmup=min(2, settings.benchmark_warmup),
-                min_runs=runs,
-                max_seconds=0.0,
+                min_runs=min(runs, QUICK_MIN_BLOCKS),
+                max_seconds=settings.benchmark_max_seconds,
                 max_runs=runs,
                 target=target,
                 intra_op_threads=settings.intra_op_threads,
@@ -84,6 +100,21 @@ class BenchmarkParams:
         )
 
 
+def settled(verdict: Verdict) -> str | None:
+    """What the paired ratio's 95% interval already decides, or None while more runs could change the answer.
+
+    The floor of the "slower beyond noise" rule (3%) is the resolution the decision needs: an interval wholly
+    on one side of 1 +- 3%, or wholly inside it, cannot be turned by further runs other than by chance."""
+    lo, hi = verdict.ci95
+    if hi < 1.0 - MIN_MARGIN:
+        return "clearly faster"
+    if lo > 1.0 + MIN_MARGIN:
+        return "clearly slower"
+    if lo >= 1.0 - MIN_MARGIN and hi <= 1.0 + MIN_MARGIN:
+        return "within noise"
+    return None
+
+
 @dataclasses.dataclass
 class ShapeComparison:
     input_set: str
@@ -91,6 +122,8 @@ class ShapeComparison:
     b: LatencyStats
     verdict: Verdict
     pairs: np.ndarray = dataclasses.field(default_factory=lambda: np.ones(1), repr=False)  # b_i / a_i
+    # "settled: clearly faster|clearly slower|within noise", "time budget" or "max_runs"
+    stopped_by: str | None = None
 
     @property
     def clearly_slower(self) -> bool:
@@ -103,6 +136,7 @@ class ShapeComparison:
             "optimized": self.b.to_dict(),
             **self.verdict.to_dict(),
             "clearly_slower": self.clearly_slower,
+            "stopped_by": self.stopped_by,
         }
 
 
@@ -231,8 +265,10 @@ def _prepared(
     params: BenchmarkParams,
     recipe: Mapping[str, Any] | None = None,
 ) -> tuple[Runs, float]:
-    """Create a session and run its warm-ups; the RSS growth meanwhile (sampled after each step), in MiB.
+    """Create a session and run each feed once; the RSS growth meanwhile (sampled after each step), in MiB.
 
+    One run per feed makes every allocation the shapes need (the arena grows to the largest); the ``warmup``
+    runs come right before each set is timed (``compare``, ``measure``), where they warm what timing sees.
     Approximate by nature (allocator caches, the other session alive beside it), but it tells a model that
     needs 10x the memory of the original from one that does not.
     """
@@ -243,11 +279,84 @@ def _prepared(
     )
     runs = Runs(session, feeds, params)
     peak = max(peak, _rss())
-    for _ in range(max(1, params.warmup)):
-        for index in range(len(feeds)):
-            runs.select(index)()
-            peak = max(peak, _rss())
+    for index in range(len(feeds)):
+        runs.select(index)()
+        peak = max(peak, _rss())
     return runs, (peak - base) / (1 << 20)
+
+
+def _feeds_digest(feeds: Sequence[Mapping[str, np.ndarray]]) -> str:
+    """The feeds' names, dtypes, shapes and values: a warm session is bound to them (I/O binding copies them)."""
+    digest = hashlib.sha256()
+    for feed in feeds:
+        for name, value in feed.items():
+            array = np.ascontiguousarray(value)
+            digest.update(f"{name}|{array.dtype}|{array.shape}|".encode())
+            digest.update(array.data)
+    return digest.hexdigest()
+
+
+class SessionPool:
+    """Warm benchmark sessions of one job, by model file (path and identity on disk), recipe, execution
+    settings and feeds. Building an ORT_ENABLE_ALL session of a large model costs seconds and its warm-up
+    more: the ledger asks for the same original and the same accepted stage pass after pass.
+
+    ``retain(paths)`` drops the sessions of every other model (a rolled-back candidate, a replaced stage), so
+    at most the original, the accepted stage and one candidate are alive; ``close()`` drops them all."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], tuple[Runs, float]] = {}
+        self.built = 0
+        self.reused = 0
+
+    @staticmethod
+    def _key(
+        path: Path, feeds: Sequence[Mapping[str, np.ndarray]], params: BenchmarkParams, recipe: Mapping[str, Any] | None
+    ) -> tuple[Any, ...]:
+        st = os.stat(path)  # a rewritten file is another model
+        return (
+            str(Path(path).resolve()),
+            st.st_ino,
+            st.st_size,
+            st.st_mtime_ns,
+            json.dumps(recipe, sort_keys=True, default=str) if recipe else None,
+            params.target,
+            params.intra_op_threads,
+            params.uses_io_binding,
+            _feeds_digest(feeds),
+        )
+
+    def runs(
+        self,
+        path: Path,
+        feeds: Sequence[dict[str, np.ndarray]],
+        params: BenchmarkParams,
+        recipe: Mapping[str, Any] | None = None,
+    ) -> tuple[Runs, float]:
+        """A warm ``Runs`` of ``path`` and the RSS growth measured when its session was built."""
+        key = self._key(path, feeds, params, recipe)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.reused += 1
+            return entry
+        entry = _prepared(path, feeds, params, recipe)
+        self.built += 1
+        self._entries[key] = entry
+        return entry
+
+    def retain(self, paths: Sequence[Path]) -> None:
+        keep = {str(Path(p).resolve()) for p in paths}
+        dropped = [k for k in self._entries if k[0] not in keep]
+        for key in dropped:
+            del self._entries[key]
+        if dropped:
+            gc.collect()  # a large model's session holds its weights until collected
+
+    def close(self) -> None:
+        self.retain([])
+
+    def counts(self) -> dict[str, int]:
+        return {"built": self.built, "reused": self.reused}
 
 
 def _time_one(run: Callable[[], Any]) -> float:
@@ -326,6 +435,37 @@ def try_cuda_graph(
     return choice, graph
 
 
+def _timed_blocks(
+    run_a: Callable[[], Any], run_b: Callable[[], Any], params: BenchmarkParams, index: int
+) -> tuple[list[float], list[float], str]:
+    """Interleaved blocks of one input set until the answer is settled, the budget spent or max_runs reached
+    (module docstring); returns the A and B times and what stopped them."""
+    a_ms: list[float] = []
+    b_ms: list[float] = []
+    start = time.perf_counter()
+    block = 0
+    check_at = params.min_runs
+    while True:
+        if (block + index) % 2 == 0:
+            a_ms.append(_time_one(run_a))
+            b_ms.append(_time_one(run_b))
+        else:
+            b_ms.append(_time_one(run_b))
+            a_ms.append(_time_one(run_a))
+        block += 1
+        if block >= params.max_runs:
+            return a_ms, b_ms, "max_runs"
+        if block < params.min_runs:
+            continue
+        if block >= check_at:
+            answer = settled(slower_beyond_noise(a_ms, b_ms, seed=index))
+            if answer is not None:
+                return a_ms, b_ms, f"settled: {answer}"
+            check_at = block + max(SETTLE_CHECK_BLOCKS, block // 4)
+        if time.perf_counter() - start >= params.max_seconds:
+            return a_ms, b_ms, "time budget"
+
+
 def compare(
     path_a: Path,
     path_b: Path,
@@ -335,12 +475,16 @@ def compare(
     mode: str = "full",
     recipe_a: dict[str, Any] | None = None,
     recipe_b: dict[str, Any] | None = None,
+    pool: SessionPool | None = None,
 ) -> Comparison:
     """Benchmark A (original) against B (candidate), interleaved, per input set. A recipe (tune_session's
-    ``onnxforge.session``) sets that model's session options and EP options."""
+    ``onnxforge.session``) sets that model's session options and EP options. ``pool``: take the warm sessions
+    from it (and leave them there); without one, both are built here and dropped at the end."""
     feeds = [s.feeds for s in input_sets]
-    runs_a, mem_a = _prepared(path_a, feeds, params, recipe_a)
-    runs_b, mem_b = _prepared(path_b, feeds, params, recipe_b)
+    own = pool is None
+    sessions = SessionPool() if pool is None else pool
+    runs_a, mem_a = sessions.runs(path_a, feeds, params, recipe_a)
+    runs_b, mem_b = sessions.runs(path_b, feeds, params, recipe_b)
     graph_choice = CudaGraphChoice(reason="only tried on target cuda in a full benchmark")
     measured_recipe = recipe_b
     if params.target == "cuda" and params.cuda_graph:
@@ -353,22 +497,7 @@ def compare(
         for _ in range(params.warmup):
             run_a()
             run_b()
-        a_ms: list[float] = []
-        b_ms: list[float] = []
-        start = time.perf_counter()
-        block = 0
-        while True:
-            if (block + index) % 2 == 0:
-                a_ms.append(_time_one(run_a))
-                b_ms.append(_time_one(run_b))
-            else:
-                b_ms.append(_time_one(run_b))
-                a_ms.append(_time_one(run_a))
-            block += 1
-            if block >= params.max_runs:
-                break
-            if block >= params.min_runs and time.perf_counter() - start >= params.max_seconds:
-                break
+        a_ms, b_ms, stopped_by = _timed_blocks(run_a, run_b, params, index)
         results.append(
             ShapeComparison(
                 input_set.name,
@@ -376,20 +505,28 @@ def compare(
                 LatencyStats.from_samples(b_ms, mem_b),
                 slower_beyond_noise(a_ms, b_ms, seed=index),
                 np.asarray(b_ms) / np.asarray(a_ms),
+                stopped_by,
             )
         )
     del runs_a, runs_b
-    gc.collect()
+    if own:
+        sessions.close()
     return Comparison(results, mode, params, graph_choice, measured_recipe)
 
 
-def measure(path: Path, input_sets: Sequence[InputSet], params: BenchmarkParams) -> list[LatencyStats]:
-    """One model alone (the ledger's baseline): stats per input set."""
+def measure(
+    path: Path, input_sets: Sequence[InputSet], params: BenchmarkParams, *, pool: SessionPool | None = None
+) -> list[LatencyStats]:
+    """One model alone (the ledger's baseline): stats per input set. ``pool`` as in ``compare``."""
     feeds = [s.feeds for s in input_sets]
-    runs, mem = _prepared(path, feeds, params)
+    own = pool is None
+    sessions = SessionPool() if pool is None else pool
+    runs, mem = sessions.runs(path, feeds, params)
     out = []
     for index in range(len(feeds)):
         run = runs.select(index)
+        for _ in range(params.warmup):
+            run()
         samples = []
         start = time.perf_counter()
         while True:
@@ -399,6 +536,9 @@ def measure(path: Path, input_sets: Sequence[InputSet], params: BenchmarkParams)
             if len(samples) >= params.min_runs and time.perf_counter() - start >= params.max_seconds:
                 break
         out.append(LatencyStats.from_samples(samples, mem))
+    del runs
+    if own:
+        sessions.close()
     return out
 
 

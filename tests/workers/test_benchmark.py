@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +10,8 @@ import onnx
 
 from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
-from core.verdict import MIN_MARGIN, LatencyStats, slower_beyond_noise
-from workers.benchmark import BenchmarkParams, compare, host_info
+from core.verdict import MIN_MARGIN, LatencyStats, Verdict, slower_beyond_noise
+from workers.benchmark import QUICK_MIN_BLOCKS, BenchmarkParams, SessionPool, compare, host_info, settled
 
 
 def _noisy(n: int, center: float, spread: float, seed: int) -> np.ndarray:
@@ -77,8 +78,11 @@ def test_compare_says_slower_when_candidate_has_200_extra_nodes(mlp_path: Path, 
 
 def test_benchmark_params_quick_mode_uses_ledger_runs_when_built_from_settings() -> None:
     quick = BenchmarkParams.from_settings(PipelineSettings(ledger_runs=7), target="cpu", quick=True)
+    short = BenchmarkParams.from_settings(PipelineSettings(ledger_runs=3), target="cpu", quick=True)
     full = BenchmarkParams.from_settings(PipelineSettings(benchmark_min_runs=12), target="cpu")
-    assert quick.min_runs == quick.max_runs == 7
+    # ledger_runs blocks at most, QUICK_MIN_BLOCKS at least (fewer only when ledger_runs is smaller)
+    assert quick.max_runs == 7 and quick.min_runs == QUICK_MIN_BLOCKS
+    assert short.min_runs == short.max_runs == 3
     assert full.min_runs == 12 and full.max_runs >= 12
 
 
@@ -113,3 +117,64 @@ def test_comparison_slower_uses_pooled_and_clear_rules_when_sets_disagree() -> N
     # Every set 8% slower: the pooled verdict catches it.
     steady = Comparison([shape(1.08, 1), shape(1.08, 2), shape(1.08, 3)], "quick", params)
     assert steady.pooled.slower and steady.slower
+
+
+def _verdict_with_interval(lo: float, hi: float) -> Verdict:
+    mid = (lo + hi) / 2
+    return Verdict(mid, 1 / mid, max(MIN_MARGIN, hi - mid), mid, (lo, hi), False, False)
+
+
+def test_settled_names_the_decision_only_when_the_interval_clears_the_floor() -> None:
+    assert settled(_verdict_with_interval(0.80, 0.90)) == "clearly faster"
+    assert settled(_verdict_with_interval(1.05, 1.30)) == "clearly slower"
+    assert settled(_verdict_with_interval(0.985, 1.02)) == "within noise"
+    # Straddling a boundary of the 3% floor: more runs could still change the answer.
+    assert settled(_verdict_with_interval(0.95, 0.99)) is None
+    assert settled(_verdict_with_interval(1.01, 1.06)) is None
+    assert settled(_verdict_with_interval(0.90, 1.10)) is None
+
+
+def test_compare_stops_long_before_the_budget_when_the_candidate_is_clearly_slower(
+    mlp_path: Path, slow_mlp_path: Path
+) -> None:
+    # setup: a budget the old fixed stopping rule would have spent in full
+    sets = generate_input_sets(onnx.load(str(mlp_path)), 1)
+    params = BenchmarkParams(warmup=2, min_runs=15, max_seconds=60.0, max_runs=100_000, intra_op_threads=1)
+    # execute
+    started = time.perf_counter()
+    result = compare(mlp_path, slow_mlp_path, sets, params)
+    elapsed = time.perf_counter() - started
+    # assert
+    shape = result.shapes[0]
+    assert shape.stopped_by == "settled: clearly slower" and result.to_dict()["shapes"][0]["stopped_by"]
+    assert 15 <= shape.a.runs == shape.b.runs < 200
+    assert result.slower and elapsed < 30.0
+
+
+def test_compare_takes_exactly_min_runs_when_min_and_max_runs_are_equal(mlp_path: Path, slow_mlp_path: Path) -> None:
+    # The ledger's confirmation is such a fixed count: a settled answer does not cut it short.
+    fixed = BenchmarkParams(warmup=1, min_runs=9, max_runs=9, max_seconds=0.0, intra_op_threads=1)
+    result = compare(mlp_path, slow_mlp_path, generate_input_sets(onnx.load(str(mlp_path)), 2), fixed)
+    assert [(s.a.runs, s.b.runs, s.stopped_by) for s in result.shapes] == [(9, 9, "max_runs")] * 2
+
+
+def test_session_pool_reuses_a_warm_session_until_the_file_changes_or_is_dropped(
+    tmp_path: Path, mlp_path: Path, slow_mlp_path: Path
+) -> None:
+    # setup
+    model = tmp_path / "m.onnx"
+    model.write_bytes(mlp_path.read_bytes())
+    feeds = [s.feeds for s in generate_input_sets(onnx.load(str(mlp_path)), 2)]
+    params = BenchmarkParams(warmup=1, intra_op_threads=1)
+    pool = SessionPool()
+    # execute
+    first, _ = pool.runs(model, feeds, params)
+    again, _ = pool.runs(model, feeds, params)
+    other_feeds, _ = pool.runs(model, feeds[:1], params)
+    model.write_bytes(slow_mlp_path.read_bytes())  # the same path now holds another model
+    rewritten, _ = pool.runs(model, feeds, params)
+    # assert
+    assert again is first and other_feeds is not first and rewritten is not first
+    assert pool.counts() == {"built": 3, "reused": 1}
+    pool.retain([tmp_path / "elsewhere.onnx"])
+    assert pool.runs(model, feeds, params)[0] is not rewritten and pool.counts()["built"] == 4
