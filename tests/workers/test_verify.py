@@ -187,3 +187,25 @@ def test_graph_inputs_skips_initializers_when_they_are_listed_as_inputs(mlp_path
     model = onnx.load(str(mlp_path))
     model.graph.input.append(helper.make_tensor_value_info("W1", TensorProto.FLOAT, [16, 32]))
     assert [s.name for s in graph_inputs(model)] == ["x"]
+
+
+def test_verifier_check_builds_no_session_when_candidate_holds_the_original_bytes(
+    tmp_path: Path, mlp_path: Path
+) -> None:
+    # setup: the upload handed back is a copy of the original's bytes; a re-saved model is another file
+    sets = generate_input_sets(onnx.load(str(mlp_path)), 2)
+    verifier = Verifier(mlp_path, sets, TOL)
+    copy = tmp_path / "copy.onnx"
+    copy.write_bytes(mlp_path.read_bytes())
+    model = onnx.load(str(mlp_path))
+    model.doc_string = "same graph, other bytes"
+    resaved = _save(model, tmp_path / "resaved.onnx")
+    # execute
+    from_reference = verifier.check(copy)
+    built_for_copy = verifier.sessions_built
+    from_session = verifier.check(resaved)
+    # assert: the copy is compared from the reference itself, exactly, on every set; the other file runs
+    assert built_for_copy == 0 and verifier.sessions_built == 1
+    assert from_reference.ok and len(from_reference.outputs) == len(from_session.outputs) == 2
+    assert all(o.max_abs == 0.0 and o.mismatches == 0 for o in from_reference.outputs)
+    assert [o.to_dict() for o in from_reference.outputs] == [o.to_dict() for o in from_session.outputs]
