@@ -77,7 +77,10 @@ def search(
         share = left / max(len(variants) - i, 1) / max(2 * len(setup.input_sets), 1)
         params = dataclasses.replace(full, max_seconds=max(0.05, min(full.max_seconds, share)))
         recipe = read_recipe(outcome.artifact)
-        comparison = compare(setup.source, outcome.artifact, setup.input_sets, params, mode="auto", recipe_b=recipe)
+        comparison = compare(
+            setup.source, outcome.artifact, setup.input_sets, params, mode="auto", recipe_b=recipe, pool=setup.pool
+        )
+        setup.pool.retain([setup.source])  # the next candidate's ledger starts from the upload again
         entry.update(
             status="measured",
             p50_ms=comparison.p50_b_ms,

@@ -94,6 +94,7 @@ def decide(
         params,
         mode="full" if config.benchmark else "quick",
         recipe_b=read_recipe(outcome.artifact),  # the gate measures the session users are told to create
+        pool=ledger.setup.pool,  # the reference's warm session, built for the baseline (or the input change)
     )
     progress("benchmarking", 1.0)
     decision["gate"].update(slower=comparison.slower, benchmark_mode=comparison.mode, speedup=comparison.speedup)

@@ -5,6 +5,7 @@
     for each pass, on a copy of the last accepted stage (a file, so rollback = reload):
       run ─> PassError? ─────────────────────────────────────> failed (rolled back, error recorded)
           ─> not modified? ──────────────────────────────────> no_change ("did nothing because ...")
+          ─> written: the same bytes as the accepted stage? ─> no_change (neither verified nor timed)
           ─> onnx.checker ─ fails ───────────────────────────> rolled_back
           ─> inputs_changed (a changes_inputs pass)? ────────> applied on its own verification; its stage
                                                                 becomes the reference of what follows (rebase)
@@ -17,19 +18,26 @@
 
 Everything the ledger knows about a pass comes from the pass contract (``passes/_infra.py``): its class
 declarations and the typed fields of its ``PassResult``; never its name, never its notes.
+
+Job time: benchmark sessions come from the job's ``SessionPool`` (``Setup.pool``), so the original's is built
+once and the stage a pass was accepted as is timed as the next pass's A without a rebuild; the ledger keeps
+only the original, the accepted stage and (after an input change) its reference alive. Each pass's time is
+split in ``timings`` (load, transform, write and check, verify, benchmark) for the report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 
 from core.config import Tolerance
 from core.errors import PassError, VerificationError
@@ -37,10 +45,10 @@ from core.inputs import InputSet
 from core.recipe import read_recipe
 from passes._infra import Pass, PassContext, PassResult, op_histogram
 from workers import artifacts
-from workers.benchmark import BenchmarkParams, Comparison, compare, measure
+from workers.benchmark import BenchmarkParams, Comparison, SessionPool, compare, measure
 from workers.measurement import BenchmarkMeasure
 from workers.report import PassRecord
-from workers.verify import VerificationResult, Verifier
+from workers.verify import VerificationResult, Verifier, same_bytes
 
 ProgressFn = Callable[[str, float], None]
 
@@ -63,11 +71,12 @@ class Setup:
     baseline_p50: float  # the upload's quick latency
     provenance: artifacts.Provenance
     progress: ProgressFn
+    pool: SessionPool = dataclasses.field(default_factory=SessionPool)  # the job's warm benchmark sessions
 
     @property
     def confirm(self) -> BenchmarkParams:
         """A second, three times longer quick measurement that confirms a slowdown before blaming a pass."""
-        runs = 3 * self.quick.min_runs
+        runs = 3 * self.quick.max_runs
         return dataclasses.replace(self.quick, min_runs=runs, max_runs=runs)
 
 
@@ -79,6 +88,31 @@ class Rebase:
     kept: int  # how many passes were applied before it
     reference: Path  # a copy of its stage (and side files): verification and the gate measure against it
     p50_ms: float  # its latency on raw input: the baseline of what follows
+
+
+@dataclasses.dataclass
+class PassTiming:
+    """Where one pass's time went (the report's ``timings.passes[]``); a step that did not run stays 0."""
+
+    name: str
+    load_s: float = 0.0  # the accepted stage read back from disk for the pass to work on
+    transform_s: float = 0.0  # the pass itself
+    write_s: float = 0.0  # its model written, compared with the accepted stage, checked (onnx.checker, axes)
+    verify_s: float = 0.0  # against the reference outputs
+    benchmark_s: float = 0.0  # the quick interleaved A/B (and its confirmation)
+    total_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@contextlib.contextmanager
+def _timed(timing: PassTiming, step: str) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(timing, step, getattr(timing, step) + time.perf_counter() - started)
 
 
 @dataclasses.dataclass
@@ -128,9 +162,27 @@ def _latency_summary(comparison: Comparison) -> dict[str, Any]:
         "margin": comparison.pooled.margin,
         "confirmed": comparison.mode == "quick-confirm",
         "noisy": any(s.a.noisy or s.b.noisy for s in comparison.shapes),
-        "runs": comparison.params.min_runs,
+        "runs": min(s.a.runs for s in comparison.shapes),  # timing stops once the answer is settled
         "input_sets_clearly_slower": [sh.input_set for sh in comparison.shapes if sh.clearly_slower],
     }
+
+
+def _lost_axes(expected: dict[str, set[int]], model: ir.Model) -> list[str]:
+    """``artifacts.lost_axes`` of the model just written, read from memory: only its inputs and outputs are
+    serialized, where reading the file back would parse every weight."""
+    graph = model.graph
+    io = onnx.ModelProto()
+    io.graph.input.extend(ir.serde.serialize_value(v) for v in graph.inputs if v.name not in graph.initializers)
+    io.graph.output.extend(ir.serde.serialize_value(v) for v in graph.outputs)
+    now = artifacts.proto_dynamic_axes(io)
+    return [
+        f"{key} axis {axis}" for key, axes in sorted(expected.items()) for axis in sorted(axes - now.get(key, set()))
+    ]
+
+
+def _remove_stage(path: Path, side: dict[str, bytes]) -> None:
+    for stale in (path, path.with_name(path.name + ".data"), *(path.with_suffix(sfx) for sfx in side)):
+        stale.unlink(missing_ok=True)
 
 
 def _axis_freezers() -> str:
@@ -146,6 +198,7 @@ class Ledger:
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
         self.records: list[PassRecord] = []
+        self.timings: list[PassTiming] = []  # one per record
         self.kept: list[tuple[int, Pass]] = []  # (index into records, pass) of applied passes
         # Outputs whose pad positions an applied pass left undefined, and the input marking the valid ones.
         self.valid_positions: dict[str, dict[str, Any]] = {}
@@ -176,6 +229,10 @@ class Ledger:
         suffix = suffix or self.verify_side_file
         return path.with_suffix(suffix) if suffix and path.with_suffix(suffix).exists() else None
 
+    def _references(self) -> list[Path]:
+        """The models everything is measured against: the upload, or after an input change its stage."""
+        return [self.setup.source, *([self.rebase.reference] if self.rebase is not None else [])]
+
     # The passes -----------------------------------------------------------------------------------
 
     def run(self, passes: Sequence[Pass], work: Path) -> Path:
@@ -186,11 +243,13 @@ class Ledger:
             self.setup.progress("passes", index / len(passes))
             record = PassRecord(name=p.name, options=p.options.model_dump(mode="json"))
             self.records.append(record)
+            timing = PassTiming(p.name)
+            self.timings.append(timing)
             started = time.perf_counter()
             try:
-                candidate = self._try(index, p, record, accepted, accepted_p50, work)
+                candidate = self._try(index, p, record, timing, accepted, accepted_p50, work)
             finally:
-                record.duration_s = time.perf_counter() - started
+                record.duration_s = timing.total_s = time.perf_counter() - started
             if candidate is None and p.changes_inputs:
                 # The job asked for another interface (raw input): without this pass the upload would come back
                 # with the old one, and its client would break. Fail instead (PassErrors raised above keep
@@ -204,6 +263,7 @@ class Ledger:
                 if record.latency_ms_p50_after is not None:
                     accepted_p50 = record.latency_ms_p50_after
                 self.kept.append((index, p))
+            self.setup.pool.retain([*self._references(), accepted])  # a rolled-back candidate's session goes
         self.setup.progress("passes", 1.0)
         return accepted
 
@@ -218,16 +278,25 @@ class Ledger:
             self.ctx.samples = samples
 
     def _try(  # noqa: PLR0917  (private helper; the ledger loop is its only caller)
-        self, index: int, p: Pass, record: PassRecord, accepted: Path, accepted_p50: float, work: Path
+        self,
+        index: int,
+        p: Pass,
+        record: PassRecord,
+        timing: PassTiming,
+        accepted: Path,
+        accepted_p50: float,
+        work: Path,
     ) -> Path | None:
-        model = artifacts.load_ir(accepted)
-        before = op_histogram(model)
+        with _timed(timing, "load_s"):
+            model = artifacts.load_ir(accepted)
+            before = op_histogram(model)
         record.nodes_before = record.nodes_after = sum(before.values())
         record.latency_ms_p50_before = accepted_p50
         self.ctx.side_files = dict(self.side_files)  # a rolled-back pass's side files never survive it
         try:
-            result = self._call(p, model)
-            after = op_histogram(result.model)
+            with _timed(timing, "transform_s"):
+                result = self._call(p, model)
+                after = op_histogram(result.model)
         except PassError as exc:
             record.status, record.reason = "failed", f"pass raised, rolled back: {exc.message}"
             if p.changes_inputs:
@@ -251,19 +320,29 @@ class Ledger:
         path = work / f"stage-{index:03d}.onnx"
         side = dict(self.ctx.side_files)
         verify_side_file = result.verify_with_side_file or self.verify_side_file
-        try:
-            artifacts.save_ir(result.model, path)
-            artifacts.write_side_files(path, side)
-            onnx.checker.check_model(str(path))
-        except Exception as exc:
-            record.status, record.reason = (
-                "rolled_back",
-                f"produced an invalid model: {type(exc).__name__}: {exc}",
-            )
-            return None
+        with _timed(timing, "write_s"):
+            try:
+                artifacts.save_ir(result.model, path)
+                artifacts.write_side_files(path, side)
+            except Exception as exc:
+                record.status, record.reason = "rolled_back", f"produced an invalid model: {type(exc).__name__}: {exc}"
+                return None
+            if result.inputs_changed is None and side == self.side_files and same_bytes(path, accepted):
+                # It said it changed something, yet wrote the model it received: nothing to verify or time.
+                record.status = "no_change"
+                record.reason = "did nothing because the model it returned serializes to the bytes it received"
+                record.nodes_after, record.op_histogram_delta = record.nodes_before, {}
+                _remove_stage(path, side)
+                return None
+            try:
+                onnx.checker.check_model(str(path))
+            except Exception as exc:
+                record.status, record.reason = "rolled_back", f"produced an invalid model: {type(exc).__name__}: {exc}"
+                return None
+            lost = [] if result.inputs_changed is not None else _lost_axes(self.dynamic_axes, result.model)
         if result.inputs_changed is not None:
-            return self._rebase_on(index, p, result, record, path, side, verify_side_file)
-        lost = artifacts.lost_axes(self.dynamic_axes, path)
+            with _timed(timing, "verify_s"):  # mostly the new reference's outputs and its latency
+                return self._rebase_on(index, p, result, record, path, side, verify_side_file)
         if lost and not p.may_freeze_axes:
             record.status, record.reason = (
                 "rolled_back",
@@ -272,16 +351,14 @@ class Ledger:
             )
             return None
         positions = {**self.valid_positions, **result.valid_positions}
-        verification = self.verifier.check(path, positions, adapter=self._adapter(path, verify_side_file))
+        with _timed(timing, "verify_s"):
+            verification = self.verifier.check(path, positions, adapter=self._adapter(path, verify_side_file))
         record.verification = verification.worst()
         if not verification.ok:
             record.status, record.reason = "rolled_back", f"broke tolerance: {verification.reason}"
             return None
-        recipes = {"recipe_a": read_recipe(accepted), "recipe_b": read_recipe(path)}
-        comparison = compare(accepted, path, self.input_sets, self.setup.quick, mode="quick", **recipes)
-        if comparison.slower:
-            # Confirm before blaming: a second, three times longer interleaved measurement decides.
-            comparison = compare(accepted, path, self.input_sets, self.setup.confirm, mode="quick-confirm", **recipes)
+        with _timed(timing, "benchmark_s"):
+            comparison = self._compare(accepted, path)
         record.latency = _latency_summary(comparison)
         record.latency_ms_p50_before, record.latency_ms_p50_after = comparison.p50_a_ms, comparison.p50_b_ms
         speed = (
@@ -304,6 +381,18 @@ class Ledger:
             "; slower beyond noise but kept (rollback_slower is off)" if comparison.slower else ""
         )
         return path
+
+    def _compare(self, accepted: Path, path: Path) -> Comparison:
+        """The quick interleaved A/B of a verified candidate against the accepted stage, on the pooled sessions."""
+        recipes = {"recipe_a": read_recipe(accepted), "recipe_b": read_recipe(path)}
+        pool = self.setup.pool
+        comparison = compare(accepted, path, self.input_sets, self.setup.quick, mode="quick", pool=pool, **recipes)
+        if comparison.slower:
+            # Confirm before blaming: a second, three times longer interleaved measurement decides.
+            comparison = compare(
+                accepted, path, self.input_sets, self.setup.confirm, mode="quick-confirm", pool=pool, **recipes
+            )
+        return comparison
 
     def _rebase_on(  # noqa: PLR0917  (private helper of _try)
         self,
@@ -339,7 +428,7 @@ class Ledger:
             target=self.setup.target,
             intra_op_threads=self.setup.intra_op_threads,
         )
-        stats = measure(reference, sets, self.setup.quick)
+        stats = measure(reference, sets, self.setup.quick, pool=self.setup.pool)
         p50 = sum(st.p50_ms for st in stats) / len(stats)
         record.verification = {
             "ok": True,
@@ -387,6 +476,7 @@ class Ledger:
     def finalize(self, work: Path, accepted: Path) -> Outcome:
         """The artifact (last stage + provenance), verified; bisect the applied passes if it fails."""
         provenance = self.setup.provenance
+        self.setup.pool.retain(self._references())  # the last stage's session: the artifact is timed, not it
         if not self.kept:
             return Outcome(self.setup.source, self.verifier.check(self.setup.source), None)
         artifact = artifacts.write_stamped(

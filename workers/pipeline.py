@@ -13,6 +13,10 @@ imported from here: the child process of a worker and ``onnxforge optimize`` bot
     artifact: the returned model, its external data and side files, into the output dir (workers/artifacts.py)
     report: report.json + report.html (workers/report_builder.py, workers/report.py)
 
+The wall time of each stage (and of each pass's steps) goes to the report's ``timings``. The original's
+reference outputs are computed once per job (``Verifier``), and its warm benchmark session lives in the job's
+``SessionPool`` from the baseline to the gate.
+
 What the engine knows about a pass is the pass contract (``passes/_infra.py``). Determinism: passes run in a
 fixed order on a model loaded the same way, names are never invented here, and the artifact carries no
 timestamp; only ``onnxforge.job_id`` differs between two runs.
@@ -25,7 +29,7 @@ import dataclasses
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +41,7 @@ from core.inputs import InputSet, load_raw_samples, make_input_sets
 from passes._infra import Pass, op_histogram
 from workers import artifacts, auto_search, gate
 from workers import report as report_mod
-from workers.benchmark import BenchmarkParams, measure
+from workers.benchmark import BenchmarkParams, SessionPool, measure
 from workers.ledger import Ledger, Setup
 from workers.report_builder import build_report
 from workers.sessions import providers_for
@@ -164,6 +168,22 @@ def _inputs(request: PipelineRequest, proto: onnx.ModelProto, every: list[Pass])
     return _Inputs(sets, origin, raw_sets)
 
 
+class _Stages:
+    """Wall time per stage, for the report's ``timings`` (``with stages("gate"): ...``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float | None] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"{name}_s"
+            self.seconds[key] = (self.seconds.get(key) or 0.0) + time.perf_counter() - started
+
+
 def _progress(fn: ProgressFn | None) -> ProgressFn:
     def report(stage: str, fraction: float) -> None:
         if fn is not None:
@@ -185,33 +205,38 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     config, settings, out, source = request.config, request.settings, request.output_dir, request.model_path
     progress = _progress(request.progress)
     out.mkdir(parents=True, exist_ok=True)
+    stages = _Stages()
 
     # load
     progress("loading", 0.0)
-    source_sha = artifacts.sha256_file(source)
-    proto = artifacts.load_checked(source)
-    source_external = artifacts.external_files(source)
-    resolved = (request.pass_resolver or resolve_passes)(config, settings)
-    providers_for(config.target)  # a target this worker cannot serve fails before any work
-    every = resolved.every()
-    if request.input_root is not None:
-        for p in every:
-            p.confine_paths(request.input_root)
-    inputs = _inputs(request, proto, every)
-    hist_before = op_histogram(ir.serde.deserialize_model(proto))
-    dynamic_axes = artifacts.proto_dynamic_axes(proto)
-    del proto
-    verifier = Verifier(
-        source, inputs.sets, resolved.tolerance, target=config.target, intra_op_threads=settings.intra_op_threads
-    )
+    with stages("load"):
+        source_sha = artifacts.sha256_file(source)
+        proto = artifacts.load_checked(source)
+        source_external = artifacts.external_files(source)
+        resolved = (request.pass_resolver or resolve_passes)(config, settings)
+        providers_for(config.target)  # a target this worker cannot serve fails before any work
+        every = resolved.every()
+        if request.input_root is not None:
+            for p in every:
+                p.confine_paths(request.input_root)
+        hist_before = op_histogram(ir.serde.deserialize_model(proto))
+        dynamic_axes = artifacts.proto_dynamic_axes(proto)
+    with stages("inputs"):  # the input sets, and the original's reference outputs on them (once per job)
+        inputs = _inputs(request, proto, every)
+        del proto
+        verifier = Verifier(
+            source, inputs.sets, resolved.tolerance, target=config.target, intra_op_threads=settings.intra_op_threads
+        )
     progress("loading", 1.0)
 
     quick = BenchmarkParams.from_settings(settings, target=config.target, quick=True)
     full = BenchmarkParams.from_settings(settings, target=config.target)
     work = Path(tempfile.mkdtemp(prefix=".work-", dir=out))
+    pool = SessionPool()  # the original's warm benchmark session, from the baseline to the gate
     try:
         # baseline
-        stats = measure(source, inputs.sets, quick)
+        with stages("baseline"):
+            stats = measure(source, inputs.sets, quick, pool=pool)
         baseline = {
             "p50_ms": sum(s.p50_ms for s in stats) / len(stats),
             "input_sets": [{"name": s.name, **st.to_dict()} for s, st in zip(inputs.sets, stats, strict=True)],
@@ -231,43 +256,51 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             baseline_p50=baseline["p50_ms"],
             provenance=artifacts.Provenance(source_sha, resolved.preset, request.job_id),
             progress=progress,
+            pool=pool,
         )
 
         # passes
         candidates = None
         if resolved.variants is not None:
-            found = auto_search.search(setup, resolved.variants, work, budget_s=config.time_budget_s, full=full)
+            with stages("passes"):  # each candidate's ledger and artifact: finalize_s stays null
+                found = auto_search.search(setup, resolved.variants, work, budget_s=config.time_budget_s, full=full)
             ledger, outcome, candidates = found.ledger, found.outcome, found.candidates
         else:
             ledger = Ledger(setup)
-            accepted = ledger.run(resolved.passes, work)
+            with stages("passes"):
+                accepted = ledger.run(resolved.passes, work)
             progress("verifying", 0.0)
-            outcome = ledger.finalize(work, accepted)
+            with stages("finalize"):
+                outcome = ledger.finalize(work, accepted)
         progress("verifying", 1.0)
 
         # gate
-        verdict = gate.decide(ledger, outcome, config, full=full, quick=quick, progress=progress)
-        artifact, verification = outcome.artifact, outcome.verification
-        if verdict.fall_back_to_rebase:
-            artifact, verification = ledger.rebased_artifact(work)
+        with stages("gate"):
+            verdict = gate.decide(ledger, outcome, config, full=full, quick=quick, progress=progress)
+            artifact, verification = outcome.artifact, outcome.verification
+            if verdict.fall_back_to_rebase:
+                artifact, verification = ledger.rebased_artifact(work)
+        pool.close()
 
         # artifact
         progress("reporting", 0.0)
         decision = verdict.decision
         final_path, external, side = artifact, [], []  # a failed job's artifact is reported on, never handed back
-        if decision["result"] != "failed":
-            final_path, external, side = artifacts.place(
-                use_original=decision["used_original"],
-                artifact=artifact,
-                source=source,
-                source_external=source_external,
-                output_dir=out,
-                side_suffixes=ledger.side_files,
-            )
-        if decision["used_original"]:
-            verification = verifier.check(final_path)  # the upload defines every position
+        with stages("artifact"):
+            if decision["result"] != "failed":
+                final_path, external, side = artifacts.place(
+                    use_original=decision["used_original"],
+                    artifact=artifact,
+                    source=source,
+                    source_external=source_external,
+                    output_dir=out,
+                    side_suffixes=ledger.side_files,
+                )
+            if decision["used_original"]:
+                verification = verifier.check(final_path)  # the upload defines every position
 
         # report
+        report_started = time.perf_counter()
         report = build_report(
             job_id=request.job_id,
             config=config,
@@ -291,11 +324,29 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             external=external,
             side=side,
             duration_s=time.perf_counter() - started,
+            timings=_timings(stages, ledger, pool),
         )
+        report["timings"]["report_s"] = time.perf_counter() - report_started  # the write below is not counted
+        report["duration_s"] = report["timings"]["total_s"] = time.perf_counter() - started
         json_path, html_path = report_mod.write_report(report, out)
         progress("reporting", 1.0)
         if decision["result"] == "failed":
             raise gate.failure(decision, [p.name for p in ledger.kept_passes], json_path)
         return PipelineResult(final_path, report, json_path, html_path, decision["used_original"], external, side)
     finally:
+        pool.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+STAGES = ("load", "inputs", "baseline", "passes", "finalize", "gate", "artifact", "report")
+
+
+def _timings(stages: _Stages, ledger: Ledger, pool: SessionPool) -> dict[str, Any]:
+    """The report's ``timings``: seconds per stage (null for a stage this job did not have), per pass, and how
+    many benchmark sessions were built and reused."""
+    return {
+        **{f"{name}_s": stages.seconds.get(f"{name}_s") for name in STAGES},
+        "total_s": None,
+        "passes": [t.to_dict() for t in ledger.timings],
+        "sessions": pool.counts(),
+    }

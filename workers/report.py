@@ -43,10 +43,11 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "session",
         "artifact",
         "duration_s",
+        "timings",
     ),
     "versions": ("onnxforge", "onnx", "onnxruntime", "onnx_ir", "numpy"),
     "source": ("file_name", "sha256", "size_bytes", "external_data"),
-    "input_set": ("name", "origin", "shapes"),
+    "input_set": ("name", "origin", "shapes", "inputs"),
     "baseline": ("p50_ms", "input_sets"),
     "pass": (
         "name",
@@ -83,6 +84,26 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "artifact": ("file_name", "sha256", "size_bytes", "external_data", "side_files", "metadata_props"),
     "candidate": ("name", "passes", "p50_ms", "speedup", "verification", "status", "reason"),
     "session": ("session_options", "session_config", "provider_options", "warmup"),
+    "timings": (
+        "load_s",
+        "inputs_s",
+        "baseline_s",
+        "passes_s",
+        "finalize_s",
+        "gate_s",
+        "artifact_s",
+        "report_s",
+        "total_s",
+        "passes",
+        "sessions",
+    ),
+    "pass_timing": ("name", "load_s", "transform_s", "write_s", "verify_s", "benchmark_s", "total_s"),
+    "sessions": ("built", "reused"),
+}
+# Keys added in a minor version: a report written before them is still valid without them.
+OPTIONAL: dict[str, frozenset[str]] = {
+    "report": frozenset({"timings"}),
+    "input_set": frozenset({"inputs"}),  # present when the inputs' roles are known
 }
 
 PASS_STATUSES = ("applied", "rolled_back", "no_change", "failed")
@@ -124,7 +145,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
             problems.append(f"{where}: expected an object, got {type(obj).__name__}")
             return
         want = set(SCHEMA[kind])
-        for key in sorted(want - set(obj)):
+        for key in sorted(want - set(obj) - OPTIONAL.get(kind, frozenset())):
             problems.append(f"{where}: missing key {key!r}")
         for key in sorted(set(obj) - want):
             problems.append(f"{where}: undocumented key {key!r}")
@@ -144,6 +165,12 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         "session",
     ):
         check(report.get(kind), kind, kind)
+    timings = report.get("timings")
+    check(timings, "timings", "timings")
+    if isinstance(timings, Mapping):
+        check(timings.get("sessions"), "sessions", "timings.sessions")
+        for i, item in enumerate(timings.get("passes") or []):
+            check(item, "pass_timing", f"timings.passes[{i}]")
     for i, item in enumerate(report.get("candidates") or []):
         check(item, "candidate", f"candidates[{i}]")
     for i, item in enumerate(report.get("input_sets") or []):
@@ -388,6 +415,25 @@ def _latency_by_pass(report: Mapping[str, Any]) -> str:
     return _svg_bars(labels, values, colors, "p50 ms")
 
 
+def _timings_section(timings: Mapping[str, Any] | None) -> str:
+    """Where the job's wall time went: each stage, then each pass's steps."""
+    if not timings:
+        return "<p>Not recorded (a report from before timings were added).</p>"
+    stages = [k for k in SCHEMA["timings"] if k.endswith("_s")]
+    sessions = timings.get("sessions") or {}
+    rows = [[_E(k.removesuffix("_s")), f'<span class="num">{_fmt(timings.get(k), 3)}</span>'] for k in stages]
+    steps = [k for k in SCHEMA["pass_timing"] if k != "name"]
+    pass_rows = [
+        [f"<b>{_E(str(t.get('name')))}</b>"] + [f'<span class="num">{_fmt(t.get(k), 3)}</span>' for k in steps]
+        for t in timings.get("passes") or []
+    ]
+    return (
+        _table(["stage", "seconds"], rows) + f"<p>Benchmark sessions built {_E(_fmt(sessions.get('built')))}, reused "
+        f"{_E(_fmt(sessions.get('reused')))}.</p>"
+        + _table(["pass", *(k.removesuffix("_s") + " s" for k in steps)], pass_rows)
+    )
+
+
 def render_html(report: Mapping[str, Any]) -> str:
     summary = report.get("summary") or {}
     decision = report.get("decision") or {}
@@ -490,6 +536,8 @@ def render_html(report: Mapping[str, Any]) -> str:
             out_rows,
         )
     )
+    sections.append("<h2>Time by stage</h2>")
+    sections.append(_timings_section(report.get("timings")))
     sections.append("<h2>Inputs</h2>")
     sections.append(
         _table(

@@ -74,6 +74,7 @@ def build_report(
     external: list[Path],
     side: list[Path],
     duration_s: float,
+    timings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     decision, benchmark, rebase = gate.decision, gate.benchmark, ledger.rebase
     final_ir = artifacts.load_ir(final_path)
@@ -139,4 +140,5 @@ def build_report(
             "metadata_props": {k: v for k, v in final_ir.metadata_props.items() if k.startswith(artifacts.META_PREFIX)},
         },
         "duration_s": duration_s,
+        **({"timings": timings} if timings is not None else {}),
     }
