@@ -183,6 +183,7 @@ def run_job(src: Path, work: Path, benchmark_seconds: float | None, timeout: flo
         "exact": bool(verification.get("ok")),
         "max_abs": worst,
         "applied": applied,
+        "failed_passes": [f"{p['name']}: {p['reason']}" for p in rep["passes"] if p["status"] == "failed"],
         "decision": rep["decision"]["result"],
         "decision_reason": rep["decision"]["reason"],
         "gate_speedup": rep["decision"]["gate"].get("speedup"),
@@ -370,12 +371,14 @@ def _findings(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         name = f"`{r['arch']}` / `{r['exporter']}`"
         if not r["build"].get("ok"):
-            out.append(f"* {name}: export not made: {r['build']['error']}")
+            out.append(f"* {name}: export not made: {' '.join(str(r['build']['error']).split())[:400]}")
             continue
         job = r.get("job") or {}
         if not job.get("ok"):
-            out.append(f"* {name}: job failed: {job.get('error')}")
+            out.append(f"* {name}: job failed: {' '.join(str(job.get('error')).split())[:400]}")
             continue
+        for failure in job.get("failed_passes") or []:
+            out.append(f"* {name}: pass failed (rolled back, the job went on): {' '.join(failure.split())[:300]}")
         if r.get("timing_error"):
             out.append(f"* {name}: not timed: {r['timing_error']}")
         tr = r.get("ort_transformers") or {}

@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import importlib.metadata as md
 import json
+import re
 import sys
 import time
 import traceback
@@ -294,7 +295,9 @@ def _config(arch: str, size: str, attention: str | None) -> Any:
             window_size=4 if size == "tiny" else 7,
             **attn,
         ),
-        "convnext": lambda: tf.ConvNextConfig(image_size=d.image, hidden_sizes=stages, depths=depths),
+        "convnext": lambda: tf.ConvNextConfig(
+            image_size=d.image, num_stages=len(stages), hidden_sizes=stages, depths=depths
+        ),
         "resnet": lambda: tf.ResNetConfig(
             embedding_size=stages[0], hidden_sizes=stages, depths=depths, layer_type="basic"
         ),
@@ -566,6 +569,15 @@ def _verify(wrapper: Any, arch: str, size: str, path: Path) -> float:
     return worst
 
 
+def _cause(exc: BaseException) -> str:
+    """The message that names what went wrong: the torch exporter wraps it in steps to report a bug, with
+    the original exception under "## Exception summary" and ANSI colours."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if "## Exception summary" in text:
+        text = text.split("## Exception summary", 1)[1]
+    return " ".join(text.split())[:600]
+
+
 def build(arch: str, exporter: str, size: str = "tiny", out_dir: Path | None = None) -> dict[str, Any]:
     """Export, check and save one model; write and return its sidecar (``ok`` false with the error when the
     export cannot be made: the file is then absent)."""
@@ -607,7 +619,7 @@ def build(arch: str, exporter: str, size: str = "tiny", out_dir: Path | None = N
         path.with_suffix(".onnx.tmp").unlink(missing_ok=True)
         last = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" ({Path(last.filename).name}:{last.lineno})" if not isinstance(exc, BuildRefused) else ""
-        info.update(ok=False, error=f"{type(exc).__name__}: {str(exc).strip()[:600]}{where}")
+        info.update(ok=False, error=f"{type(exc).__name__}: {_cause(exc)}{where}")
     # no build time in the sidecar: a rebuild of the committed subset leaves it byte-identical
     sidecar.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
     return {**info, "seconds": round(time.perf_counter() - started, 1)}
