@@ -316,6 +316,10 @@ def _config(arch: str, size: str, attention: str | None) -> Any:
             decoder_ffn_dim=d.ffn,
             max_source_positions=d.frames // 2,
             max_target_positions=64,
+            pad_token_id=SPECIAL["pad"],
+            bos_token_id=SPECIAL["bos"],
+            eos_token_id=SPECIAL["eos"],
+            decoder_start_token_id=SPECIAL["bos"],
             **attn,
         ),
         "wav2vec2": lambda: tf.Wav2Vec2Config(
