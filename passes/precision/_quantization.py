@@ -10,6 +10,10 @@ exclusion of sensitive nodes.
   Here an unknown name refuses the pass with a ``NonMatch`` that lists close node names.
 * **Accuracy is measured per output** (max abs, relative L2 error, cosine) on the context's samples, the
   original graph and the quantized one both run under ``ORT_DISABLE_ALL`` (``_accuracy.py``).
+* **Language models are also judged by their next token**: where the graph has a logits output and the
+  samples carry token ids, the budget can require a least share of teacher-forced greedy tokens unchanged
+  (``min_top1_agreement``) and a most perplexity increase (``max_perplexity_increase``); see ``_accuracy.py``
+  for the sequences used.
 * **When the budget is missed**, quantized nodes are ranked by the error each introduces and the worst are
   kept in float, as few as the budget allows (``_sensitivity.py``). The report names each excluded node
   and its error.
@@ -36,9 +40,11 @@ from passes._infra import NonMatch, PassOptions
 from passes.precision._accuracy import (
     Budget,
     OutputAccuracy,
+    TokenProbe,
     feeds_for,
     float_outputs,
     load_ir,
+    logits_output,
     measure,
     run_outputs,
     save_proto,
@@ -86,6 +92,20 @@ class QuantizationOptions(PassOptions):
         gt=0,
         description="Accuracy budget of the exclusion loop: largest absolute difference of any output "
         "element (unset: not checked; int8 outputs of a 768-wide encoder differ by ~0.1).",
+    )
+    min_top1_agreement: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Accuracy budget for language models: least share of positions whose greedy next token "
+        "(argmax of the logits output, teacher-forced on the samples' token ids, a KV-cache decoder fed each "
+        "sample as a prefill) is the original's (unset: not checked; no logits output or token ids: noted).",
+    )
+    max_perplexity_increase: float | None = Field(
+        None,
+        ge=0,
+        description="Accuracy budget for language models: largest relative increase of the perplexity of the "
+        "samples' own token sequences (0.05: +5%). Meaningful when the samples are real text (unset: reported).",
     )
     max_exclusions: int = Field(
         8,
@@ -215,13 +235,16 @@ def drive(
     quantized_nodes: Callable[[onnx.ModelProto, onnx.ModelProto, Sequence[str]], list[str]],
     notes: dict[str, Any],
     prepare: Callable[[Path, Path, bool], None] | None = None,
+    kept_as: str = "float",
 ) -> Quantized:
     """Quantize ``model`` with ``quantize(src, dst, nodes_to_exclude, large)`` and run the accuracy loop.
 
     ``candidates``: names of the nodes the quantizer may touch (for the ranking); ``quantized_nodes`` tells
     which of them the quantized proto actually quantized; ``prepare(src, workdir, large)`` runs once before
-    the first quantization (static calibration)."""
-    budget = Budget(options.min_cosine, options.max_rel_error, options.max_abs_error)
+    the first quantization (static calibration); ``kept_as`` names what the pass's ``quantize`` makes of the
+    nodes the loop excludes (float, or int8 for quantize_int4), for the notes."""
+    budget = budget_of(options)
+    logits = logits_output(model)
     non_matches: list[NonMatch] = []
     user_excluded = list(options.nodes_to_exclude)
     original = ir.serde.serialize_model(model)
@@ -258,15 +281,19 @@ def drive(
         feeds = feeds_for(ref_sess, samples, options.max_samples)
         outputs = float_outputs(ref_sess)
         del ref_sess
-        if not feeds or not outputs:
+        probe = TokenProbe.build(src, logits, samples, options.max_samples)
+        note_probe(notes, budget, logits, probe)
+        if (not feeds or not outputs) and probe is None:
             notes["accuracy"] = "not measured: no samples give every input" if not feeds else "no float output"
             notes["decision"] = f"quantized {len(done)} node(s); accuracy left to the ledger's verification"
         else:
             notes["samples_used"] = len(feeds)
+            if not feeds or not outputs:  # only the next-token figures are measured
+                feeds, outputs = [], []
             reference = run_outputs(src, feeds, outputs)
 
             def evaluate(path: Path) -> dict[str, OutputAccuracy]:
-                return measure(path, feeds, outputs, reference)
+                return measure(path, feeds, outputs, reference, probe)
 
             accuracy = evaluate(first)
             notes["accuracy_all_quantized"] = {k: v.to_dict() for k, v in accuracy.items()}
@@ -280,7 +307,8 @@ def drive(
                 return Quantized(None, counts, non_matches, notes)
             else:
                 q_full = onnx.load(str(first), load_external_data=True)
-                ranking, unranked = rank_nodes(original, q_full, done, feeds[:2], workdir=work, large=large)
+                rank_feeds = feeds[:2] or (probe.feeds[:2] if probe is not None else [])
+                ranking, unranked = rank_nodes(original, q_full, done, rank_feeds, workdir=work, large=large)
                 del q_full
                 notes["node_errors_top"] = [e.to_dict() for e in ranking[:10]]
                 if unranked:
@@ -292,7 +320,7 @@ def drive(
                 if outcome.path is None:
                     reason = (
                         f"accuracy budget missed even with the {len(outcome.excluded)} most sensitive node(s) in "
-                        f"float (max_exclusions={options.max_exclusions}): "
+                        f"{kept_as} (max_exclusions={options.max_exclusions}): "
                         + "; ".join(budget.misses(outcome.accuracy) or misses)
                     )
                     non_matches.append(NonMatch(reason))
@@ -305,12 +333,38 @@ def drive(
                 counts["nodes_quantized"] = notes["nodes_quantized"] = len(done)
                 counts["nodes_excluded_for_accuracy"] = len(outcome.excluded)
                 notes["decision"] = (
-                    f"quantized {len(done)} node(s); kept {len(outcome.excluded)} in float to meet the budget: "
+                    f"quantized {len(done)} node(s); kept {len(outcome.excluded)} in {kept_as} to meet the budget: "
                     + ", ".join(f"{e.node} (rel err {e.rel_l2:.3g})" for e in outcome.excluded)
                 )
         result = load_ir(chosen)
     notes["op_types_after"] = dict(sorted(_op_counts(result).items()))
     return Quantized(result, counts, non_matches, notes)
+
+
+def budget_of(options: QuantizationOptions) -> Budget:
+    return Budget(
+        options.min_cosine,
+        options.max_rel_error,
+        options.max_abs_error,
+        options.min_top1_agreement,
+        options.max_perplexity_increase,
+    )
+
+
+def note_probe(notes: dict[str, Any], budget: Budget, logits: str | None, probe: TokenProbe | None) -> None:
+    """Say in the notes which token sequences the next-token figures use, or why there are none."""
+    if probe is not None:
+        positions = sum(int(np.asarray(f[probe.token]).size) for f in probe.feeds)
+        notes["next_token"] = {
+            "logits": probe.logits,
+            "sequences": f"{len(probe.feeds)} sample(s) of the context, {positions} token(s), each fed as a "
+            "prefill (empty cache) under teacher forcing",
+        }
+        return
+    why = "no logits output (no float output an LM head reaches)" if logits is None else "no sample carries token ids"
+    notes["next_token"] = f"not measured: {why}"
+    if budget.min_top1_agreement is not None or budget.max_perplexity_increase is not None:
+        notes["next_token"] += "; the top-1 and perplexity budget is not applied"
 
 
 def _op_counts(model: ir.Model) -> dict[str, int]:

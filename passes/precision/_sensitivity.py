@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from passes.precision._accuracy import Budget, OutputAccuracy, round_sig, save_proto, session, worst
+from passes.precision._accuracy import Budget, OutputAccuracy, TokenAccuracy, round_sig, save_proto, session, worst
 
 _PROBE_PREFIX = "onnxforge_probe"
 _MAX_PROBE_NODES = 64  # a walk longer than this is not one node's quantization: leave the node unranked
@@ -209,7 +209,12 @@ def exclusion_loop(
         path = quantize([e.node for e in ranking[:k]], f"exclude{k}")
         accuracy = evaluate(path)
         misses = budget.misses(accuracy)
-        tried.append({"excluded": k, "holds": not misses, "worst": worst(list(accuracy.values())).to_dict()})
+        record: dict[str, Any] = {"excluded": k, "holds": not misses, "worst": worst(list(accuracy.values())).to_dict()}
+        for a in accuracy.values():
+            if isinstance(a, TokenAccuracy):
+                record["top1_agreement"] = round_sig(a.top1_agreement, 6)
+                record["flipped"] = a.flipped
+        tried.append(record)
         results[k] = (path, accuracy)
         return not misses
 
