@@ -19,13 +19,20 @@ What ORT leaves to the user, and this pass decides:
   from the graph, the MatMul whose output reaches a graph output through reshapes and elementwise ops only,
   never by name, and stays float, or becomes 8-bit ``MatMulNBits`` where that measures no slower and the
   budget still holds (``lm_head="auto"``, the default).
-* **Mixed precision by measured sensitivity.** When the outputs miss the budget, ``q.drive`` ranks every
-  quantized MatMul by the error it introduces and keeps the worst in float (``passes/precision/
-  _quantization.py``); the report names them.
+* **The greedy token is the budget of a language model.** Besides the per-output cosine, a model with a
+  logits output is judged by teacher forcing on the samples' token ids (each fed as a prefill on an empty
+  cache): at least ``min_top1_agreement`` (0.99) of the positions must keep the original's greedy next token;
+  the max logit difference and the perplexity of both models on those tokens are in the notes
+  (``passes/precision/_accuracy.py``). A logits cosine of 0.9966 flipped 4% of the greedy tokens of the
+  trained test decoder: a cosine budget alone passes that.
+* **Mixed precision by measured sensitivity.** When the budget is missed, ``q.drive`` ranks every
+  quantized MatMul by the error it introduces and makes the worst 8-bit ``MatMulNBits`` (or float,
+  ``sensitive_as``), as few as the budget allows (``passes/precision/_quantization.py``); the notes give
+  every MatMul's precision (``precision``: int4 / int8 / float) and the figures of each trial.
 
 Refuses (no change, with a reason) when no MatMul has a constant weight, when ``nodes_to_exclude`` names a
-node the graph lacks, when HQQ is asked for without torch, and when the budget is missed even with
-``max_exclusions`` MatMuls in float.
+node the graph lacks, when HQQ is asked for without torch, and when the budget (top-1 agreement included) is
+missed even with ``max_exclusions`` MatMuls in 8-bit or float; the reason gives the figures.
 """
 
 from __future__ import annotations
@@ -45,13 +52,8 @@ from pydantic import Field
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import take_graph_output
 from passes.precision import _quantization as q
+from passes.precision._accuracy import TokenProbe, head_outputs, logits_output
 
-# Ops a head's output may pass through on its way to a graph output and still be "the head's output":
-# shape changes, casts and elementwise scaling/bias/soft-capping. A norm or a Concat (a KV cache) is not.
-_PASS_THROUGH = {
-    "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Cast", "Transpose",
-    "Add", "Sub", "Mul", "Div", "Tanh",
-}  # fmt: skip
 _LEVELS = {"fp32": 0, "int8": 4}
 
 
@@ -86,8 +88,27 @@ class QuantizeInt4Options(PassOptions):
     )
     max_rel_error: float | None = Field(None, gt=0, description="Accuracy budget: largest relative L2 error.")
     max_abs_error: float | None = Field(None, gt=0, description="Accuracy budget: largest absolute difference.")
+    min_top1_agreement: float | None = Field(
+        0.99,
+        ge=0,
+        le=1,
+        description="Accuracy budget for language models: least share of positions whose greedy next token "
+        "(teacher-forced on the samples' token ids, a KV-cache decoder fed each sample as a prefill) is the "
+        "original's. Models without a logits output or samples without token ids: not applied (noted).",
+    )
+    max_perplexity_increase: float | None = Field(
+        None,
+        ge=0,
+        description="Accuracy budget: largest relative perplexity increase on the samples' token sequences "
+        "(0.05: +5%); meaningful when the samples are real text (unset: reported only).",
+    )
+    sensitive_as: Literal["int8", "float"] = Field(
+        "int8",
+        description="What the exclusion loop makes of the MatMuls it takes out of int4 to meet the budget: "
+        "8-bit MatMulNBits (half the bytes of float, close to float accuracy) or float.",
+    )
     max_exclusions: int = Field(
-        8, ge=0, description="Most MatMuls the exclusion loop may keep in float to meet the budget (0: none)."
+        8, ge=0, description="Most MatMuls the exclusion loop may take out of int4 to meet the budget (0: none)."
     )
     max_samples: int = Field(8, ge=1, description="Samples used to measure accuracy and speed.")
 
@@ -135,13 +156,21 @@ class QuantizeInt4(Pass):
             min_cosine=options.min_cosine,
             max_rel_error=options.max_rel_error,
             max_abs_error=options.max_abs_error,
+            min_top1_agreement=options.min_top1_agreement,
+            max_perplexity_increase=options.max_perplexity_increase,
             max_exclusions=options.max_exclusions,
             max_samples=options.max_samples,
         )
-        level = _choose_level(model, ctx.samples, options, budget_options, notes)
+        logits = logits_output(model)
+        level = _choose_level(model, ctx.samples, options, budget_options, notes, logits=logits)
+        candidate_set = set(candidates)
 
         def quantize(src: Path, dst: Path, exclude: list[str], large: bool) -> None:
             proto = quantize_proto(onnx.load(str(src), load_external_data=True), options, level, exclude)
+            sensitive = [n for n in exclude if n in candidate_set]  # the loop's, not the user's or the head
+            if sensitive and options.sensitive_as == "int8":
+                others = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in sensitive]
+                proto = quantize_proto(proto, options, level, others, bits=8, include=sensitive)
             q.save_proto(proto, dst, large)
 
         out = q.drive(
@@ -152,6 +181,7 @@ class QuantizeInt4(Pass):
             quantize=quantize,
             quantized_nodes=replaced_nodes,
             notes=notes,
+            kept_as=options.sensitive_as,
         )
         non_matches += out.non_matches
         if "nodes_excluded_by_user" in out.counts:  # drive counts the float head among the user's exclusions
@@ -169,7 +199,9 @@ class QuantizeInt4(Pass):
                 options=options,
                 budget_options=budget_options,
                 notes=notes,
+                logits=logits,
             )
+        notes["precision"] = precision_by_layer(result, [*candidates, *kept_float, *options.nodes_to_exclude])
         notes["weight_bytes"] = {
             "before": q.tensor_bytes(ir.serde.serialize_model(model)),
             "after": q.tensor_bytes(ir.serde.serialize_model(result)),
@@ -221,22 +253,8 @@ def set_accuracy_level(proto: onnx.ModelProto, level: int) -> None:
 
 
 def lm_heads(model: ir.Model) -> list[str]:
-    """Names of the MatMuls whose output reaches a graph output through ``_PASS_THROUGH`` ops only."""
-    heads: list[str] = []
-    for output in model.graph.outputs:
-        value: ir.Value | None = output
-        while value is not None and (node := value.producer()) is not None:
-            if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
-                if node.name and node.name not in heads:
-                    heads.append(node.name)
-                break
-            if node.op_type not in _PASS_THROUGH or node.domain not in ("", "ai.onnx"):
-                break
-            # follow the one non-constant input; two computed inputs (a residual Add) end the walk
-            computed = [v for v in node.inputs if v is not None and v.const_value is None and v.producer() is not None]
-            computed = [v for v in computed if v.producer().op_type != "Constant"]
-            value = computed[0] if len(computed) == 1 else None
-    return heads
+    """Names of the MatMuls whose output reaches a graph output through shape and elementwise ops only."""
+    return list(dict.fromkeys(head_outputs(model).values()))
 
 
 def _gemm_sites(model: ir.Model) -> list[ir.Node]:
@@ -304,8 +322,14 @@ def _candidates(model: ir.Model, excluded: set[str]) -> tuple[list[str], list[No
     return found, non_matches
 
 
-def _budget(options: q.QuantizationOptions) -> q.Budget:
-    return q.Budget(options.min_cosine, options.max_rel_error, options.max_abs_error)
+def precision_by_layer(model: ir.Model, names: Sequence[str]) -> dict[str, str]:
+    """``{MatMul name: "int4" | "int8" | "float"}`` read off the quantized graph (MatMulNBitsQuantizer names
+    the node it writes ``<name>_Q<bits>``)."""
+    bits = {}
+    for node in model.graph:
+        if node.op_type == "MatMulNBits" and "bits" in node.attributes:
+            bits[node.name.rsplit("_Q", 1)[0]] = node.attributes["bits"].value
+    return {name: f"int{bits[name]}" if name in bits else "float" for name in names}
 
 
 def replaced_nodes(original: onnx.ModelProto, quantized: onnx.ModelProto, candidates: Sequence[str]) -> list[str]:
@@ -339,6 +363,7 @@ def _measure(
     candidates: dict[str, onnx.ModelProto],
     samples: Sequence[dict[str, np.ndarray]],
     limit: int,
+    logits: str | None,
 ) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, float]] | None:
     """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto."""
     with q.workdir() as tmp:
@@ -352,11 +377,12 @@ def _measure(
         if not feeds or not outputs:
             return None
         reference = q.run_outputs(src, feeds, outputs)
+        probe = TokenProbe.build(src, logits, samples, limit)
         accuracy, latency = {}, {}
         for key, proto in candidates.items():
             path = Path(tmp) / f"{key}.onnx"
             q.save_proto(proto, path, large)
-            accuracy[key] = q.measure(path, feeds, outputs, reference)
+            accuracy[key] = q.measure(path, feeds, outputs, reference, probe)
             latency[key] = _latency_ms(onnx.load(str(path), load_external_data=True), feeds)
         return accuracy, latency
 
@@ -367,6 +393,8 @@ def _choose_level(
     options: QuantizeInt4Options,
     budget_options: q.QuantizationOptions,
     notes: dict[str, Any],
+    *,
+    logits: str | None,
 ) -> int:
     if options.accuracy_level != "auto":
         notes["accuracy_level"] = {"chosen": options.accuracy_level, "by": "option"}
@@ -378,12 +406,12 @@ def _choose_level(
     fp32 = onnx.ModelProto()
     fp32.CopyFrom(full)
     set_accuracy_level(fp32, 0)
-    measured = _measure(original, {"int8": full, "fp32": fp32}, samples, options.max_samples)
+    measured = _measure(original, {"int8": full, "fp32": fp32}, samples, options.max_samples, logits)
     if measured is None:
         notes["accuracy_level"] = {"chosen": 0, "by": "no samples give every input: fp32 compute, the accurate one"}
         return 0
     accuracy, latency = measured
-    budget = _budget(budget_options)
+    budget = q.budget_of(budget_options)
     holding = [k for k in ("int8", "fp32") if not budget.misses(accuracy[k])]
     # Neither holds: the exclusion loop starts from the more accurate fp32 compute.
     chosen = min(holding, key=lambda k: latency[k]) if holding else "fp32"
@@ -405,6 +433,7 @@ def _head_int8(
     options: QuantizeInt4Options,
     budget_options: q.QuantizationOptions,
     notes: dict[str, Any],
+    logits: str | None,
 ) -> ir.Model:
     """The quantized model with its head(s) as 8-bit MatMulNBits, when ``lm_head`` asks and (auto) it pays."""
     proto = ir.serde.serialize_model(quantized)
@@ -414,20 +443,21 @@ def _head_int8(
         onnx.ModelProto.FromString(proto.SerializeToString()), options, level, others, bits=8, include=heads
     )
     if options.lm_head == "int8":
-        notes["lm_head_decision"] = "int8 (option)"
+        notes["lm_head_decision"] = "int8 (option); the accuracy figures are the float head's, before it"
         return ir.serde.deserialize_model(head8)
     measured = _measure(
-        ir.serde.serialize_model(original), {"float": proto, "int8": head8}, samples, options.max_samples
+        ir.serde.serialize_model(original), {"float": proto, "int8": head8}, samples, options.max_samples, logits
     )
     if measured is None:
         notes["lm_head_decision"] = "float: no samples to measure an 8-bit head"
         return quantized
     accuracy, latency = measured
-    misses = _budget(budget_options).misses(accuracy["int8"])
+    misses = q.budget_of(budget_options).misses(accuracy["int8"])
     faster = latency["int8"] <= latency["float"]
     notes["lm_head_latency_ms"] = {k: round(v, 3) for k, v in latency.items()}
     if faster and not misses:
         notes["lm_head_decision"] = "int8: measured no slower and within the budget"
+        notes["accuracy"] = {k: v.to_dict() for k, v in accuracy["int8"].items()}  # the model handed back
         return ir.serde.deserialize_model(head8)
     notes["lm_head_decision"] = "float: " + ("; ".join(misses) if misses else "the 8-bit head measured slower")
     return quantized

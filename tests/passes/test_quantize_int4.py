@@ -1,7 +1,11 @@
 """quantize_int4 on the tiny decoder corpus (tests/models/decoders): structure (MatMulNBits per projection,
 the lm_head found from the graph and left float), int4 numerics at prompt and cache lengths other than the
-export's, accuracy_level by measurement, the exclusion loop, the refusals, and next-token agreement of the
-trained decoder under teacher forcing on held-out text."""
+export's, accuracy_level by measurement, the exclusion loop, the refusals, and the next-token gate: top-1
+agreement, max logit difference and perplexity of the trained decoder under teacher forcing on held-out text,
+recomputed here with ORT.
+
+The random-weight corpus decoders run with ``min_top1_agreement`` off: their logits are nearly tied, so the
+greedy token of a random model says nothing about int4 (the gate is tested on the trained decoder)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from passes._infra import PassContext
-from passes.precision.quantize_int4 import QuantizeInt4, lm_heads
+from passes.precision import _accuracy
+from passes.precision.quantize_int4 import QuantizeInt4, QuantizeInt4Options, lm_heads, quantize_proto
 from tests.models.build_decoders import HELDOUT, OUT, Signature, decoder_feeds, presents_as_past
 
 # Projections per layer: q, k, v, o, gate, up, down; Phi-3 fuses qkv and gate_up; GPT-2 has c_attn, c_proj,
@@ -22,6 +27,7 @@ PROJECTIONS = {"llama": 14, "qwen2": 14, "mistral": 14, "phi3": 8, "gpt2": 8}
 PAST_FILES = [f"{family}_past_{exporter}" for family in PROJECTIONS for exporter in ("ts", "dynamo")]
 # (batch, prompt, past): none of them the export's (2, 3, 4)
 SHAPES = ((2, 7, 0), (2, 1, 9), (1, 4, 6))
+NO_GATE = {"min_top1_agreement": None}
 
 
 def samples_for(path, shapes=SHAPES, seed=0):
@@ -53,13 +59,13 @@ def quantize(name, options=None, samples=None):
 
 @pytest.fixture(scope="module")
 def llama_default():
-    return quantize("llama_past_ts")
+    return quantize("llama_past_ts", NO_GATE)
 
 
 @pytest.mark.parametrize("name", PAST_FILES)
 def test_quantize_int4_makes_every_projection_matmulnbits_and_keeps_the_head_float_when_decoder_has_a_cache(name):
     # setup / execute
-    original, result = quantize(name, {"accuracy_level": 4, "lm_head": "float"})
+    original, result = quantize(name, {"accuracy_level": 4, "lm_head": "float", **NO_GATE})
     # assert
     family = name.split("_")[0]
     assert result.modified and result.model is not original
@@ -136,8 +142,10 @@ def test_lm_heads_finds_the_head_by_structure_when_its_name_says_nothing():
     node = next(n for n in model.graph if n.name == head)
     node.name = "proj_17"
     assert lm_heads(model) == ["proj_17"]
+    assert _accuracy.logits_output(model) == "logits"
     # an encoder's output comes from a LayerNorm, not through elementwise ops from a MatMul: no head
-    assert lm_heads(ir.load(OUT.parent / "hf_bert_encoder.onnx")) == []
+    encoder = ir.load(OUT.parent / "hf_bert_encoder.onnx")
+    assert lm_heads(encoder) == [] and _accuracy.logits_output(encoder) is None
 
 
 def test_quantize_int4_keeps_the_most_sensitive_matmuls_float_when_the_budget_is_tighter_than_full_int4(
@@ -148,7 +156,8 @@ def test_quantize_int4_keeps_the_most_sensitive_matmuls_float_when_the_budget_is
     worst = min(a["cosine"] for a in full.notes["accuracy_all_quantized"].values())
     budget = 1 - (1 - worst) / 3
     # execute
-    _, result = quantize("llama_past_ts", {"min_cosine": budget, "max_exclusions": 14, "lm_head": "float"})
+    options = {"min_cosine": budget, "max_exclusions": 14, "lm_head": "float", "sensitive_as": "float", **NO_GATE}
+    _, result = quantize("llama_past_ts", options)
     # assert
     assert result.modified
     excluded = [e["node"] for e in result.notes["excluded_for_accuracy"]]
@@ -157,6 +166,7 @@ def test_quantize_int4_keeps_the_most_sensitive_matmuls_float_when_the_budget_is
     assert set(excluded) <= kept
     assert sum(1 for n in result.model.graph if n.op_type == "MatMulNBits") == 14 - len(excluded)
     assert min(a["cosine"] for a in result.notes["accuracy"].values()) >= budget
+    assert {k for k, v in result.notes["precision"].items() if v == "float"} == {*excluded, *lm_heads(result.model)}
 
 
 def test_quantize_int4_is_refused_when_the_budget_is_missed_and_max_exclusions_is_0():
@@ -202,28 +212,136 @@ def test_quantize_int4_is_refused_when_nodes_to_exclude_names_no_node():
 
 def test_quantize_int4_quantizes_with_hqq_when_torch_imports():
     pytest.importorskip("torch")
-    _, result = quantize("qwen2_past_dynamo", {"algorithm": "hqq", "accuracy_level": 0, "lm_head": "float"})
+    _, result = quantize("qwen2_past_dynamo", {"algorithm": "hqq", "accuracy_level": 0, "lm_head": "float", **NO_GATE})
     assert result.modified and result.notes["algorithm"] == "hqq" and not result.notes["symmetric"]
     nbits = [n for n in result.model.graph if n.op_type == "MatMulNBits"]
     assert len(nbits) == 14 and all(len(n.inputs) >= 4 for n in nbits)  # asymmetric: zero points
 
 
-def test_quantize_int4_agrees_on_the_next_token_when_the_decoder_is_trained():
-    """Teacher forcing on held-out text (Python docs topics never trained on): the int4 model's greedy next
-    byte equals the float model's at >= 95% of 1024 positions. Measured 96.0-96.5% with the default budget
-    (logits cosine 0.9966): issue 19's bar of 99% is NOT met on this 64-wide model, where a block of 32 is half
-    of every K; keeping 7 of 14 MatMuls float (min_cosine 0.999) gives 98.5%. A top-1 gate is issue 19 item 4."""
-    # setup
-    path = OUT / "trained_llama_past_ts.onnx"
-    held = np.load(HELDOUT)
+def test_prefill_empties_the_cache_and_counts_positions_from_0_when_the_sample_is_a_decode_step():
+    # setup: a decode-shaped sample (3 new tokens on a random past of 6)
+    path = OUT / "llama_past_ts.onnx"
     signature = Signature.of(path)
-    samples = [decoder_feeds(signature, 2, 64, 0, tokens=held[i : i + 2, :64]) for i in (0, 2)]
+    sample = decoder_feeds(signature, 2, 3, 6, seed=5)
+    sess = session(path)
     # execute
-    original, result = quantize("trained_llama_past_ts", samples=samples)
-    feeds = decoder_feeds(signature, held.shape[0], held.shape[1], 0, tokens=held)
-    ref = session(original).run(["logits"], feeds)[0]
-    got = session(result.model, optimized=True).run(["logits"], feeds)[0]
-    # assert
-    agreement = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
-    assert result.modified and result.counts["nodes_quantized"] >= 10
-    assert agreement >= 0.95, f"top-1 agreement {agreement:.4f} over {ref.shape[0] * ref.shape[1]} positions"
+    feed = _accuracy.prefill(sess, sample)
+    # assert: the same tokens on an empty cache, as a fresh prompt would run
+    expected = decoder_feeds(signature, 2, 3, 0, tokens=sample["input_ids"])
+    assert feed.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(feed[name], value, err_msg=name)
+    assert sess.run(["logits"], feed)[0].shape == (2, 3, signature.vocab)
+    # a prefill sample is fed as it is; a sample without token ids is not a sequence
+    as_is = _accuracy.prefill(sess, expected)
+    assert as_is.keys() == expected.keys() and all(as_is[k] is v for k, v in expected.items())
+    assert _accuracy.prefill(sess, {k: v for k, v in sample.items() if k != "input_ids"}) is None
+
+
+HELD_ROWS = 2  # held-out rows per sample: 4 samples of 2 x 128 bytes, all 1024 positions
+
+
+def heldout_samples():
+    signature = Signature.of(OUT / "trained_llama_past_ts.onnx")
+    held = np.load(HELDOUT)
+    rows = range(0, held.shape[0], HELD_ROWS)
+    return [decoder_feeds(signature, HELD_ROWS, held.shape[1], 0, tokens=held[i : i + HELD_ROWS]) for i in rows]
+
+
+def next_token_figures(original, quantized, feeds):
+    """Flipped greedy tokens, positions, max logit difference and perplexities (original, quantized) of the
+    held-out bytes, both models under ORT with graph optimizations off, as the pass measures them."""
+    ref_sess, got_sess = session(original), session(quantized)
+    flipped = positions = 0
+    max_diff, nll_ref, nll_got, scored = 0.0, 0.0, 0.0, 0
+    for feed in feeds:
+        ref, got = ref_sess.run(["logits"], feed)[0], got_sess.run(["logits"], feed)[0]
+        flipped += int((ref.argmax(-1) != got.argmax(-1)).sum())
+        positions += ref.shape[0] * ref.shape[1]
+        max_diff = max(max_diff, float(np.abs(ref - got).max()))
+        target = feed["input_ids"][:, 1:]
+        for logits, which in ((ref, "ref"), (got, "got")):
+            x = logits[:, :-1].astype(np.float64)
+            log_probs = x - x.max(-1, keepdims=True)
+            log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+            nll = -float(np.take_along_axis(log_probs, target[..., None], -1).sum())
+            nll_ref, nll_got = (nll_ref + nll, nll_got) if which == "ref" else (nll_ref, nll_got + nll)
+        scored += target.size
+    return flipped, positions, max_diff, (float(np.exp(nll_ref / scored)), float(np.exp(nll_got / scored)))
+
+
+def assert_notes_are_the_measurement(figures, noted):
+    flipped, positions, max_diff, (ppl_ref, ppl_got) = figures
+    assert (noted["flipped"], noted["positions"]) == (flipped, positions)
+    assert noted["top1_agreement"] == pytest.approx(1 - flipped / positions, abs=1e-6)
+    assert noted["max_logit_diff"] == pytest.approx(max_diff, rel=1e-3)
+    assert noted["perplexity"]["original"] == pytest.approx(ppl_ref, rel=1e-5)
+    assert noted["perplexity"]["quantized"] == pytest.approx(ppl_got, rel=1e-5)
+
+
+def rebuild(original, notes, int8_nodes):
+    """The model the pass measured: int4 at its accuracy_level, the head float, ``int8_nodes`` 8-bit."""
+    options = QuantizeInt4Options()
+    level = notes["accuracy_level"]["chosen"]
+    heads = lm_heads(original)
+    proto = quantize_proto(ir.serde.serialize_model(original), options, level, [*heads, *int8_nodes])
+    if int8_nodes:
+        others = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in int8_nodes]
+        proto = quantize_proto(proto, options, level, others, bits=8, include=int8_nodes)
+    return ir.serde.deserialize_model(proto)
+
+
+@pytest.fixture(scope="module")
+def trained_default():
+    return quantize("trained_llama_past_ts", samples=heldout_samples())
+
+
+def test_quantize_int4_reaches_99_percent_top1_or_refuses_with_the_real_figures_when_the_decoder_is_trained(
+    trained_default,
+):
+    """Teacher forcing on the held-out bytes (Python docs topics never trained on, 1024 positions), defaults.
+    Measured: full int4 (logits cosine 0.9994) flips 40 greedy tokens (96.1%) while its perplexity moves
+    +0.09%; with the 8 most sensitive MatMuls 8-bit, 20 flips (98.0%): refused, the figures in the reason."""
+    # setup
+    original, result = trained_default
+    feeds = heldout_samples()
+    # assert: the full int4 figures in the notes are what ORT gives
+    full = rebuild(original, result.notes, [])
+    assert_notes_are_the_measurement(
+        next_token_figures(original, full, feeds), result.notes["accuracy_all_quantized"]["logits (teacher forcing)"]
+    )
+    assert result.notes["budget"]["min_top1_agreement"] == 0.99
+    noted = result.notes["accuracy"]["logits (teacher forcing)"]
+    if result.modified:
+        flipped, positions, *_ = figures = next_token_figures(original, result.model, feeds)
+        assert_notes_are_the_measurement(figures, noted)
+        assert 1 - flipped / positions >= 0.99
+    else:
+        (reason,) = [m.reason for m in result.non_matches if "accuracy budget missed" in m.reason]
+        assert f"top-1 agreement {noted['top1_agreement']:.4f} < 0.99 ({noted['flipped']} of 1024" in reason
+        int8 = [e["node"] for e in result.notes["excluded_for_accuracy"]]
+        assert len(int8) == 8 and "in int8" in reason
+        assert_notes_are_the_measurement(
+            next_token_figures(original, rebuild(original, result.notes, int8), feeds), noted
+        )
+
+
+def test_quantize_int4_falls_back_to_a_mixed_int4_int8_model_when_full_int4_flips_too_many_greedy_tokens():
+    # setup / execute: room for every MatMul in the loop
+    original, result = quantize("trained_llama_past_ts", {"max_exclusions": 14}, samples=heldout_samples())
+    # assert: the mix holds the 99% bar, measured again here
+    assert result.modified
+    flipped, positions, *_ = figures = next_token_figures(original, result.model, heldout_samples())
+    assert 1 - flipped / positions >= 0.99
+    assert_notes_are_the_measurement(figures, result.notes["accuracy"]["logits (teacher forcing)"])
+    # the mix, per layer, is the graph's
+    precision = result.notes["precision"]
+    int8 = {e["node"] for e in result.notes["excluded_for_accuracy"]}
+    assert len(precision) == 15 and 1 <= len(int8) < 14
+    assert {k for k, v in precision.items() if v == "int8"} - set(lm_heads(original)) == int8
+    assert {k for k, v in precision.items() if v == "int4"} == set(precision) - int8 - set(lm_heads(original))
+    bits = {
+        n.name.rsplit("_Q", 1)[0]: n.attributes["bits"].value for n in result.model.graph if n.op_type == "MatMulNBits"
+    }
+    assert {k: f"int{v}" for k, v in bits.items()} == {k: v for k, v in precision.items() if v != "float"}
+    assert result.counts["nodes_quantized"] == 14 - len(int8)
