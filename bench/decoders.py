@@ -95,7 +95,10 @@ def make_int4(path: Path, signature: Signature, prompts: list[int], work: Path) 
     samples = [decoder_feeds(signature, 1, prompts[0], 0, seed=3), decoder_feeds(signature, 1, 1, prompts[0], seed=4)]
     model = ir.load(path)
     t0 = time.perf_counter()
-    result = QuantizeInt4({"max_samples": 2})(model, PassContext(samples=samples))
+    # Random weights and random tokens: near-tied logits make the greedy-token gate meaningless here (it is
+    # tested on the trained decoder); the loop keeps float, as the "float_kept" column says.
+    options = {"max_samples": 2, "min_top1_agreement": None, "sensitive_as": "float"}
+    result = QuantizeInt4(options)(model, PassContext(samples=samples))
     seconds = time.perf_counter() - t0
     if not result.modified:
         raise RuntimeError(f"quantize_int4 refused {path.name}: {[m.reason for m in result.non_matches]}")
