@@ -1,5 +1,6 @@
 """quantize_dynamic: structure (MatMulInteger, int8 weights), int8 numerics on several shapes, the user's
-exclusions, refusal of unknown node names, and the accuracy loop that keeps the most sensitive node float."""
+exclusions, refusal of unknown node names, the accuracy loop that keeps the most sensitive node float, and the
+next-token budget (off unless min_top1_agreement is set) on the trained decoder."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from core.errors import InvalidPassOptionsError
 from passes._infra import PassContext
 from passes.precision import _accuracy, _sensitivity
 from passes.precision.quantize_dynamic import QuantizeDynamic
+from tests.models.build_decoders import OUT as DECODERS
+from tests.models.build_decoders import Signature, decoder_feeds
 from tests.models.build_hf import make_inputs
 from tests.passes._util import MODELS
 
@@ -347,3 +350,46 @@ def test_fused_matmul_stays_when_matmul_is_not_an_op_type_to_quantize():
     result = QuantizeDynamic({"op_types": ["Gather"]})(model, PassContext(samples=[{"x": np.ones((2, 8), np.float32)}]))
     assert not result.modified
     assert ops(result.model)["FusedMatMul"] == 1
+
+
+def decoder_samples():
+    signature = Signature.of(DECODERS / "trained_llama_past_ts.onnx")
+    # a prompt, and a decode step on a random cache that the next-token figures feed as a prefill instead
+    return DECODERS / "trained_llama_past_ts.onnx", [
+        decoder_feeds(signature, 2, 16, 0, seed=1),
+        decoder_feeds(signature, 2, 1, 9, seed=2),
+    ]
+
+
+def test_quantize_dynamic_reports_next_token_figures_but_does_not_gate_them_when_min_top1_agreement_is_unset():
+    # setup
+    path, samples = decoder_samples()
+    # execute
+    result = QuantizeDynamic()(ir.load(path), PassContext(samples=samples))
+    # assert: 2 x 16 prompt positions + 2 x 1 prefilled decode tokens, every figure present, no gate
+    assert result.modified and result.notes["budget"]["min_top1_agreement"] is None
+    tokens = result.notes["accuracy"]["logits (teacher forcing)"]
+    assert tokens["positions"] == 34 and 0 <= tokens["flipped"] <= 34
+    assert set(tokens["perplexity"]) == {"original", "quantized"} and tokens["max_logit_diff"] > 0
+    assert result.notes["next_token"]["logits"] == "logits"
+
+
+def test_quantize_dynamic_is_refused_with_the_flipped_tokens_when_min_top1_agreement_is_missed():
+    # setup: int8 flips some of the 34 greedy tokens of the trained decoder (measured: 4); 1.0 allows none
+    path, samples = decoder_samples()
+    # execute
+    result = QuantizeDynamic({"min_top1_agreement": 1.0, "max_exclusions": 0})(
+        ir.load(path), PassContext(samples=samples)
+    )
+    # assert
+    assert not result.modified
+    flipped = result.notes["accuracy_all_quantized"]["logits (teacher forcing)"]["flipped"]
+    (reason,) = [m.reason for m in result.non_matches if "accuracy budget missed" in m.reason]
+    assert flipped > 0 and f"top-1 agreement {1 - flipped / 34:.4f} < 1.0 ({flipped} of 34 greedy tokens" in reason
+
+
+def test_quantize_dynamic_notes_that_the_top1_gate_is_not_applied_when_the_model_has_no_logits_output():
+    result = QuantizeDynamic({"min_top1_agreement": 0.99})(ir.load(BERT), PassContext(samples=bert_samples()))
+    assert result.modified
+    assert result.notes["next_token"].startswith("not measured: no logits output")
+    assert result.notes["next_token"].endswith("is not applied")
