@@ -20,7 +20,8 @@ Stopping, per input set: after ``warmup`` untimed runs of each (a session also r
 built), at least ``min_runs`` timed blocks, then more
 only while the answer is still open: the run stops as soon as the 95% bootstrap interval of the median paired
 ratio (core/verdict.py) is narrower than the decision needs (``settled``: wholly below 1 - 3%, clearly
-faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise), else when the time budget
+faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise; wholly below 1 + 3%, not
+slower, which is all a rollback or the gate asks), else when the time budget
 ``max_seconds`` is spent or at ``max_runs``. Each set records what stopped it (``stopped_by``).
 
 Sessions: a ``SessionPool`` keeps each model's warm benchmark session for the job, so the original is built
@@ -104,14 +105,18 @@ def settled(verdict: Verdict) -> str | None:
     """What the paired ratio's 95% interval already decides, or None while more runs could change the answer.
 
     The floor of the "slower beyond noise" rule (3%) is the resolution the decision needs: an interval wholly
-    on one side of 1 +- 3%, or wholly inside it, cannot be turned by further runs other than by chance."""
+    on one side of 1 +- 3%, or wholly inside it, cannot be turned by further runs other than by chance. Every
+    decision taken on a comparison (roll a pass back, refuse an artifact) asks "slower beyond noise?" only, so
+    an interval wholly below 1 + 3% settles it too ("not slower": faster, or within noise, either way kept)."""
     lo, hi = verdict.ci95
-    if hi < 1.0 - MIN_MARGIN:
-        return "clearly faster"
     if lo > 1.0 + MIN_MARGIN:
         return "clearly slower"
+    if hi < 1.0 - MIN_MARGIN:
+        return "clearly faster"
     if lo >= 1.0 - MIN_MARGIN and hi <= 1.0 + MIN_MARGIN:
         return "within noise"
+    if hi <= 1.0 + MIN_MARGIN:
+        return "not slower"
     return None
 
 
