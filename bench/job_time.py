@@ -1,0 +1,244 @@
+"""Wall time of a ``fast`` job against its peer: ORT's transformers optimizer plus one benchmark of the original.
+
+Run ``python -m bench.job_time [--model bert_mlm_loss] [--before REV] [--no-write]``.
+
+Issue 17 asks that a ``fast`` job take at most 3x the time of ORT's transformers optimizer plus one benchmark
+of the original. Each side runs as a fresh process, as a user would run it, on the bench-size model
+(``bench/models.py`` builds it on first use; building needs the ``dev`` extra):
+
+=============  ==========================================================================================
+peer           ``onnxruntime.transformers.optimizer.optimize_model(model, model_type="bert", num_heads,
+               hidden_size)`` and ``save_model_to_file``, then one benchmark of the original: an
+               ORT_ENABLE_ALL session, 5 warm-up runs and 30 timed runs at batch 1 / sequence 128
+job (after)    ``python -m onnxforge.cli optimize MODEL -o OUT --preset fast --report R.json`` from this
+               checkout, with the default pipeline settings
+job (before)   with ``--before REV``: the same command from revision REV's tree (``git archive``, extracted
+               into a temporary directory; the repository itself is only read), in the same run
+=============  ==========================================================================================
+
+The figures depend on the machine's load: the load average is read before and after and printed beside
+them. The report's ``timings`` of each job give the stage breakdown. Written into bench/README.md between
+the ``job-time-table`` markers (``--no-write`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # bench scripts may run as files rather than with python -m
+    sys.path.insert(0, str(REPO))
+
+from bench._report import machine_line, write_blocks  # noqa: E402
+from bench.models import ensure_bench_model, model_info  # noqa: E402
+from workers.benchmark import host_info  # noqa: E402
+
+START, END = "<!-- job-time-table:start -->", "<!-- job-time-table:end -->"
+HEADING = "### Job time: `python -m bench.job_time`"
+TARGET_RATIO = 3.0  # issue 17: a fast job takes at most 3x the peer's time
+PEER_BATCH, PEER_SEQ, PEER_WARMUP, PEER_RUNS = 1, 128, 5, 30
+
+# The peer, in a process of its own: ORT's transformers optimizer, then one benchmark of the original.
+PEER = """
+import sys, time
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.transformers.optimizer import optimize_model
+sys.path.insert(0, {repo!r})
+from bench.models import make_inputs
+
+started = time.perf_counter()
+optimized = optimize_model({model!r}, model_type="bert", num_heads={heads}, hidden_size={hidden})
+optimized.save_model_to_file({out!r})
+optimize_s = time.perf_counter() - started
+started = time.perf_counter()
+options = ort.SessionOptions()
+options.log_severity_level = 3
+session = ort.InferenceSession({model!r}, options, providers=["CPUExecutionProvider"])
+names = [i.name for i in session.get_inputs()]
+feeds = {{k: v for k, v in make_inputs({name!r}, {batch}, {seq}).items() if k in names}}
+for _ in range({warmup}):
+    session.run(None, feeds)
+times = []
+for _ in range({runs}):
+    t = time.perf_counter()
+    session.run(None, feeds)
+    times.append(time.perf_counter() - t)
+print("PEER", optimize_s, time.perf_counter() - started, 1000 * float(np.median(times)))
+"""
+
+
+def _load() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run_peer(model: Path, name: str, info: dict[str, Any], out: Path) -> dict[str, float]:
+    dims = info["dims"]
+    code = PEER.format(
+        repo=str(REPO),
+        model=str(model),
+        out=str(out / "peer.onnx"),
+        name=name,
+        heads=dims["heads"],
+        hidden=dims["hidden"],
+        batch=PEER_BATCH,
+        seq=PEER_SEQ,
+        warmup=PEER_WARMUP,
+        runs=PEER_RUNS,
+    )
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - started
+    line = next(x for x in done.stdout.splitlines() if x.startswith("PEER "))
+    optimize_s, benchmark_s, p50_ms = (float(v) for v in line.split()[1:])
+    return {"wall_s": wall, "optimize_s": optimize_s, "benchmark_s": benchmark_s, "p50_ms": p50_ms}
+
+
+def run_job(model: Path, out: Path, tree: Path) -> dict[str, Any]:
+    """``onnxforge optimize --preset fast`` from the checkout at ``tree`` in a fresh process; its wall time."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import workers; print(workers.__file__)"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(where).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the job would run the pipeline at {where}, not the one in {tree}")
+    command = [sys.executable, "-m", "onnxforge.cli", "optimize", str(model), "-o", str(out / "model.onnx")]
+    command += ["--preset", "fast", "--report", str(report)]
+    started = time.perf_counter()
+    done = subprocess.run(command, check=False, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"the job failed ({done.returncode}): {done.stderr[-2000:]}")
+    data = json.loads(report.read_text())
+    return {
+        "wall_s": wall,
+        "duration_s": data["duration_s"],
+        "timings": data.get("timings"),
+        "speedup": data["summary"]["speedup"],
+        "applied": data["summary"]["passes_applied"],
+        "passes": len(data["passes"]),
+    }
+
+
+def extract(rev: str, into: Path) -> Path:
+    """Revision ``rev``'s tree under ``into`` (``git archive``: reads the repository, changes nothing in it)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
+    into.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def _stages(job: dict[str, Any]) -> str:
+    timings = job.get("timings")
+    if not timings:
+        return "not recorded (no `timings` in that revision's report)"
+    names = ("load", "inputs", "baseline", "passes", "finalize", "gate", "artifact", "report")
+    parts = [f"{n} {timings[f'{n}_s']:.1f}" for n in names if timings.get(f"{n}_s") is not None]
+    steps: dict[str, float] = {}
+    for entry in timings.get("passes") or []:
+        for key in ("load_s", "transform_s", "write_s", "verify_s", "benchmark_s"):
+            steps[key] = steps.get(key, 0.0) + entry[key]
+    inside = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in steps.items())
+    sessions = timings.get("sessions") or {}
+    return (
+        f"{'; '.join(parts)} s (passes: {inside} s; benchmark sessions built {sessions.get('built')}, "
+        f"reused {sessions.get('reused')})"
+    )
+
+
+def render(
+    name: str,
+    *,
+    info: dict[str, Any],
+    peer: dict[str, float],
+    jobs: dict[str, dict[str, Any]],
+    loads: list[str],
+    cmd: str,
+) -> str:
+    budget = peer["wall_s"]
+    rows = [
+        f"| peer: ORT transformers optimizer + one benchmark of the original | {peer['wall_s']:.1f} | 1.00x | "
+        f"optimize {peer['optimize_s']:.1f} s, benchmark {peer['benchmark_s']:.1f} s "
+        f"(p50 {peer['p50_ms']:.1f} ms at {PEER_BATCH}x{PEER_SEQ}) |"
+    ]
+    for label, job in jobs.items():
+        ratio = job["wall_s"] / budget
+        mark = "within" if ratio <= TARGET_RATIO else "over"
+        rows.append(
+            f"| `fast` job, {label} | {job['wall_s']:.1f} | **{ratio:.2f}x** ({mark} {TARGET_RATIO:g}x) | "
+            f"{job['passes']} passes, {job['applied']} applied, speedup {job['speedup']:.3f}; {_stages(job)} |"
+        )
+    size_mb = info["bytes"] / 1e6
+    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("ONNXFORGE_PIPELINE__"))
+    settings = f"pipeline settings from the environment: {', '.join(env)}" if env else "default pipeline settings"
+    return "\n".join(
+        [
+            f"Command: `{cmd}`",
+            "",
+            machine_line(host_info(target="cpu", intra_op_threads=0), load=loads[0]),
+            f"Load average after the run: {loads[-1]}.",
+            "",
+            f"Model: `{name}` bench size ({size_mb:.0f} MB, {info['nodes']} nodes), no samples, target cpu, "
+            f"{settings}. Wall time of each process, start-up and imports included. Issue 17's target: at most "
+            f"{TARGET_RATIO:g}x the peer.",
+            "",
+            "| what | wall s | / peer | breakdown |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.job_time", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bert_mlm_loss", help="a bench model (bench/models.py)")
+    parser.add_argument("--before", metavar="REV", help="also time the job of this git revision (before figures)")
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave bench/README.md alone")
+    parser.add_argument("--keep", type=Path, metavar="DIR", help="copy each job's report.json here")
+    args = parser.parse_args(argv)
+    cmd = "python -m bench.job_time " + shlex.join(argv if argv is not None else sys.argv[1:])
+    model = ensure_bench_model(args.model)
+    info = model_info(args.model) or {}
+    loads = [_load()]
+    with tempfile.TemporaryDirectory(prefix="job-time-") as tmp:
+        root = Path(tmp)
+        print(f"load {loads[0]}; peer ...", flush=True)
+        peer = run_peer(model, args.model, info, root)
+        jobs: dict[str, dict[str, Any]] = {}
+        if args.before:
+            print(f"load {_load()}; job at {args.before} ...", flush=True)
+            tree = extract(args.before, root / "before")
+            jobs[f"before (`{args.before}`)"] = run_job(model, (root / "out-before"), tree)
+        print(f"load {_load()}; job at this checkout ...", flush=True)
+        jobs["after (this checkout)"] = run_job(model, root / "out-after", REPO)
+        loads.append(_load())
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for out in root.glob("out-*"):
+                shutil.copyfile(out / "report.json", args.keep / f"{out.name.removeprefix('out-')}.report.json")
+    text = render(args.model, info=info, peer=peer, jobs=jobs, loads=loads, cmd=cmd.strip())
+    print(text)
+    if not args.no_write:
+        write_blocks({(START, END): text}, heading=HEADING)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
