@@ -16,6 +16,12 @@ Redis key with a TTL, or ``flock`` on the filesystem queue), so two workers neve
 missing and both enqueue it. A duplicate that still slips through (a worker took the message but has not
 claimed yet, embedded mode) meets ``claim``'s compare-and-set and does nothing.
 
+A job goes back at its fair-share priority (core/quotas.py): its team's base priority plus the team's jobs
+in flight submitted before it. The row keeps no priority, so this is recomputed; it equals the priority the
+job was sent with less the jobs ahead of it that have finished since, as if it had been submitted behind
+the ones still in flight. Re-enqueueing at 0 would have put a flooding team's lost jobs ahead of every
+other team's first ones.
+
 In embedded mode each round also deletes consumed message files older than a day from the filesystem
 queue's ``processed/`` folder.
 """
@@ -23,6 +29,7 @@ queue's ``processed/`` folder.
 from __future__ import annotations
 
 import base64
+import bisect
 import contextlib
 import fcntl
 import json
@@ -38,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.broker import QUEUES, Dispatcher, queue_dirs
 from core.errors import UnavailableError
+from core.quotas import Quota
 
 if TYPE_CHECKING:
     from core.broker import Dispatcher
@@ -47,9 +55,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROCESSED_KEEP_SECONDS = 24 * 3600
-# kombu's Redis transport keeps a queue's priority p > 0 messages in the list "<queue>\x06\x16<p>".
+# kombu's Redis transport keeps a queue's priority p > 0 messages in the list "<queue>\x06\x16<p>", one list
+# per step of core/broker.py's priority_steps (0-9): a list left unread hides its jobs, which then look lost.
 _PRIORITY_SEP = "\x06\x16"
-_PRIORITY_STEPS = (0, 3, 6, 9)
+_PRIORITY_STEPS = tuple(range(10))
+_IN_FLIGHT = ("queued", "running")
+_PAGE = 500
 _LOCK_KEY = "onnxforge.reconciler.lock"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
@@ -174,6 +185,36 @@ def round_lock(settings: Settings) -> Iterator[str]:
         client.close()
 
 
+def _in_flight_since(store: JobStore, tenant: str) -> list[datetime]:
+    """Creation times of the tenant's jobs queued or running, sorted."""
+    stamps: list[datetime] = []
+    for state in _IN_FLIGHT:
+        offset, total = 0, 1
+        while offset < total:
+            page, total = store.list(tenant, limit=_PAGE, offset=offset, state=state)
+            if not page:
+                break
+            stamps.extend(job.created_at for job in page)
+            offset += len(page)
+    return sorted(stamps)
+
+
+class _Priorities:
+    """Each job's fair-share priority for one round, reading each team's jobs in flight once."""
+
+    def __init__(self, store: JobStore, settings: Settings) -> None:
+        self.store, self.settings = store, settings
+        self._since: dict[str, list[datetime]] = {}
+
+    def of(self, job: Job) -> int | None:
+        if self.settings.embedded:  # the filesystem queue is first in, first out
+            return None
+        if job.tenant not in self._since:
+            self._since[job.tenant] = _in_flight_since(self.store, job.tenant)
+        ahead = bisect.bisect_left(self._since[job.tenant], job.created_at)
+        return Quota.for_team(self.settings.quotas, job.tenant).fair_priority(ahead)
+
+
 def reconcile_once(store: JobStore, dispatcher: Dispatcher, settings: Settings, now: datetime | None = None) -> int:
     """Enqueue every stale job that the broker holds no live message for; returns how many were enqueued."""
     now = now or datetime.now(UTC)
@@ -189,17 +230,24 @@ def reconcile_once(store: JobStore, dispatcher: Dispatcher, settings: Settings, 
         except Exception:  # unreadable queues: enqueue as before; a duplicate costs only a delivery
             log.warning("reconciler: cannot read the broker's queues; enqueuing every stale job", exc_info=True)
             view = None
-        count = 0
+        count, priorities = 0, _Priorities(store, settings)
         for job in stale:
             if view is not None and view.has_live_message(job, now, grace):
                 continue
             try:
-                dispatcher.enqueue(job.id, job.queue)
+                priority = priorities.of(job)
+                dispatcher.enqueue(job.id, job.queue, priority)
             except UnavailableError:
                 log.warning("reconciler: broker unavailable; will retry next round")
                 break
             store.touch_queued(job.id)
-            log.info("reconciler: re-enqueued %s job %s (attempts %d)", job.state, job.id, job.attempts)
+            log.info(
+                "reconciler: re-enqueued %s job %s (attempts %d, priority %s)",
+                job.state,
+                job.id,
+                job.attempts,
+                priority,
+            )
             count += 1
         return count
 

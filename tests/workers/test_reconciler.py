@@ -88,21 +88,30 @@ def _store(settings: Settings, clock: ShiftedClock) -> JobStore:
     return store
 
 
-def _create(store: JobStore) -> Job:
+def _create(store: JobStore, tenant: str = "t") -> Job:
     return store.create(
-        tenant="t", model_sha256="0" * 64, model_filename="m.onnx", model_format="onnx", model_size=1,
+        tenant=tenant, model_sha256="0" * 64, model_filename="m.onnx", model_format="onnx", model_size=1,
         samples_sha256=None, config={}, queue="cpu",
     )  # fmt: skip
 
 
-def _waiting(settings: Settings) -> Counter[str]:
-    """Job id -> number of messages waiting in the ``cpu`` queue."""
+def _waiting_by_priority(settings: Settings) -> dict[int, Counter[str]]:
+    """Priority -> (job id -> number of messages waiting in the ``cpu`` queue at that priority).
+
+    kombu keeps priority 0 in the queue's own list and p > 0 in "<queue>\x06\x16<p>" (core/broker.py).
+    """
     client = redis.Redis.from_url(str(settings.broker.url))
     try:
-        raws = client.lrange(f"{settings.broker.key_prefix}cpu", 0, -1)
+        base = f"{settings.broker.key_prefix}cpu"
+        lists = {p: client.lrange(base + (f"\x06\x16{p}" if p else ""), 0, -1) for p in range(10)}
     finally:
         client.close()
-    return Counter(job_id_of(raw) for raw in raws)
+    return {p: Counter(job_id_of(raw) for raw in raws) for p, raws in lists.items() if raws}
+
+
+def _waiting(settings: Settings) -> Counter[str]:
+    """Job id -> number of messages waiting in the ``cpu`` queue, at any priority."""
+    return sum(_waiting_by_priority(settings).values(), Counter())
 
 
 def _rounds(store: JobStore, dispatchers: list[Dispatcher], settings: Settings, start: datetime) -> list[int]:
@@ -156,6 +165,36 @@ def test_reconcile_once_reenqueues_each_lost_message_once_when_rounds_repeat(dis
 
     assert enqueued == [3] + [0] * (ROUNDS - 1)
     assert _waiting(distributed) == Counter({job.id: 1 for job in jobs})
+    store.close()
+
+
+@pytest.mark.integration
+def test_reconcile_once_reenqueues_lost_job_at_its_fair_share_priority_when_its_team_has_jobs_ahead(
+    tmp_path, redis_url, redis_test_prefix, clock
+):
+    settings = Settings(
+        storage={"data_dir": tmp_path / "data"},
+        broker={"url": redis_url, "key_prefix": redis_test_prefix},
+        worker={"lease_seconds": LEASE},
+        quotas={"teams": {"flood": {"priority": 2}}},
+    )
+    store = _store(settings, clock)
+    with Dispatcher(settings) as api, Dispatcher(settings) as w1, Dispatcher(settings) as w2:
+        other = _create(store, "quiet")  # another team's job, older, does not count against "flood"
+        first, second, lost = (_create(store, "flood") for _ in range(3))
+        api.enqueue(first.id, first.queue, 2)  # as the API sends them: base 2 plus the team's jobs in flight
+        api.enqueue(second.id, second.queue, 3)  # the lost job was sent at 4, then Redis lost it
+
+        enqueued = _rounds(store, [w1, w2], settings, datetime.now(UTC))
+
+    # Re-enqueued once, at 4 and not 0; the later rounds see it in the priority-4 list and leave it alone.
+    assert enqueued == [2] + [0] * (ROUNDS - 1)
+    assert _waiting_by_priority(settings) == {
+        0: Counter({other.id: 1}),
+        2: Counter({first.id: 1}),
+        3: Counter({second.id: 1}),
+        4: Counter({lost.id: 1}),
+    }
     store.close()
 
 
