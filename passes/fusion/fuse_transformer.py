@@ -68,6 +68,7 @@ from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
 from passes.fusion import _rms_norm as rms_norm
+from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion._qkv_packing import pack_qkv
 
 Engine = Literal["onnxscript", "ort", "onnxscript+ort"]
@@ -256,35 +257,13 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
 
 
 def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode) -> onnx.ModelProto:
-    model = ir.serde.deserialize_model(_symbolic_shapes(proto, report))
+    model = ir.serde.deserialize_model(symbolic_shapes.infer(proto, report))
     common_passes.ShapeInferencePass()(model)
     report["gemm"] = gemm_to_matmul(model)
     report["nan_guards"] = nan_guard.rules.apply_to_model(model)
     counts = onnxscript_adapter.fuse_for_ort(model, stop_before=attention)
     report["onnxscript_counts"] = {k: v for k, v in counts.items() if v}
     return ir.serde.serialize_model(model)
-
-
-def _symbolic_shapes(proto: onnx.ModelProto, report: dict[str, Any]) -> onnx.ModelProto:
-    """ORT's symbolic shape inference, which follows ``Shape -> Gather -> Concat -> Reshape`` chains.
-
-    TorchScript exports split heads with ``view(*input_shape, -1, head_dim)``: a runtime-computed shape
-    holding -1, where ONNX's inference gives every Reshape a fresh unknown heads dim and onnxscript's SDPA
-    rule then refuses q, k and v as of different shapes. Symbolic inference resolves them to the same
-    [batch, sequence, heads, head_dim]. A model it cannot read keeps ONNX's shapes (and says so).
-    """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-    try:
-        inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
-    except Exception as exc:  # any refusal only costs the fusions that need it
-        report["symbolic_shapes"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
-        return proto
-    if inferred is None:
-        report["symbolic_shapes"] = "skipped: ORT's symbolic shape inference returned no model"
-        return proto
-    report["symbolic_shapes"] = "applied"
-    return inferred
 
 
 def _ort(proto: onnx.ModelProto, family: str, heads: int, hidden: int, failures: Counter[str]) -> onnx.ModelProto:

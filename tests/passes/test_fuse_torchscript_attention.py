@@ -14,7 +14,7 @@ import onnx_ir as ir
 import pytest
 
 from passes._infra import op_histogram
-from passes.fusion import _nan_guard
+from passes.fusion import _nan_guard, _symbolic_shapes
 from passes.fusion.fuse_transformer import FuseTransformer
 from tests.models.build_torchscript import inputs
 from tests.passes._util import MODELS, session
@@ -86,3 +86,58 @@ def test_nan_guard_stays_when_fill_non_zero_or_not_a_softmax(fill, producer):
     model = ir.serde.deserialize_model(guard_model(fill, producer))
     assert _nan_guard.rules.apply_to_model(model) == 0
     assert op_histogram(model)["Where"] == 1
+
+
+def as_value_ints(proto: onnx.ModelProto) -> int:
+    """Rewrite the 1-D int64 Constants to ``value_ints``, the form onnxscript's constant folder writes."""
+    count = 0
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.attribute[0].name == "value":
+            array = onnx.numpy_helper.to_array(node.attribute[0].t)
+            if array.dtype == np.int64 and array.ndim == 1 and array.size:
+                node.ClearField("attribute")
+                node.attribute.append(onnx.helper.make_attribute("value_ints", array.tolist()))
+                count += 1
+    return count
+
+
+def test_fuse_transformer_fuses_multi_head_attention_when_shape_constants_are_value_ints():
+    """ORT's symbolic shape inference reads Constant ``value`` only: with ``value_ints`` it raised, the heads
+    dims stayed unknown and no attention fused (the ``fast`` preset's case, after constant_folding)."""
+    proto = onnx.load(str(MODELS / "ts_bert_eager.onnx"))
+    assert as_value_ints(proto) > 0
+    onnx.checker.check_model(proto, full_check=True)
+    result = FuseTransformer({"engines": ["onnxscript"]})(ir.serde.deserialize_model(proto))
+    report = result.notes["candidates"]["onnxscript"]
+    assert report["symbolic_shapes"] == "applied"
+    assert report["constants_as_tensors"] > 0
+    assert op_histogram(result.model)["com.microsoft::MultiHeadAttention"] == LAYERS
+    assert "Softmax" not in op_histogram(result.model)
+    assert_same_as_export("ts_bert_eager", result.model)
+
+
+CONSTANTS = """
+<ir_version: 9, opset_import: ["" : 18]>
+constants (float[N] x) => (float[N] y, int64 n, string[2] s) {
+    scale = Constant <value_floats = [2.0, 0.5, -1.0]> ()
+    y = Mul(x, scale)
+    n = Constant <value_int = 7> ()
+    s = Constant <value_strings = ["a", "bc"]> ()
+}
+"""
+
+
+def test_constants_as_tensors_keeps_values_when_scalar_list_and_string_forms():
+    original = onnx.parser.parse_model(CONSTANTS)
+    proto = onnx.ModelProto()
+    proto.CopyFrom(original)
+    assert _symbolic_shapes.constants_as_tensors(proto.graph) == 3
+    assert [a.name for n in proto.graph.node if n.op_type == "Constant" for a in n.attribute] == ["value"] * 3
+    onnx.checker.check_model(proto, full_check=True)
+    feeds = {"x": np.array([1.0, 2.0, 3.0], np.float32)}
+    want = session(ir.serde.deserialize_model(original)).run(None, feeds)
+    got = session(ir.serde.deserialize_model(proto)).run(None, feeds)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    assert _symbolic_shapes.constants_as_tensors(proto.graph) == 0  # already in tensor form
