@@ -4,6 +4,7 @@ exists on this machine is run for real: the redis and postgres healthchecks agai
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tomllib
@@ -24,7 +25,10 @@ def compose() -> dict:
 
 
 def test_compose_defines_the_stack_services(compose):
-    assert set(compose["services"]) == {"redis", "postgres", "api", "worker-cpu", "worker-gpu"}
+    assert set(compose["services"]) == {"redis", "postgres", "migrate", "api", "worker-cpu", "worker-gpu"}
+
+
+ONE_SHOT = {"migrate"}  # runs to completion; nothing to health-check or restart
 
 
 def test_compose_redis_keeps_an_append_only_file_and_never_evicts(compose):
@@ -35,16 +39,19 @@ def test_compose_redis_keeps_an_append_only_file_and_never_evicts(compose):
 
 def test_compose_every_service_has_a_healthcheck_and_restart_policy(compose):
     for name, service in compose["services"].items():
+        if name in ONE_SHOT:
+            assert service.get("restart") == "no" and "healthcheck" not in service, name
+            continue
         assert "healthcheck" in service, f"{name} has no healthcheck"
         assert service.get("restart") == "unless-stopped", f"{name} has no restart policy"
 
 
-@pytest.mark.parametrize("name", ["api", "worker-cpu", "worker-gpu"])
+@pytest.mark.parametrize("name", ["migrate", "api", "worker-cpu", "worker-gpu"])
 def test_compose_onnxforge_commands_are_accepted_by_the_cli(compose, name):
     assert_cli_accepts(compose["services"][name]["command"])
 
 
-@pytest.mark.parametrize("name", ["api", "worker-cpu", "worker-gpu"])
+@pytest.mark.parametrize("name", ["migrate", "api", "worker-cpu", "worker-gpu"])
 def test_compose_environment_names_only_real_settings(compose, name):
     env = compose["services"][name]["environment"]
     assert env and all(k.startswith("ONNXFORGE_") for k in env)
@@ -131,3 +138,20 @@ def test_compose_workers_unpack_jobs_on_their_own_volume_not_the_shared_one(comp
     assert scratch in service["volumes"], f"{name}: {scratch} is not a volume of its own"
     data_dir = service["environment"]["ONNXFORGE_STORAGE__DATA_DIR"]
     assert not Path(scratch).is_relative_to(data_dir), f"{name}: scratch is on the shared volume"
+
+
+@pytest.mark.parametrize("name", ["api", "worker-cpu", "worker-gpu"])
+def test_compose_service_starts_after_migrate_succeeded_when_it_does_not_migrate_itself(compose, name, monkeypatch):
+    from core.settings import Settings
+
+    service = compose["services"][name]
+    env = {k: str(v) for k, v in service["environment"].items()}
+    for key in [k for k in os.environ if k.startswith("ONNXFORGE_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert Settings().database.auto_migrate is False, f"{name} would alter the schema at start"
+    assert service["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
+    migrate = compose["services"]["migrate"]
+    assert migrate["command"] == ["migrate"] and migrate["image"] == service["image"].replace("-gpu:", ":")
+    assert migrate["environment"]["ONNXFORGE_DATABASE__URL"] == env["ONNXFORGE_DATABASE__URL"]
