@@ -51,7 +51,7 @@ CUSTOM_SCHEMAS = {
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "keda.sh_v1alpha1_triggerauthentication.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_v1_servicemonitor.json",
 }
-POD_OWNERS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+POD_OWNERS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob"}
 
 
 # ------------------------------------------------------------------------------------- the renderer
@@ -145,9 +145,14 @@ def _apply_patch(docs: list[dict[str, Any]], entry: dict[str, Any], directory: P
     return [_merge(d, body) if any(d is m for m in matches) else d for d in docs]
 
 
+def _pod_template(doc: dict[str, Any]) -> dict[str, Any]:
+    spec = doc["spec"]["jobTemplate"]["spec"] if doc["kind"] == "CronJob" else doc["spec"]
+    return spec["template"]
+
+
 def _pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
     if doc["kind"] in POD_OWNERS:
-        return doc["spec"]["template"]["spec"]
+        return _pod_template(doc)["spec"]
     return None
 
 
@@ -425,7 +430,7 @@ def test_every_kustomization_renders_the_expected_objects():
         ("Deployment", "worker-cpu"), ("Service", "redis"), ("StatefulSet", "redis"),
         ("Service", "postgres"), ("StatefulSet", "postgres"), ("NetworkPolicy", "redis"),
         ("NetworkPolicy", "postgres"), ("TriggerAuthentication", "onnxforge-redis"),
-        ("ScaledObject", "worker-cpu"),
+        ("ScaledObject", "worker-cpu"), ("CronJob", "purge"),
     }  # fmt: skip
     assert cpu == core
     assert gpu == core | {("Deployment", "worker-gpu"), ("ScaledObject", "worker-gpu")}
@@ -664,7 +669,7 @@ def _policy_admits(policy: dict[str, Any], namespace: str, pod_labels: dict[str,
 
 
 @pytest.mark.parametrize(("target", "port"), [("redis", 6379), ("postgres", 5432)])
-def test_network_policy_lets_only_api_and_workers_reach_the_data_stores(rendered, target, port):
+def test_network_policy_lets_only_api_workers_and_purge_reach_the_data_stores(rendered, target, port):
     _, docs = rendered
     policies = _by_kind(docs, "NetworkPolicy")
     if target not in _by_kind(docs, "StatefulSet"):
@@ -676,17 +681,18 @@ def test_network_policy_lets_only_api_and_workers_reach_the_data_stores(rendered
         d["metadata"]["name"]
         for d in docs
         if _pod_spec(d) is not None
-        and _labels_match(policy["spec"]["podSelector"], d["spec"]["template"]["metadata"]["labels"])
+        and _labels_match(policy["spec"]["podSelector"], _pod_template(d)["metadata"]["labels"])
     }
     assert selected == {target}
     admitted = {
         d["metadata"]["name"]
         for d in docs
         if _pod_spec(d) is not None
-        and _policy_admits(policy, d["metadata"]["namespace"], d["spec"]["template"]["metadata"]["labels"])
+        and _policy_admits(policy, d["metadata"]["namespace"], _pod_template(d)["metadata"]["labels"])
     }
     workers = {n for n in _by_kind(docs, "Deployment") if n.startswith("worker-")}
-    assert admitted == {"api", *workers}
+    # The retention CronJob reads the job table and never the broker.
+    assert admitted == {"api", *workers, *({"purge"} if target == "postgres" else set())}
     for rule in policy["spec"]["ingress"]:
         assert [p["port"] for p in rule["ports"]] == [port]
         for peer in rule["from"]:
@@ -703,7 +709,7 @@ def test_services_select_pods_and_name_their_ports(rendered):
         pods = [
             d for d in docs
             if _pod_spec(d) is not None and _labels_match({"matchLabels": service["spec"]["selector"]},
-                                                          d["spec"]["template"]["metadata"]["labels"])
+                                                          _pod_template(d)["metadata"]["labels"])
         ]  # fmt: skip
         assert pods, f"Service {service['metadata']['name']} selects no pods"
         names = {p["name"] for d in pods for c in _containers(d) for p in c.get("ports", [])}
@@ -970,3 +976,42 @@ def test_workers_unpack_jobs_on_local_disk_not_on_the_shared_volume(rendered, se
         (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == scratch]
         assert "emptyDir" in volumes[mount["name"]], f"{doc['metadata']['name']}: scratch is not node-local"
         assert volumes[mount["name"]]["emptyDir"].get("sizeLimit"), "an unbounded emptyDir can fill the node"
+
+
+# ------------------------------------------------------------------------- schema migrations, retention
+
+
+def test_services_migrate_in_an_init_container_and_do_not_migrate_themselves(rendered, secret):
+    _, docs = rendered
+    services = [d for d in docs if d["kind"] == "Deployment" and any(_is_onnxforge(c) for c in _containers(d))]
+    assert {d["metadata"]["name"] for d in services} >= {"api", "worker-cpu"}
+    for doc in services:
+        name, spec = doc["metadata"]["name"], _pod_spec(doc)
+        (init,) = spec.get("initContainers", [{}])
+        assert init.get("args") == ["migrate"], f"{name}: no `onnxforge migrate` before the service starts"
+        (main,) = spec["containers"]
+        assert init["image"] == main["image"], f"{name}: migrates to another version's schema than it runs"
+        for container in (init, main):
+            env = _container_env(container, docs, secret)
+            assert env["ONNXFORGE_DATABASE__AUTO_MIGRATE"] == "false", f"{name}/{container['name']}"
+        assert _container_env(init, docs, secret)["ONNXFORGE_DATABASE__URL"] == env["ONNXFORGE_DATABASE__URL"]
+        if main["args"][0] == "worker":  # a Guaranteed pod needs every container's requests equal to its limits
+            assert init["resources"]["requests"] == init["resources"]["limits"], name
+
+
+def test_purge_runs_daily_one_run_at_a_time_on_the_shared_store(rendered, secret):
+    _, docs = rendered
+    cron = _by_kind(docs, "CronJob")["purge"]
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    minute, hour, *rest = cron["spec"]["schedule"].split()
+    assert minute.isdigit() and hour.isdigit() and rest == ["*", "*", "*"], "not once a day"
+    spec = _pod_spec(cron)
+    assert spec["restartPolicy"] == "Never"
+    (container,) = spec["containers"]
+    assert container["args"][:2] == ["purge", "--sweep"]
+    api = _by_kind(docs, "Deployment")["api"]
+    (api_container,) = _pod_spec(api)["containers"]
+    assert container["image"] == api_container["image"]
+    purge_env, api_env = _container_env(container, docs, secret), _container_env(api_container, docs, secret)
+    for key in ("ONNXFORGE_DATABASE__URL", "ONNXFORGE_STORAGE__DATA_DIR"):
+        assert purge_env[key] == api_env[key], f"purge and the API disagree on {key}"
