@@ -180,6 +180,7 @@ class FuseTransformer(Pass):
             return fusions, -candidates[engine]["nodes"]
 
         verified = [e for e in opts.engines if candidates[e]["verified"]]
+        symbolic = next((c["symbolic_shapes"] for c in candidates.values() if "symbolic_shapes" in c), "")
         best = max(verified, key=score, default=None)
         non_matches = [
             NonMatch(f"candidate {e} rejected: {candidates[e]['error']}") for e in opts.engines if e not in verified
@@ -187,13 +188,14 @@ class FuseTransformer(Pass):
         if best is None or score(best)[0] == 0:
             reason = "no verified candidate fused anything expected"
             achieved = dict.fromkeys(expected, 0)
-            notes |= {"achieved": achieved, "missing": _missing(expected, achieved, base, ort_failures)}
+            missing = _missing(expected, achieved, base, ort_failures, symbolic)
+            notes |= {"achieved": achieved, "missing": missing}
             non_matches += [NonMatch(f"{g}: {r}") for g, r in notes["missing"].items()]
             non_matches += _per_layer(traced or base, base, family, notes["missing"])
             return PassResult(unchanged, False, {}, non_matches, notes | _skip(reason))
         result = ir.serde.deserialize_model(built[best])
         achieved = fam.achieved_fusions(result)
-        missing = _missing(expected, achieved, result, ort_failures)
+        missing = _missing(expected, achieved, result, ort_failures, symbolic)
         non_matches += [NonMatch(f"{group}: {reason}") for group, reason in missing.items()]
         non_matches += _per_layer(result, base, family, missing)
         notes |= {"chosen": best, "achieved": achieved, "missing": missing, "decision": f"applied ({best})"}
@@ -359,8 +361,12 @@ def gemm_to_matmul(model: ir.Model) -> int:
 _TRACED = {"attention": "sdpa", "skip_layer_norm": "skip_layer_normalization", "gelu": "gelu"}
 
 
-def _missing(expected: dict[str, int], achieved: dict[str, int], model: ir.Model, ort_failures: Counter[str]) -> dict:
-    """For each shortfall, onnxscript's closest partial match (MatchingTracer) or ORT's refusal message."""
+def _missing(
+    expected: dict[str, int], achieved: dict[str, int], model: ir.Model, ort_failures: Counter[str], symbolic: str
+) -> dict:
+    """For each shortfall, onnxscript's closest partial match (MatchingTracer) or ORT's refusal message; for
+    attention, also a refused symbolic shape inference, which leaves the heads dims of TorchScript exports
+    unknown and is the cause the partial match alone does not name."""
     missing = {}
     for group, want in expected.items():
         got = achieved.get(group, 0)
@@ -371,6 +377,8 @@ def _missing(expected: dict[str, int], achieved: dict[str, int], model: ir.Model
             reason += "; " + onnxscript_adapter.closest_match(model, _TRACED[group])
         else:
             reason += f"; onnxscript {onnxscript_adapter.VERSION} has no rule for it"
+        if group == "attention" and symbolic.startswith("skipped"):
+            reason += f"; heads dims unresolved, ORT symbolic shape inference {symbolic}"
         ort = [m for m in ort_failures if group.split("_")[0] in m.lower()]
         if ort:
             reason += f"; ORT optimizer: {ort[0]}"

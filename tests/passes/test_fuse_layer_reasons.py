@@ -7,10 +7,14 @@ original does (ONNX Runtime, graph optimizations off, shapes other than the expo
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx_ir as ir
+import pytest
 
 from passes._infra import op_histogram
+from passes.fusion import fuse_transformer
 from passes.fusion.fuse_transformer import FuseTransformer
 from tests.models.build_torchscript import inputs
 from tests.passes._util import MODELS, session
@@ -92,3 +96,15 @@ def test_fuse_transformer_names_gelu_layer_and_wrong_constant_when_one_tanh_gelu
     assert reasons[0].endswith("(CONDITION_FAILED): cubic is 0.05, expected 0.044715: not the tanh GELU")
     assert result.notes["missing"]["gelu"].startswith("expected 2, achieved 1")
     assert_same_as(original, result.model)
+
+
+@pytest.mark.parametrize("symbolic", ["applied", "skipped: AttributeError: 'NoneType' object has no attribute"])
+def test_missing_names_symbolic_shape_inference_when_it_refused_the_graph(symbolic):
+    """A refused symbolic shape inference leaves a TorchScript export's heads dims unknown: the attention
+    shortfall names it beside onnxscript's partial match, which alone shows only "unk__10 vs unk__9"."""
+    model = ir.load(MODELS / "ts_bert_eager.onnx")
+    missing = fuse_transformer._missing({"attention": 2, "gelu": 2}, {"gelu": 2}, model, Counter(), symbolic)
+    assert list(missing) == ["attention"]
+    assert missing["attention"].startswith("expected 2, achieved 0; closest onnxscript sdpa match")
+    named = f"; heads dims unresolved, ORT symbolic shape inference {symbolic}" in missing["attention"]
+    assert named is symbolic.startswith("skipped")
