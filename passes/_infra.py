@@ -63,7 +63,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, get_args, get_origin
 
 import numpy as np
 import onnx_ir as ir
@@ -163,11 +163,15 @@ class PassContext:
     measure: Measure | None = None
 
 
-class Pass(abc.ABC):
+OptionsT = TypeVar("OptionsT", bound=PassOptions)
+
+
+class Pass(abc.ABC, Generic[OptionsT]):
     """Base class of every onnxforge pass. Subclasses set the class variables and implement ``call``.
 
     The class variables and the two no-op methods are the pass's declarations to the engine (the table in
-    the module docstring)."""
+    the module docstring). ``class X(Pass[XOptions])`` declares ``Options = XOptions`` and types
+    ``self.options`` as ``XOptions`` in one place; a plain ``Pass`` subclass may still set ``Options``."""
 
     name: ClassVar[str]
     summary: ClassVar[str]  # one line for the catalogue
@@ -179,20 +183,33 @@ class Pass(abc.ABC):
     changes_inputs: ClassVar[bool] = False
     may_freeze_axes: ClassVar[bool] = False
     adds_files: ClassVar[tuple[str, ...]] = ()
+    options: OptionsT
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Only this class's own bases: a subclass of a concrete pass inherits its parent's Options as is.
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            if get_origin(base) is Pass:
+                (options_type,) = get_args(base)
+                if not (isinstance(options_type, type) and issubclass(options_type, PassOptions)):
+                    raise TypeError(f"{cls.__name__}: Pass[...] takes a PassOptions subclass, not {options_type!r}")
+                if "Options" in cls.__dict__ and cls.__dict__["Options"] is not options_type:
+                    raise TypeError(f"{cls.__name__}: Options differs from the Pass[...] type argument")
+                cls.Options = options_type
 
     def __init__(self, options: PassOptions | dict[str, Any] | None = None) -> None:
         self.options = self.parse_options(options)
 
     @classmethod
-    def parse_options(cls, options: PassOptions | dict[str, Any] | None) -> PassOptions:
+    def parse_options(cls, options: PassOptions | dict[str, Any] | None) -> OptionsT:
         if isinstance(options, cls.Options):
-            return options
+            return options  # type: ignore[return-value]  # cls.Options is OptionsT for a Pass[OptionsT]
         if isinstance(options, PassOptions):
             raise InvalidPassOptionsError(
                 f"options of type {type(options).__name__} given to pass {cls.name}", pass_name=cls.name
             )
         try:
-            return cls.Options.model_validate(options or {})
+            return cls.Options.model_validate(options or {})  # type: ignore[return-value]  # as above
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in err['loc']) or '(options)'}: {err['msg']}" for err in exc.errors()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable
-from typing import ClassVar
 
 import onnx_ir as ir
 from pydantic import Field
@@ -79,16 +78,14 @@ def _node_key(node: ir.Node, max_elements: int) -> Hashable:
     return (node.op_identifier(), len(node.outputs), inputs, attributes)
 
 
-class CommonSubexpressionElimination(Pass):
+class CommonSubexpressionElimination(Pass[CommonSubexpressionEliminationOptions]):
     name = "common_subexpression_elimination"
     summary = "Merge nodes with the same op, inputs and attributes into one."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = CommonSubexpressionEliminationOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options = self.options
-        assert isinstance(options, CommonSubexpressionEliminationOptions)
         merged: Counter[str] = Counter()
         non_matches: list[NonMatch] = []
         # The main graph first: merging there rewires captured values inside subgraphs, which can make

@@ -25,7 +25,6 @@ reads them any more::
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import numpy as np
 import onnx
@@ -117,16 +116,14 @@ class _SizeGuard:
         return None
 
 
-class ConstantFolding(Pass):
+class ConstantFolding(Pass[ConstantFoldingOptions]):
     name = "constant_folding"
     summary = "Precompute nodes whose inputs are all constants, within an output-size cap."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = ConstantFoldingOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options = self.options
-        assert isinstance(options, ConstantFoldingOptions)
         max_bytes = ctx.constant_fold_max_bytes if options.max_output_bytes is None else options.max_output_bytes
         guard = _SizeGuard(model, max_bytes, options.max_input_elements)
         ops_before = op_histogram(model)

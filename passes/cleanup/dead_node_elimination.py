@@ -19,8 +19,6 @@ initializers that are also listed as graph inputs (a caller may feed them).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedFunctionsPass, RemoveUnusedNodesPass, RemoveUnusedOpsetsPass
 from pydantic import Field
@@ -57,16 +55,14 @@ def _remove_unused_subgraph_initializers(model: ir.Model) -> int:
     return removed
 
 
-class DeadNodeElimination(Pass):
+class DeadNodeElimination(Pass[DeadNodeEliminationOptions]):
     name = "dead_node_elimination"
     summary = "Remove nodes, initializers, functions and opset imports nothing depends on."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = DeadNodeEliminationOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options = self.options
-        assert isinstance(options, DeadNodeEliminationOptions)
         ops_before = op_histogram(model)
         initializers_before = _initializer_count(model)
 

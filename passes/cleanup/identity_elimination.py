@@ -23,8 +23,6 @@ or a value of an enclosing graph. ONNX has no way to name one value twice, so th
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import onnx_ir as ir
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
@@ -56,12 +54,11 @@ def _decline_reason(node: ir.Node, graph: ir.Graph | ir.Function) -> str | None:
     return None  # rule 2
 
 
-class IdentityElimination(Pass):
+class IdentityElimination(Pass[IdentityEliminationOptions]):
     name = "identity_elimination"
     summary = "Remove Identity nodes, keeping graph input and output names intact."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = IdentityEliminationOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         removed = renamed = 0

@@ -69,15 +69,14 @@ class _Site:
         self.ignore_index = ignore
 
 
-class LabelSparsity(Pass):
+class LabelSparsity(Pass[LabelSparsityOptions]):
     name = "label_sparsity"
     summary = "Compute the loss (and, with upstream_slice, the LM head) only on rows with a valid label."
     exact = True
     in_place = True
-    Options = LabelSparsityOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: LabelSparsityOptions = self.options  # type: ignore[assignment]
+        options = self.options
         non_matches: list[NonMatch] = []
         sites = [s for node in list(model.graph) if (s := self._match(node, non_matches)) is not None]
         notes: dict[str, Any] = {"sites": len(sites), "threshold": options.density_threshold}

@@ -112,15 +112,14 @@ class _Plan:
     boundaries: list[ir.Value]  # unpadded values also read padded (outside consumers, graph outputs)
 
 
-class PaddingElimination(Pass):
+class PaddingElimination(Pass[PaddingEliminationOptions]):
     name = "padding_elimination"
     summary = "Run an encoder's token-wise ops (projections, FFN, LayerNorm) on valid tokens only."
     exact = True
     in_place = True
-    Options = PaddingEliminationOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: PaddingEliminationOptions = self.options  # type: ignore[assignment]
+        options = self.options
         notes: dict[str, Any] = {"threshold": options.density_threshold}
         counts = {"ops_unpadded": 0, "boundaries": 0}
         plan = self._plan(model, notes)
@@ -150,7 +149,7 @@ class PaddingElimination(Pass):
         return PassResult(model, True, counts, [], notes, valid_positions=notes["valid_positions"])
 
     def _plan(self, model: ir.Model, notes: dict[str, Any]) -> _Plan | NonMatch:
-        options: PaddingEliminationOptions = self.options  # type: ignore[assignment]
+        options = self.options
         graph = model.graph
         opset = graph.opset_imports.get("", 0)
         if opset < 13:

@@ -83,16 +83,15 @@ class _Pair:
         return int(self.a.shape[1])
 
 
-class ExtractAdapters(Pass):
+class ExtractAdapters(Pass[ExtractAdaptersOptions]):
     name = "extract_adapters"
     summary = "Move LoRA pairs (found by structure) into an .onnx_adapter; the artifact runs as the base without it."
     exact = True  # with the adapter active, the function is unchanged up to float rounding
     in_place = True
-    Options = ExtractAdaptersOptions
     adds_files = (ADAPTER_SUFFIX,)
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: ExtractAdaptersOptions = self.options  # type: ignore[assignment]
+        options = self.options
         graph = model.graph
         non_matches: list[NonMatch] = []
         pairs: list[_Pair] = []

@@ -88,12 +88,11 @@ META_REGISTER = "onnxforge.register"
 # ------------------------------------------------------------------------------------------------- pass
 
 
-class Prepost(Pass):
+class Prepost(Pass[PrepostOptions]):
     name = PASS_NAME
     summary = "Prepend image decoding or tokenization and append softmax/argmax/top-k/pooling: raw input in."
     exact = True  # within atol on exact samples; the pass verifies itself (see the module docstring)
     in_place = False
-    Options = PrepostOptions
     changes_inputs = True
 
     def __init__(self, options: Any = None) -> None:
@@ -103,7 +102,7 @@ class Prepost(Pass):
 
     def raw_inputs(self) -> dict[str, str]:
         """The artifact's input, by name: its numpy dtype kind ("uint8" for image bytes, "string")."""
-        return {"image": "uint8"} if self.options.pre.kind == "image" else {"text": "string"}  # type: ignore[attr-defined]
+        return {"image": "uint8"} if self.options.pre.kind == "image" else {"text": "string"}
 
     def confine_paths(self, root: Path) -> None:
         """Resolve the tokenizer directory inside ``root`` (the service's job input dir): a relative path whose
@@ -111,7 +110,7 @@ class Prepost(Pass):
 
         The service must never read a path of the server's own file system named by a request; the CLI does
         not call this (a local path is the user's own)."""
-        pre = self.options.pre  # type: ignore[attr-defined]
+        pre = self.options.pre
         if pre.kind != "text":
             return
         given = pre.tokenizer
@@ -132,7 +131,7 @@ class Prepost(Pass):
         self.tokenizer_dir = resolved
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: PrepostOptions = self.options  # type: ignore[assignment]
+        options = self.options
         try:
             import onnxruntime_extensions as ortx
 

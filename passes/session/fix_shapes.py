@@ -89,16 +89,15 @@ def _freeze(shape: ir.Shape | None, mapping: dict[str, int], unnamed: dict[int, 
     return ir.Shape(dims)
 
 
-class FixShapes(Pass):
+class FixShapes(Pass[FixShapesOptions]):
     name = "fix_shapes"
     summary = "Freeze symbolic input dims to given sizes (static shapes for TensorRT, NNAPI, CoreML)."
     exact = True
     in_place = True
-    Options = FixShapesOptions
     may_freeze_axes = True
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        opts: FixShapesOptions = self.options  # type: ignore[assignment]
+        opts = self.options
         mapping, problems = fixed_dims(model, opts)
         if problems:
             return PassResult(model, False, {"dims_fixed": 0}, problems, {"decision": "refused"})

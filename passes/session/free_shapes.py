@@ -79,15 +79,14 @@ def _clear_intermediate_shapes(model: ir.Model) -> None:
                 out.shape = None
 
 
-class FreeShapes(Pass):
+class FreeShapes(Pass[FreeShapesOptions]):
     name = "free_shapes"
     summary = "Report Reshape/Expand/ConstantOfShape constants that pin a dynamic axis; free them with 0/1."
     exact = True
     in_place = True
-    Options = FreeShapesOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        opts: FreeShapesOptions = self.options  # type: ignore[assignment]
+        opts = self.options
         # Inference may narrow a declared dynamic output to the pinned size: the declared I/O shapes stay.
         declared = {id(v): v.shape for v in (*model.graph.inputs, *model.graph.outputs)}
         ShapeInference()(model, ctx)

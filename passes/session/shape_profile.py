@@ -140,15 +140,14 @@ class ShapeProfileOptions(PassOptions):
         return value
 
 
-class ShapeProfile(Pass):
+class ShapeProfile(Pass[ShapeProfileOptions]):
     name = "shape_profile"
     summary = "Measure ORT session settings on a random-size call trace; store the leanest as a load recipe."
     exact = True
     in_place = True
-    Options = ShapeProfileOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: ShapeProfileOptions = self.options  # type: ignore[assignment]
+        options = self.options
         synthesis = InputSynthesis(model, seed=options.seed)
         dynamic = synthesis.free_dims()
         if not dynamic:

@@ -77,15 +77,14 @@ def _variants(recipe: dict[str, Any], section: str, key: str, values: Sequence[A
     return out
 
 
-class TuneSession(Pass):
+class TuneSession(Pass[TuneSessionOptions]):
     name = "tune_session"
     summary = "Measure ORT session settings (threads, modes, levels, EP options); store the fastest as a recipe."
     exact = True
     in_place = True
-    Options = TuneSessionOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        opts: TuneSessionOptions = self.options  # type: ignore[assignment]
+        opts = self.options
         if not ctx.samples:
             return PassResult(model, False, {"candidates": 0}, [NonMatch("no samples to measure sessions on")])
         if ctx.measure is None:

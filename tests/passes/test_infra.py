@@ -9,9 +9,10 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 import pytest
+from pydantic import Field
 
-from core.errors import PassError
-from passes._infra import InputChange, Pass, PassContext, PassResult
+from core.errors import InvalidPassOptionsError, PassError
+from passes._infra import InputChange, Pass, PassContext, PassOptions, PassResult
 from tests.passes._util import MLP_CLEANUP
 
 
@@ -84,3 +85,44 @@ def test_pass_declares_nothing_special_when_it_keeps_the_base_defaults(tmp_path:
     assert p.raw_inputs() == {}
     assert (Pass.changes_inputs, Pass.may_freeze_axes, Pass.adds_files) == (False, False, ())
     assert PassContext().measure is None
+
+
+class _Limit(PassOptions):
+    limit: int = Field(3, description="test only: a bound")
+
+
+class _Typed(Pass[_Limit]):
+    name = "test_typed"
+    summary = "test only: options declared by the type argument"
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        return PassResult(model, False, {"limit": self.options.limit})
+
+
+class _TypedChild(_Typed):
+    name = "test_typed_child"
+
+
+def test_pass_validates_options_against_its_type_argument_when_declared_as_pass_of_options():
+    # execute
+    result = _Typed({"limit": 7})(_model(), PassContext())
+    # assert
+    assert _Typed.Options is _Limit and _TypedChild.Options is _Limit
+    assert result.counts == {"limit": 7} and _Typed.options_schema()["properties"]["limit"]["default"] == 3
+    with pytest.raises(InvalidPassOptionsError):
+        _Typed({"limt": 7})
+
+
+def test_pass_refuses_the_class_when_its_options_contradict_its_type_argument():
+    with pytest.raises(TypeError, match="differs from the Pass"):
+
+        class Contradicts(Pass[_Limit]):
+            name = "test_contradicts"
+            summary = "test only"
+            Options = PassOptions
+
+    with pytest.raises(TypeError, match="takes a PassOptions subclass"):
+
+        class NotOptions(Pass[int]):  # type: ignore[type-var]
+            name = "test_not_options"
+            summary = "test only"
