@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import ClassVar
 
 import onnx
 import onnx_ir as ir
@@ -103,16 +102,14 @@ def _merge(model: ir.Model, inferred: ir.Model) -> int:
     return changed
 
 
-class ShapeInference(Pass):
+class ShapeInference(Pass[ShapeInferenceOptions]):
     name = "shape_inference"
     summary = "Annotate values with ONNX-inferred element types and shapes (no graph change)."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = ShapeInferenceOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options = self.options
-        assert isinstance(options, ShapeInferenceOptions)
         try:
             with _without_large_initializers(model.graph):
                 proto = ir.serde.serialize_model(model)
@@ -130,3 +127,12 @@ class ShapeInference(Pass):
             if value.type is None or value.shape is None
         )
         return PassResult(model, modified=typed > 0, counts={"values_typed": typed, "values_untyped": untyped})
+
+
+def ensure_shapes(model: ir.Model, ctx: PassContext) -> dict[str, str]:
+    """For a pass that reads every value's rank and dims (upstream_reshape, upstream_slice): run shape
+    inference first when a node output has no shape. Returns the notes that say so, for the caller's result."""
+    if all(o.shape is not None for n in model.graph for o in n.outputs):
+        return {}
+    ShapeInference()(model, ctx)
+    return {"shape_inference": "ran first: some values had no shape"}

@@ -137,36 +137,28 @@ def _pointwise(node: ir.Node, s: SliceInfo, out: Sequence[Dim]) -> Move | str:
     return broadcast_axes(shapes, out, s.axis, s.scalar)
 
 
-def _normalized_axis(node: ir.Node, s: SliceInfo, rank: int, default: int) -> tuple[int, dict] | str:
-    """LayerNormalization and Softmax reduce from ``axis``: that must lie after the slice axis."""
+def _normalizing(node: ir.Node, s: SliceInfo, out: Sequence[Dim], default: int) -> Move | str:
+    """LayerNormalization and Softmax reduce from ``axis``: that must lie after the slice axis. Only X is
+    sliced; a scalar slice drops a dim before ``axis``, which then counts one lower."""
     axis = node.attributes.get_int("axis", default)
-    axis = axis + rank if axis < 0 else axis
+    axis = axis + len(out) if axis < 0 else axis
     if axis <= s.axis:
         return f"{node.op_type} axis {axis} <= slice axis {s.axis}"
-    return axis, ({"axis": ir.AttrInt64("axis", axis - 1)} if s.scalar else {})
+    move = broadcast_axes({0: _dims(node.inputs[0])}, out, s.axis, s.scalar)
+    if isinstance(move, Move):
+        move.attributes = {"axis": ir.AttrInt64("axis", axis - 1)} if s.scalar else {}
+    return move
 
 
 def _layer_norm(node: ir.Node, s: SliceInfo, out: Sequence[Dim]) -> Move | str:
-    checked = _normalized_axis(node, s, len(out), -1)
-    if isinstance(checked, str):
-        return checked
-    # Only X is sliced: Scale and B cover the normalized dims, all after the slice axis. Mean and
-    # InvStdDev keep X's leading dims, so they take the same update as Y.
-    move = broadcast_axes({0: _dims(node.inputs[0])}, out, s.axis, s.scalar)
-    if isinstance(move, Move):
-        move.attributes = checked[1]
-    return move
+    # Scale and B cover the normalized dims, all after the slice axis. Mean and InvStdDev keep X's leading
+    # dims, so they take the same update as Y.
+    return _normalizing(node, s, out, -1)
 
 
 def _softmax(node: ir.Node, s: SliceInfo, out: Sequence[Dim]) -> Move | str:
     # Opset < 13 coerces to 2-D at ``axis`` (default 1); slicing a dim before it still commutes.
-    checked = _normalized_axis(node, s, len(out), -1 if _opset(node) >= 13 else 1)
-    if isinstance(checked, str):
-        return checked
-    move = broadcast_axes({0: _dims(node.inputs[0])}, out, s.axis, s.scalar)
-    if isinstance(move, Move):
-        move.attributes = checked[1]
-    return move
+    return _normalizing(node, s, out, -1 if _opset(node) >= 13 else 1)
 
 
 def _opset(node: ir.Node) -> int:

@@ -52,13 +52,13 @@ the initializers this pass adds); subgraphs are.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import graphs_of, node_label
+from passes.compute_order._upstream_rules import FreshNames
 
 _ONNX_DOMAINS = ("", "ai.onnx")
 _INT_TYPES = {ir.DataType.INT32: np.int32, ir.DataType.INT64: np.int64}
@@ -172,24 +172,7 @@ def _decide(node: ir.Node, graph: ir.Graph, opset: int) -> _Fuse | _Refuse:
     return fuse(limit)
 
 
-class _Names:
-    """Fresh value and node names for one graph, never clashing with the existing ones."""
-
-    def __init__(self, graph: ir.Graph) -> None:
-        self.taken = {v.name for v in graph.inputs} | set(graph.initializers)
-        for n in graph:
-            self.taken.add(n.name)
-            self.taken.update(o.name for o in n.outputs)
-
-    def __call__(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
-
-
-def _const(graph: ir.Graph, names: _Names, base: str, array: np.ndarray) -> ir.Value:
+def _const(graph: ir.Graph, names: FreshNames, base: str, array: np.ndarray) -> ir.Value:
     value = ir.val(names(base), const_value=ir.tensor(array))
     value.dtype = ir.DataType.from_numpy(array.dtype)
     value.shape = ir.Shape(array.shape)
@@ -197,7 +180,7 @@ def _const(graph: ir.Graph, names: _Names, base: str, array: np.ndarray) -> ir.V
     return value
 
 
-def _fuse(plan: _Fuse, graph: ir.Graph, names: _Names) -> None:
+def _fuse(plan: _Fuse, graph: ir.Graph, names: FreshNames) -> None:
     np_type = _INT_TYPES[plan.dtype]
     r = plan.range_node.outputs[0]
     base = r.name or "range"
@@ -239,7 +222,7 @@ def _fuse(plan: _Fuse, graph: ir.Graph, names: _Names) -> None:
                     graph.initializers.pop(value.name, None)
 
 
-def _guard(range_node: ir.Node, gather: ir.Node, graph: ir.Graph, names: _Names) -> None:
+def _guard(range_node: ir.Node, gather: ir.Node, graph: ir.Graph, names: FreshNames) -> None:
     r = range_node.outputs[0]
     shape = _const(graph, names, f"{r.name}_guard_shape", np.array([-1], np.int64))
     guard = ir.node("Reshape", [r, shape], name=names(f"{range_node.name or r.name}_ort_fusion_guard"))
@@ -249,12 +232,11 @@ def _guard(range_node: ir.Node, gather: ir.Node, graph: ir.Graph, names: _Names)
     gather.replace_input_with(1, guard.outputs[0])
 
 
-class RangeGatherToSlice(Pass):
+class RangeGatherToSlice(Pass[RangeGatherToSliceOptions]):
     name = "range_gather_to_slice"
     summary = "Gather(Range) -> Slice where exact; guard the rest against ORT's unsound fusion."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = RangeGatherToSliceOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
@@ -266,7 +248,7 @@ class RangeGatherToSlice(Pass):
             # Match on the unmodified graph, then rewrite: plans hold node references only.
             ranges = [n for n in graph if n.op_type == "Range" and n.domain in _ONNX_DOMAINS]
             plans = [(node, _decide(node, graph, opset)) for node in ranges]
-            names = _Names(graph)
+            names = FreshNames(graph)
             for node, plan in plans:
                 if isinstance(plan, _Fuse):
                     _fuse(plan, graph, names)

@@ -36,7 +36,6 @@ projections and scores) still runs on every token.
 from __future__ import annotations
 
 from collections import deque
-from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -44,6 +43,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label
+from passes.cleanup.shape_inference import ensure_shapes
 from passes.compute_order._upstream_rules import POINTWISE, Dim, FreshNames, drop_orphans, same_dim, same_input
 
 _ONNX = ("", "ai.onnx")
@@ -211,21 +211,15 @@ def _apply(
     return copies
 
 
-class UpstreamReshape(Pass):
+class UpstreamReshape(Pass[UpstreamReshapeOptions]):
     name = "upstream_reshape"
     summary = "Move [B,S,H]->[B*S,H] Reshapes above element-wise ops, LayerNorm, Softmax and MatMul."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = UpstreamReshapeOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         graph = model.graph
-        notes = {}
-        if any(o.shape is None for n in graph for o in n.outputs):
-            from passes.cleanup.shape_inference import ShapeInference
-
-            ShapeInference()(model, ctx)
-            notes["shape_inference"] = "ran first: some values had no shape"
+        notes = ensure_shapes(model, ctx)
         names = FreshNames(graph)
         moved_entries: set[str] = set()
         crossed = merged = 0

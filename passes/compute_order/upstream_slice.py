@@ -51,7 +51,6 @@ Only the main graph is visited; shapes come from ONNX shape inference, run first
 from __future__ import annotations
 
 from collections import deque
-from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -59,6 +58,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label, take_graph_output
+from passes.cleanup.shape_inference import ensure_shapes
 from passes.compute_order._upstream_rules import (
     Dim,
     FreshNames,
@@ -305,21 +305,15 @@ class _Rewriter:
         return copies
 
 
-class UpstreamSlice(Pass):
+class UpstreamSlice(Pass[UpstreamSliceOptions]):
     name = "upstream_slice"
     summary = "Move shrinking Gather/Slice/GatherND above element-wise ops, LayerNorm, Softmax, MatMul, Reshape."
     exact = True
     in_place = True
-    Options: ClassVar[type[PassOptions]] = UpstreamSliceOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         graph = model.graph
-        notes = {}
-        if any(o.shape is None for n in graph for o in n.outputs):
-            from passes.cleanup.shape_inference import ShapeInference
-
-            ShapeInference()(model, ctx)
-            notes["shape_inference"] = "ran first: some values had no shape"
+        notes = ensure_shapes(model, ctx)
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
         rewriter = _Rewriter(graph, opset)
         moved_entries: set[str] = set()
