@@ -33,6 +33,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from passes._infra import NonMatch, PassResult
+
 FP16_MAX = 65504.0
 FLOAT, FLOAT16 = ir.DataType.FLOAT, ir.DataType.FLOAT16
 
@@ -452,3 +454,8 @@ def accuracy(
             if a.size > 1 and cos < min_cosine and reason is None:
                 reason = f"output {i}: cosine {cos:.6f} < {min_cosine}"
     return Accuracy(reason is None, reason, worst_abs, worst_cos)
+
+
+def refused(model: ir.Model, reason: str) -> PassResult:
+    """A float16 pass's answer when it will not convert this model (a cpu target unforced, an unknown node)."""
+    return PassResult(model, False, {"nodes_fp16": 0}, [NonMatch(reason)], {"decision": "refused"})

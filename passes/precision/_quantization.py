@@ -36,7 +36,7 @@ import onnx
 import onnx_ir as ir
 from pydantic import Field
 
-from passes._infra import NonMatch, PassOptions
+from passes._infra import NonMatch, PassOptions, PassResult
 from passes.precision._accuracy import (
     Budget,
     OutputAccuracy,
@@ -186,6 +186,11 @@ def maybe_preprocess(src: Path, dst: Path, notes: dict[str, Any]) -> Path:
 
 def node_names(model: ir.Model) -> list[str]:
     return [n.name for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.name]
+
+
+def refused(model: ir.Model, reasons: list[NonMatch]) -> PassResult:
+    """A quantization pass's answer when it will not run on this model (an unknown node name, no samples)."""
+    return PassResult(unchanged(model), False, {"nodes_quantized": 0}, reasons, {"decision": "refused"})
 
 
 def unknown_node_names(model: ir.Model, names: Sequence[str]) -> list[NonMatch]:

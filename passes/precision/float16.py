@@ -40,22 +40,21 @@ class Float16Options(PassOptions):
     force: bool = Field(False, description="Convert even when the target is cpu (where float16 is usually slower).")
 
 
-class Float16(Pass):
+class Float16(Pass[Float16Options]):
     name = "float16"
     summary = "Convert float32 compute to float16 for GPU targets, keeping float32 I/O and blocked ops."
     exact = False
     in_place = True
-    Options = Float16Options
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        opts: Float16Options = self.options  # type: ignore[assignment]
+        opts = self.options
         if ctx.target == "cpu" and not opts.force:
-            return PassResult(model, False, {"nodes_fp16": 0}, [NonMatch(CPU_REFUSAL)], {"decision": "refused"})
+            return f16.refused(model, CPU_REFUSAL)
         f16.infer_types(model, ctx)
         unknown = sorted(set(opts.node_block_list) - {n.name for n in model.graph})
         if unknown:
             reason = f"node_block_list names nodes the graph does not have: {', '.join(unknown[:5])}"
-            return PassResult(model, False, {"nodes_fp16": 0}, [NonMatch(reason)], {"decision": "refused"})
+            return f16.refused(model, reason)
         conv = f16.convert(
             model,
             keep_io_types=opts.keep_io_types,

@@ -44,17 +44,16 @@ def _copy(model: ir.Model) -> ir.Model:
     return ir.serde.deserialize_model(ir.serde.serialize_model(model))
 
 
-class MixedPrecision(Pass):
+class MixedPrecision(Pass[MixedPrecisionOptions]):
     name = "mixed_precision"
     summary = "float16 keeping the fewest nodes in float32 that meet tolerance, found by ranked bisection."
     exact = False
     in_place = False
-    Options = MixedPrecisionOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        opts: MixedPrecisionOptions = self.options  # type: ignore[assignment]
+        opts = self.options
         if ctx.target == "cpu" and not opts.force:
-            return PassResult(_copy(model), False, {"nodes_fp16": 0}, [NonMatch(CPU_REFUSAL)], {"decision": "refused"})
+            return f16.refused(_copy(model), CPU_REFUSAL)
         typed = _copy(model)
         f16.infer_types(typed, ctx)
         feeds = f16.sample_feeds(typed, ctx.samples, opts.max_samples)

@@ -63,18 +63,17 @@ class QuantizeDynamicOptions(q.QuantizationOptions):
     )
 
 
-class QuantizeDynamic(Pass):
+class QuantizeDynamic(Pass[QuantizeDynamicOptions]):
     name = "quantize_dynamic"
     summary = "int8 weights with run-time activation quantization (MatMulInteger), accuracy-checked per output."
     exact = False
     in_place = False
-    Options = QuantizeDynamicOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: QuantizeDynamicOptions = self.options  # type: ignore[assignment]
+        options = self.options
         unknown = q.unknown_node_names(model, options.nodes_to_exclude)
         if unknown:
-            return PassResult(q.unchanged(model), False, {"nodes_quantized": 0}, unknown, {"decision": "refused"})
+            return q.refused(model, unknown)
         unfused = 0
         if "MatMul" in options.op_types and _transposed_weight_sites(model):
             model = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # functional: input untouched

@@ -113,15 +113,14 @@ class QuantizeInt4Options(PassOptions):
     max_samples: int = Field(8, ge=1, description="Samples used to measure accuracy and speed.")
 
 
-class QuantizeInt4(Pass):
+class QuantizeInt4(Pass[QuantizeInt4Options]):
     name = "quantize_int4"
     summary = "Weight-only int4 MatMulNBits (ORT MatMulNBitsQuantizer), lm_head float or 8-bit, accuracy-checked."
     exact = False
     in_place = False
-    Options = QuantizeInt4Options
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: QuantizeInt4Options = self.options  # type: ignore[assignment]
+        options = self.options
         unchanged = q.unchanged(model)
         refusal = q.unknown_node_names(model, options.nodes_to_exclude)
         if options.algorithm == "hqq" and importlib.util.find_spec("torch") is None:
@@ -129,7 +128,7 @@ class QuantizeInt4(Pass):
         if options.block_size & (options.block_size - 1):
             refusal.append(NonMatch(f"block_size {options.block_size} is not a power of 2 (MatMulNBits needs one)"))
         if refusal:
-            return PassResult(unchanged, False, {"nodes_quantized": 0}, refusal, {"decision": "refused"})
+            return q.refused(model, refusal)
         if _gemm_sites(model):
             model = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # functional: input untouched
             notes_gemm = unfuse_gemms(model)

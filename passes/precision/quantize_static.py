@@ -112,18 +112,17 @@ class _Reader:
             yield item
 
 
-class QuantizeStatic(Pass):
+class QuantizeStatic(Pass[QuantizeStaticOptions]):
     name = "quantize_static"
     summary = "int8 QDQ quantization calibrated on the samples (MinMax/Entropy/Percentile), accuracy-checked."
     exact = False
     in_place = False
-    Options = QuantizeStaticOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options: QuantizeStaticOptions = self.options  # type: ignore[assignment]
+        options = self.options
         unknown = q.unknown_node_names(model, options.nodes_to_exclude)
         if unknown:
-            return PassResult(q.unchanged(model), False, {"nodes_quantized": 0}, unknown, {"decision": "refused"})
+            return q.refused(model, unknown)
         inputs = [v.name for v in model.graph.inputs if v.name not in model.graph.initializers]
         feeds = [{n: s[n] for n in inputs} for s in ctx.samples if all(n in s for n in inputs)]
         feeds = feeds[: options.max_calibration_samples]
@@ -132,9 +131,7 @@ class QuantizeStatic(Pass):
                 "no calibration samples: static quantization needs representative inputs (give samples.npz with "
                 f"every input: {', '.join(inputs)}); quantize_dynamic needs none"
             )
-            return PassResult(
-                q.unchanged(model), False, {"nodes_quantized": 0}, [NonMatch(reason)], {"decision": "refused"}
-            )
+            return q.refused(model, [NonMatch(reason)])
         excluded = set(options.nodes_to_exclude)
         candidates = [
             n.name
