@@ -28,6 +28,7 @@ from core.errors import InvalidModelError
 from core.recipe import RECIPE_KEY
 from core.version import __version__
 from passes._infra import Pass
+from workers.model_check import check_model
 
 MODEL_FILE = "model.onnx"
 # Above this many bytes of tensors, models are written with their weights in MODEL_FILE + ".data":
@@ -48,10 +49,12 @@ def sha256_file(path: Path) -> str:
 
 
 def load_checked(path: Path) -> onnx.ModelProto:
-    """The upload, weights inlined, after ``onnx.checker``; InvalidModelError when it does not load or check."""
+    """The upload, weights inlined, after the model check (``onnx.checker``, I/O shapes optional).
+
+    InvalidModelError when it does not load or check."""
     try:
         proto = onnx.load(str(path), load_external_data=True)
-        onnx.checker.check_model(str(path))
+        check_model(path)
     except Exception as exc:
         raise InvalidModelError(
             f"the model does not load or check: {type(exc).__name__}: {exc}", code="INVALID_MODEL"

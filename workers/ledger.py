@@ -47,6 +47,7 @@ from passes._infra import Pass, PassContext, PassResult, op_histogram
 from workers import artifacts
 from workers.benchmark import BenchmarkParams, Comparison, SessionPool, compare, measure
 from workers.measurement import BenchmarkMeasure
+from workers.model_check import check_model
 from workers.report import PassRecord
 from workers.verify import VerificationResult, Verifier, same_bytes
 
@@ -335,7 +336,7 @@ class Ledger:
                 _remove_stage(path, side)
                 return None
             try:
-                onnx.checker.check_model(str(path))
+                check_model(path)
             except Exception as exc:
                 record.status, record.reason = "rolled_back", f"produced an invalid model: {type(exc).__name__}: {exc}"
                 return None

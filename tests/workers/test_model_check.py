@@ -83,3 +83,27 @@ def test_check_model_passes_when_every_shape_is_declared(tmp_path):
     path = _save(_matmul_relu(y_shape=["batch", 3]), tmp_path / "model.onnx")
     assert not shapeless_io(onnx.load(str(path)))
     check_model(path)
+
+
+def test_pipeline_optimizes_the_model_when_its_outputs_carry_no_shape(tmp_path):
+    """The issue-17 case end to end: an export whose graph outputs have a type but no shape went through no
+    pass ("the model does not load or check"); the engine's check now takes it, and every pass after it too."""
+    from core.config import JobConfig
+    from core.settings import PipelineSettings
+    from workers.pipeline import PipelineRequest, run_pipeline
+
+    proto = onnx.load(str(MODELS / "hf_bert_encoder.onnx"))
+    for value in proto.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    path = _save(proto, tmp_path / "model.onnx")
+    settings = PipelineSettings(
+        verify_shape_sets=2, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.2, ledger_runs=5
+    )
+    result = run_pipeline(
+        PipelineRequest(
+            model_path=path, output_dir=tmp_path / "out", config=JobConfig.parse({"preset": "safe"}), settings=settings
+        )
+    )
+    assert result.report["verification"]["ok"] is True
+    assert any(p["status"] == "applied" for p in result.report["passes"])
+    assert not any("does not load or check" in str(p.get("reason")) for p in result.report["passes"])
