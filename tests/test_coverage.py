@@ -1,0 +1,142 @@
+"""The committed tiny corpus under ``fast`` (issue 17 item 3): what docs/coverage.md says fires keeps firing.
+
+Each committed export (``tests/models/corpus/``, built by ``python -m tests.models.corpus --committed``; torch
+never runs here) goes through the pipeline as ``onnxforge optimize --preset fast`` runs it, with no samples.
+The job must complete and be exact, and every fusion group must reach at least the count that the tiny
+table of docs/coverage.md (``python -m bench.coverage``) records for that model and exporter, so coverage
+cannot silently regress; a new fusion raises the count, and regenerating the doc records it.
+
+Two settings differ from a user's job, both for a deterministic and short test on a shared 2-core machine:
+``rollback_slower=false`` (a job option: a fusion is kept whatever a noisy latency says; the doc measures
+with the default), and the operator's benchmark budget (a few runs instead of 10 s per shape). Fusions are
+counted in the model the ledger produced, i.e. before the final speed gate, which may hand back the upload.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from core.config import JobConfig
+from core.settings import PipelineSettings
+from tests.models import corpus
+from workers.pipeline import PipelineRequest, run_pipeline
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "coverage.md"
+GROUPS = {  # the doc's columns and the ops (report histogram keys) that count as each
+    "attention": (
+        "com.microsoft::Attention",
+        "com.microsoft::MultiHeadAttention",
+        "com.microsoft::GroupQueryAttention",
+    ),
+    "skip_norm": ("com.microsoft::SkipLayerNormalization", "com.microsoft::SkipSimplifiedLayerNormalization"),
+    "gelu": (
+        "com.microsoft::Gelu",
+        "com.microsoft::BiasGelu",
+        "com.microsoft::FastGelu",
+        "com.microsoft::QuickGelu",
+        "com.microsoft::GemmFastGelu",
+        "Gelu",
+    ),
+}
+COLUMNS = {"attention": 5, "skip_norm": 6, "gelu": 7}  # cell index in a table row of the doc
+
+
+def _sidecar(arch: str, exporter: str) -> dict[str, Any]:
+    return json.loads(corpus.committed_path(arch, exporter).with_suffix(".json").read_text())
+
+
+PAIRS = [(a, e) for a in corpus.COMMITTED for e in corpus.EXPORTERS]
+BUILT = [pair for pair in PAIRS if _sidecar(*pair)["ok"]]
+
+
+def _doc_rows() -> dict[tuple[str, str], dict[str, int]]:
+    """Found counts per (arch, exporter) from the tiny table of docs/coverage.md."""
+    text = DOC.read_text()
+    start = text.index("## tiny")
+    end = text.find("\n## ", start + 1)
+    rows: dict[tuple[str, str], dict[str, int]] = {}
+    for line in text[start : end if end > 0 else None].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 13 or cells[1] not in corpus.EXPORTERS or not cells[2].startswith("ok"):
+            continue
+        found = {}
+        for group, col in COLUMNS.items():
+            match = re.match(r"(\d+)", cells[col])
+            found[group] = int(match.group(1)) if match else 0
+        rows[cells[0], cells[1]] = found
+    return rows
+
+
+def _ledger_fusions(report: dict[str, Any]) -> dict[str, int]:
+    """Fused ops in the model the applied passes produced (before the gate's speed decision)."""
+    total: Counter[str] = Counter()
+    for record in report["passes"]:
+        if record["status"] == "applied":
+            total.update(record["op_histogram_delta"])
+    return {group: sum(total[op] for op in ops) for group, ops in GROUPS.items()}
+
+
+def test_corpus_committed_subset_matches_its_build_records_when_loaded_without_torch() -> None:
+    import hashlib
+
+    import onnxruntime as ort
+
+    total = 0
+    for arch, exporter in PAIRS:
+        info, path = _sidecar(arch, exporter), corpus.committed_path(arch, exporter)
+        if not info["ok"]:
+            assert not path.exists(), f"{path.name} exists but its build record says: {info['error']}"
+            continue
+        data = path.read_bytes()
+        assert hashlib.sha256(data).hexdigest() == info["sha256"], f"{path.name} is not the recorded build"
+        assert info["max_abs_vs_torch"] <= 1e-3
+        total += len(data)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        feeds = corpus.feeds(arch, "tiny", 2, 11, seed=3, pad=True)
+        outputs = session.run(None, feeds)
+        assert [o.name for o in session.get_outputs()] == list(corpus.ARCHS[arch].outputs)
+        assert all(np.isfinite(o).all() and o.shape[0] == 2 for o in outputs)
+    assert len(BUILT) >= 15
+    assert total < 6_000_000, f"the committed corpus is {total / 1e6:.1f} MB"
+
+
+def test_coverage_doc_has_a_row_when_a_committed_export_exists() -> None:
+    rows = _doc_rows()
+    assert [pair for pair in BUILT if pair not in rows] == [], "regenerate docs/coverage.md: python -m bench.coverage"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "exporter"), BUILT, ids=[f"{a}-{e}" for a, e in BUILT])
+def test_fast_completes_exact_with_the_documented_fusions_when_sent_without_samples(
+    arch: str, exporter: str, tmp_path: Path
+) -> None:
+    documented = _doc_rows().get((arch, exporter))
+    assert documented is not None, "regenerate docs/coverage.md: python -m bench.coverage"
+    result = run_pipeline(
+        PipelineRequest(
+            model_path=corpus.committed_path(arch, exporter),
+            output_dir=tmp_path,
+            config=JobConfig.parse({"preset": "fast", "rollback_slower": False}),
+            settings=PipelineSettings(
+                intra_op_threads=1,
+                benchmark_warmup=1,
+                benchmark_min_runs=3,
+                benchmark_max_seconds=0.2,
+                ledger_runs=3,
+            ),
+        )
+    )
+    report = result.report
+    assert report["verification"]["ok"], report["verification"]["reason"]
+    assert report["decision"]["result"] != "failed"
+    assert all(p["status"] != "failed" for p in report["passes"]), [p["reason"] for p in report["passes"]]
+    found = _ledger_fusions(report)
+    regressed = {g: (found[g], n) for g, n in documented.items() if found[g] < n}
+    assert regressed == {}, f"fused (now, documented): {regressed}"
