@@ -3,7 +3,7 @@
 Celery workers trust broker data, so a message must carry nothing but the job id, as JSON (a pickle
 message is refused: tests/integration/test_service_redis.py). Redis must not be reachable from outside the
 stack: compose does not publish it, and the Kubernetes manifest turns the default user off (a live
-redis-server with the manifest's ACL refuses an anonymous PING: tests/deploy/test_k8s.py).
+redis-server with the manifest's ACL refuses an anonymous PING: tests/deploy/test_k8s_operations.py).
 """
 
 from __future__ import annotations
