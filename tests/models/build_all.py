@@ -19,6 +19,7 @@ BUILDERS = (
     "tests.models.build_cls_pool",
     "tests.models.build_torchscript",
     "tests.models.build_decoders",
+    "tests.models.corpus",
 )
 
 
