@@ -221,7 +221,12 @@ class PipelineSettings(_Section):
     benchmark_max_seconds: float = Field(
         10.0, gt=0, description="Benchmark time budget per model and shape, seconds (min_runs still apply)."
     )
-    ledger_runs: int = Field(10, ge=1, description="Timed runs of the quick latency taken after each pass.")
+    ledger_runs: int = Field(
+        10,
+        ge=1,
+        description="Most timed runs of the quick latency after each pass (at least 5; fewer once the answer is "
+        "settled or the time budget is spent).",
+    )
     rollback_slower: bool = Field(
         True,
         description="Roll back a pass whose quick latency is slower than the model before it, beyond noise.",
