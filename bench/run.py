@@ -28,9 +28,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "adapters_prepost": ("bench.adapters_prepost", "issue 10: adapter extraction and in-graph pre/post-processing"),
     "shape_profile": ("bench.shape_profile", "issue 10: session recipe for dynamic shapes (peak memory, trace time)"),
     "gpu": ("bench.gpu", "issue 7: CUDA EP figures (needs an NVIDIA GPU)"),
+    "fusions": ("bench.fusions", "issue 17: fused vs unfused attention, norms and GELU per architecture"),
+    "job_time": ("bench.job_time", "issue 17: a fast job's wall time vs ORT's transformers optimizer"),
+    "decoders": ("bench.decoders", "issue 19: decoder prefill and decode, fp32 vs int4 vs fast"),
+    "upload_rate": ("bench.upload_rate", "issue 20: the API's upload rate into the local and S3 stores"),
 }
 ON_DEMAND: dict[str, tuple[str, str]] = {
     "reliability": ("bench.reliability", "issue 6: chaos, Redis restart, uploads, load (needs a subcommand)"),
+    "coverage": ("bench.coverage", "issue 17: fast on the 25-model corpus x 3 exporters (docs/coverage.md)"),
 }
 DEFAULT = ("skip_layernorm", "seed_passes", "presets", "adapters_prepost", "shape_profile")
 
