@@ -64,6 +64,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes.fusion import _fusion_families as fam
+from passes.fusion import _io_signature as io_signature
 from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
@@ -115,6 +116,7 @@ class FuseTransformer(Pass):
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         opts: FuseTransformerOptions = self.options  # type: ignore[assignment]
         proto = ir.serde.serialize_model(model)
+        declared = io_signature.capture(model)
         base = ir.serde.deserialize_model(proto)
         common_passes.ShapeInferencePass()(base)
         family, evidence = (opts.family, "given by the family option") if opts.family else fam.detect_family(base)
@@ -161,6 +163,9 @@ class FuseTransformer(Pass):
                 _import_contrib_domain(fused)
                 if opts.pack_qkv:
                     report["packed_qkv"] = pack_qkv(fused)
+                # Inference inside the engines may have resolved a declared symbol to a number: the candidate
+                # declares the signature its input model did (and is refused if it changed it otherwise).
+                report["io_declarations_restored"] = io_signature.restore(fused, declared)
                 built[engine] = ir.serde.serialize_model(fused)
                 report["achieved"] = fam.achieved_fusions(fused)
                 report["nodes"] = len(fused.graph)
