@@ -30,6 +30,7 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import Field
 
+from core.inputs.graph import const_array
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes.cleanup.shape_inference import ShapeInference
 
@@ -40,17 +41,6 @@ class FreeShapesOptions(PassOptions):
     rewrite: bool = Field(
         True, description="Rewrite the pins that 0 (Reshape) or 1 (Expand) frees; false: report only."
     )
-
-
-def _const(value: ir.Value | None) -> np.ndarray | None:
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-        return producer.attributes["value"].as_tensor().numpy()
-    return None
 
 
 def _sample_sizes(model: ir.Model, samples: list[dict[str, np.ndarray]]) -> dict[str, set[int]]:
@@ -103,7 +93,7 @@ class FreeShapes(Pass[FreeShapesOptions]):
                 if node.domain not in ("", "ai.onnx"):
                     continue
                 if node.op_type in ("Reshape", "Expand") and len(node.inputs) > 1:
-                    shape, data = _const(node.inputs[1]), node.inputs[0]
+                    shape, data = const_array(node.inputs[1]), node.inputs[0]
                     if shape is None or data is None or data.shape is None:
                         continue
                     new = shape.copy()
@@ -148,7 +138,7 @@ class FreeShapes(Pass[FreeShapesOptions]):
                     if not np.array_equal(new, shape):
                         rewrites.append((node, new))
                 elif node.op_type == "ConstantOfShape":
-                    shape = _const(node.inputs[0])
+                    shape = const_array(node.inputs[0])
                     if shape is None:
                         continue
                     for j, value in enumerate(shape.tolist()):
