@@ -110,7 +110,11 @@ def configure_logging(settings: Settings, *, process: str, stream: Any = None) -
     root.addHandler(handler)
     root.setLevel(settings.log_level)
     for name in _FOREIGN:
+        # uvicorn's and Celery's own set-up gives their loggers handlers, levels, and may disable them
+        # (dictConfig); here they follow the root's one handler and level whatever ran before.
         foreign = logging.getLogger(name)
         foreign.handlers.clear()
         foreign.propagate = True
+        foreign.disabled = False
+        foreign.setLevel(logging.NOTSET)
     logging.captureWarnings(True)  # warnings.warn() becomes a log line too, with the context

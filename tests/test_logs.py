@@ -26,6 +26,9 @@ def restore_root() -> Iterator[None]:
 
 def test_configure_logging_writes_readable_lines_with_context_when_development(restore_root: None) -> None:
     out = io.StringIO()
+    # What an in-process uvicorn.Config(log_level="warning") or a dictConfig leaves behind must not matter.
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.access").disabled = True
     configure_logging(Settings(), process="api", stream=out)
 
     with log_context(request_id="r-1"):
