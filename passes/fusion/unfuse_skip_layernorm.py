@@ -100,16 +100,7 @@ def _unfuse(graph: ir.Graph, node: ir.Node) -> str | None:
         return f"{len(node.inputs)} inputs: a SkipLayerNormalization form this pass does not know"
     epsilon_attr = node.attributes.get("epsilon")
     epsilon = float(epsilon_attr.value) if epsilon_attr is not None else _SLN_DEFAULT_EPSILON
-    new_nodes: list[ir.Node] = []
-    if bias is not None:
-        # The bias belongs to the projection that produced x; added there, ORT folds it into that MatMul.
-        biased = ir.node("Add", [x, bias], name=f"{node.name}_bias")
-        _copy_type(x, biased.outputs[0])
-        new_nodes.append(biased)
-        x = biased.outputs[0]
-    residual = ir.node("Sum", [x, skip], name=f"{node.name}_residual")
-    _copy_type(node.outputs[0], residual.outputs[0])
-    new_nodes.append(residual)
+    new_nodes, residual = _bias_and_residual(node, x, bias, skip, "Sum")
     outputs = list(node.outputs) + [None] * (4 - len(node.outputs))
     wanted_stats = sum(1 for v in outputs[1:3] if v is not None and (v.uses() or v.is_graph_output()))
     norm = ir.node(
@@ -148,15 +139,7 @@ def _unfuse_rms(graph: ir.Graph, node: ir.Node) -> str | None:
         return "its mean or inverse-RMS output is read: the decomposition does not compute them"
     epsilon_attr = node.attributes.get("epsilon")
     epsilon = float(epsilon_attr.value) if epsilon_attr is not None else _SLN_DEFAULT_EPSILON
-    new_nodes: list[ir.Node] = []
-    if bias is not None:
-        biased = ir.node("Add", [x, bias], name=f"{node.name}_bias")
-        _copy_type(x, biased.outputs[0])
-        new_nodes.append(biased)
-        x = biased.outputs[0]
-    residual = ir.node("Add", [x, skip], name=f"{node.name}_residual")
-    _copy_type(node.outputs[0], residual.outputs[0])
-    new_nodes.append(residual)
+    new_nodes, residual = _bias_and_residual(node, x, bias, skip, "Add")
     new_nodes += rms_norm.rms_nodes(residual.outputs[0], gamma, epsilon, rms_norm.opset_of_graph(graph), node.name)
     graph.insert_before(node, new_nodes)
     for old, new in ((outputs[0], new_nodes[-1].outputs[0]), (outputs[3], residual.outputs[0])):
@@ -199,3 +182,20 @@ def _is_constant(value: ir.Value) -> bool:
 
 def _copy_type(source: ir.Value, target: ir.Value) -> None:
     target.type, target.shape = source.type, source.shape
+
+
+def _bias_and_residual(
+    node: ir.Node, x: ir.Value, bias: ir.Value | None, skip: ir.Value, op: str
+) -> tuple[list[ir.Node], ir.Node]:
+    """``op(x + bias, skip)``, the nodes both unfusings start with; the residual node comes last."""
+    new_nodes: list[ir.Node] = []
+    if bias is not None:
+        # The bias belongs to the projection that produced x; added there, ORT folds it into that MatMul.
+        biased = ir.node("Add", [x, bias], name=f"{node.name}_bias")
+        _copy_type(x, biased.outputs[0])
+        new_nodes.append(biased)
+        x = biased.outputs[0]
+    residual = ir.node(op, [x, skip], name=f"{node.name}_residual")
+    _copy_type(node.outputs[0], residual.outputs[0])
+    new_nodes.append(residual)
+    return new_nodes, residual
