@@ -14,7 +14,15 @@ external file is read; small ones keep their values so data propagation still se
 It is re-implemented rather than wrapped because the onnx-ir pass logs and swallows an inference error,
 and overwrites declared shapes with whatever inference says; here a failure becomes a ``NonMatch``, and
 inference only adds knowledge: a concrete size replaces a symbol, but a declared ``batch`` is never
-replaced by an anonymous dimension and a declared size never changes.
+replaced by an anonymous dimension and a declared size never changes. The graph's inputs and outputs keep
+their declarations exactly (``passes._io_signature``, shared with fuse_transformer): on an export with a
+fixed image size inference resolves the declared ``last_hidden_state: float[batch, seq, hidden]`` to
+``float[batch, 17, 32]``, which is true of that model but is not the signature users' code reads, and the
+ledger rolls back a pass that turns a declared symbol into a number::
+
+    upload:    pixel_values float[batch,3,32,32] -> ... -> last_hidden_state float[batch,seq,hidden]
+    inferred:  inner values annotated; last_hidden_state float[batch,17,32]
+    kept:      inner values annotated; last_hidden_state float[batch,seq,hidden]
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import onnx
 import onnx_ir as ir
 from pydantic import Field
 
+from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 
 _INLINE_LIMIT_BYTES = 1024
@@ -85,21 +94,26 @@ def _merge_shape(known: ir.Shape | None, inferred: ir.Shape | None) -> ir.Shape 
     return ir.Shape([pick(k, i) for k, i in zip(known, inferred, strict=True)])
 
 
-def _merge(model: ir.Model, inferred: ir.Model) -> int:
-    """Copy inferred types and shapes onto the model's values; return how many values changed."""
-    changed = 0
+def _merge(model: ir.Model, inferred: ir.Model) -> None:
+    """Copy inferred types and shapes onto the model's values."""
     for graph, inferred_graph in zip(model.graphs(), inferred.graphs(), strict=False):
         inferred_values = ir.convenience.create_value_mapping(inferred_graph, include_subgraphs=False)
         for name, value in ir.convenience.create_value_mapping(graph, include_subgraphs=False).items():
             source = inferred_values.get(name)
             if source is None:
                 continue
-            before = (value.type, value.shape)
             if value.type is None and source.type is not None:
                 value.type = source.type
             value.shape = _merge_shape(value.shape, source.shape)
-            changed += (value.type, value.shape) != before
-    return changed
+
+
+def _annotations(model: ir.Model) -> dict[tuple[int, str], tuple[str, tuple | None]]:
+    """Every value's type and dims, keyed by graph and name: what the pass counts as changed."""
+    return {
+        (index, name): (str(value.type), None if value.shape is None else tuple(value.shape.dims))
+        for index, graph in enumerate(model.graphs())
+        for name, value in ir.convenience.create_value_mapping(graph, include_subgraphs=False).items()
+    }
 
 
 class ShapeInference(Pass[ShapeInferenceOptions]):
@@ -119,7 +133,12 @@ class ShapeInference(Pass[ShapeInferenceOptions]):
         except Exception as exc:  # onnx raises InferenceError, ValidationError or RuntimeError
             reason = f"ONNX shape inference failed, model left unannotated: {type(exc).__name__}: {exc}"
             return PassResult(model, modified=False, non_matches=[NonMatch(reason[:2000])])
-        typed = _merge(model, ir.serde.deserialize_model(inferred_proto))
+        before = _annotations(model)
+        declared = io_signature.capture(model)
+        _merge(model, ir.serde.deserialize_model(inferred_proto))
+        io_signature.restore(model, declared)
+        after = _annotations(model)
+        typed = sum(1 for key, annotation in after.items() if before.get(key) != annotation)
         untyped = sum(
             1
             for graph in model.graphs()

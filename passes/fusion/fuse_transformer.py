@@ -62,9 +62,9 @@ import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 from pydantic import Field
 
+from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes.fusion import _fusion_families as fam
-from passes.fusion import _io_signature as io_signature
 from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter

@@ -15,9 +15,9 @@ import pytest
 
 from core.config import JobConfig
 from core.settings import PipelineSettings
+from passes import _io_signature as io_signature
 from passes import registry
 from passes._infra import PassContext, op_histogram
-from passes.fusion import _io_signature as io_signature
 from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
 from tests.models.corpus import feeds
 from tests.passes._util import MODELS, parse, session

@@ -50,8 +50,9 @@ def test_shape_inference_resolves_reshape_target_when_data_prop_is_on() -> None:
     model, result = apply(ShapeInference({"data_prop": True}), original)
     assert result.modified
     assert model.graph.node("concat").outputs[0].shape == ir.Shape([2])
-    # A concrete inferred size replaces the declared symbols N and M.
-    assert model.graph.outputs[0].shape == ir.Shape([2, 12])
+    # The graph output keeps the declared symbols N and M though inference found [2, 12]: users' code
+    # reads the declaration, and the ledger rolls back a pass that freezes a declared axis.
+    assert model.graph.outputs[0].shape == ir.Shape(["N", "M"])
     assert_equivalent(original, checked(model))
 
 
@@ -119,3 +120,25 @@ def test_shape_inference_never_reads_external_data_when_weights_are_external(tmp
     assert result.counts["values_typed"] > 0
     assert all(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
     assert model.graph.node("matmul_1").outputs[0].shape == ir.Shape(["batch", 32])
+
+
+def test_shape_inference_keeps_declared_io_when_vit_torchscript_export_fixes_the_sequence() -> None:
+    """The TorchScript ViT export (fixed 32x32 image, 8x8 patches) declares ``last_hidden_state`` with
+    symbolic sequence and hidden axes; inference finds 17 and 32. The inner values take the numbers, the
+    declaration stays: it is the upload's signature, and freezing it made the ledger roll the pass back."""
+    from tests.models.corpus import committed_path
+    from tests.passes.test_fuse_io_signature import io_declarations
+
+    upload = onnx.load(committed_path("vit", "ts_eager"))
+    declared_dims = [d.dim_param or d.dim_value for d in upload.graph.output[0].type.tensor_type.shape.dim]
+    assert declared_dims[1] and isinstance(declared_dims[1], str)  # a symbol, as the exporter writes it
+    model, result = apply(ShapeInference(), upload)
+    assert result.modified and result.counts["values_typed"] > 100
+    proto = checked(model)
+    assert io_declarations(proto) == io_declarations(upload)
+    inner = {v.name: v for v in proto.graph.value_info}
+    last_norm = next(n for n in reversed(proto.graph.node) if n.op_type == "LayerNormalization")
+    assert last_norm.output[0] == proto.graph.output[0].name  # the output itself is declared, never inner
+    ranks3 = [v.type.tensor_type.shape.dim for v in inner.values() if len(v.type.tensor_type.shape.dim) == 3]
+    assert any(dims[1].dim_value == 17 for dims in ranks3)  # inner values do get the resolved sequence
+    assert_equivalent(upload, proto, shapes=[{"pixel_values": (batch, 3, 32, 32)} for batch in (1, 3)])

@@ -274,3 +274,22 @@ def test_hf_bert_mlm_row_filter_reaches_the_last_attention_when_copies_merge():
     for feed in feeds:
         (expected,), (got,) = ref.run(None, feed), opt.run(None, feed)
         np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_upstream_reshape_keeps_declared_io_when_it_moves_nothing_on_a_vit_torchscript_export():
+    """The TorchScript ViT export has unannotated values, so the pass runs shape inference first; that
+    inference resolves the declared symbolic output axes to 17 and 32. Nothing moves, so the model must
+    come back unmodified and declaring exactly what the upload did."""
+    from tests.models.corpus import committed_path
+    from tests.passes.test_fuse_io_signature import io_declarations
+
+    upload = onnx.load(committed_path("vit", "ts_eager"))
+    model = ir.serde.deserialize_model(upload)
+    assert any(o.shape is None for n in model.graph for o in n.outputs)  # inference will run
+    result = UpstreamReshape()(model)
+    assert not result.modified
+    assert result.notes.get("shape_inference")
+    proto = ir.serde.serialize_model(model)
+    assert io_declarations(proto) == io_declarations(upload)
+    assert [n.op_type for n in proto.graph.node] == [n.op_type for n in upload.graph.node]
+    assert_equivalent(upload, proto, shapes=[{"pixel_values": (b, 3, 32, 32)} for b in (1, 3)])

@@ -1,13 +1,14 @@
-"""The graph's declared inputs and outputs, kept through fuse_transformer's shape inference.
+"""The graph's declared inputs and outputs, kept through any pass that runs shape inference.
 
-fuse_transformer builds its candidates on copies that ORT's symbolic shape inference and ONNX's (through
-onnxscript/onnx-ir, which overwrite declared shapes) have annotated. On an export with a fixed image size
-they resolve the sequence axis of the output, declared as a symbol, to a number (ViT 32x32 with 8x8
-patches: 16 patches + CLS = 17), and the candidate then declared ``last_hidden_state: float[batch, 17, 32]``
-where the upload said ``float[batch, seq, hidden]``. The number is right for that model, but the declared
-signature is what users' code reads and what the pipeline's ledger holds each pass to (a pass that turns a
-symbolic axis into a number is rolled back), so the returned model declares its inputs and outputs exactly
-as its input model did, whatever inference found inside::
+Used by ``cleanup/shape_inference`` (ONNX inference on the model itself) and ``fusion/fuse_transformer``
+(inference on its candidates). fuse_transformer builds its candidates on copies that ORT's symbolic shape
+inference and ONNX's (through onnxscript/onnx-ir, which overwrite declared shapes) have annotated.
+On an export with a fixed image size they resolve the sequence axis of the output, declared as a symbol,
+to a number (ViT 32x32 with 8x8 patches: 16 patches + CLS = 17), and the candidate then declared
+``last_hidden_state: float[batch, 17, 32]`` where the upload said ``float[batch, seq, hidden]``. The number
+is right for that model, but the declared signature is what users' code reads and what the pipeline's
+ledger holds each pass to (a pass that turns a symbolic axis into a number is rolled back), so the returned
+model declares its inputs and outputs exactly as its input model did, whatever inference found inside::
 
     in:  pixel_values float[batch,3,32,32]  ->  last_hidden_state float[batch,s1,s2]
     candidate after inference:                  last_hidden_state float[batch,17,32]
