@@ -35,6 +35,27 @@ class Tolerance(_Strict):
     )
 
 
+class DecoderBenchmark(_Strict):
+    """Prefill and decode figures of a decoder with a KV cache (workers/decoder_benchmark.py)."""
+
+    enabled: bool = Field(True, description="Measure prefill and decode when the model has a KV cache.")
+    prompt_lengths: list[int] = Field(
+        [128, 512],
+        min_length=1,
+        max_length=4,
+        description="Prompt lengths timed as a prefill on an empty past; clipped to the graph's position table.",
+    )
+    new_tokens: int = Field(32, ge=1, le=1024, description="Tokens generated one at a time on the growing cache.")
+    time_budget_s: float = Field(20.0, gt=0, le=600, description="Seconds the decoder benchmark may take.")
+
+    @field_validator("prompt_lengths")
+    @classmethod
+    def _lengths(cls, lengths: list[int]) -> list[int]:
+        if any(n < 1 or n > 65536 for n in lengths) or len(set(lengths)) != len(lengths):
+            raise ValueError(f"prompt_lengths must be distinct integers in 1..65536, got {lengths}")
+        return lengths
+
+
 # Tight for exact presets: float reassociation in fused kernels stays far inside these.
 EXACT_TOLERANCE = Tolerance()
 
@@ -55,6 +76,10 @@ class JobConfig(_Strict):
         None, description="Roll back passes that make the model slower. Unset: the server's setting."
     )
     benchmark: bool = Field(True, description="Benchmark original and optimized models.")
+    decoder_benchmark: DecoderBenchmark = Field(
+        default_factory=DecoderBenchmark,
+        description="Prefill and decode benchmark of decoders with a KV cache (skipped for other models).",
+    )
     shapes: list[dict[str, list[int]]] | None = Field(
         None,
         description='Input shapes to verify and benchmark, e.g. [{"input_ids": [1, 128]}]. '

@@ -11,6 +11,8 @@ imported from here: the child process of a worker and ``onnxforge optimize`` bot
       candidate and keeps the fastest (workers/auto_search.py)
     gate: verified and not slower beyond noise, else the upload comes back (workers/gate.py)
     artifact: the returned model, its external data and side files, into the output dir (workers/artifacts.py)
+    decoder: a KV-cache decoder's prefill and decode, original vs returned, within its budget
+      (workers/decoder_benchmark.py; other models: skipped with the reason)
     report: report.json + report.html (workers/report_builder.py, workers/report.py)
 
 The wall time of each stage (and of each pass's steps) goes to the report's ``timings``. The original's
@@ -42,6 +44,7 @@ from passes._infra import Pass, op_histogram
 from workers import artifacts, auto_search, gate
 from workers import report as report_mod
 from workers.benchmark import BenchmarkParams, SessionPool, measure
+from workers.decoder_benchmark import decoder_section
 from workers.ledger import Ledger, Setup
 from workers.report_builder import build_report
 from workers.sessions import providers_for
@@ -299,6 +302,10 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             if decision["used_original"]:
                 verification = verifier.check(final_path)  # the upload defines every position
 
+        # decoder: prefill and decode of a KV-cache decoder, original vs the model handed back
+        with stages("decoder"):
+            decoder = decoder_section(source, final_path, config, settings, failed=decision["result"] == "failed")
+
         # report
         report_started = time.perf_counter()
         report = build_report(
@@ -325,6 +332,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             side=side,
             duration_s=time.perf_counter() - started,
             timings=_timings(stages, ledger, pool),
+            decoder=decoder,
         )
         report["timings"]["report_s"] = time.perf_counter() - report_started  # the write below is not counted
         report["duration_s"] = report["timings"]["total_s"] = time.perf_counter() - started
@@ -338,7 +346,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         shutil.rmtree(work, ignore_errors=True)
 
 
-STAGES = ("load", "inputs", "baseline", "passes", "finalize", "gate", "artifact", "report")
+STAGES = ("load", "inputs", "baseline", "passes", "finalize", "gate", "artifact", "decoder", "report")
 
 
 def _timings(stages: _Stages, ledger: Ledger, pool: SessionPool) -> dict[str, Any]:

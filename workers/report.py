@@ -11,11 +11,16 @@ hostile input and goes through ``html.escape``.
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from workers.report_decoder import DECODER_SCHEMA, decoder_problems, render_decoder
+from workers.report_parts import COLORS as _COLORS
+from workers.report_parts import escape as _E
+from workers.report_parts import fmt as _fmt
+from workers.report_parts import table as _table
 
 SCHEMA_VERSION = "1.0"
 
@@ -44,6 +49,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "artifact",
         "duration_s",
         "timings",
+        "decoder",
     ),
     "versions": ("onnxforge", "onnx", "onnxruntime", "onnx_ir", "numpy"),
     "source": ("file_name", "sha256", "size_bytes", "external_data"),
@@ -92,6 +98,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "finalize_s",
         "gate_s",
         "artifact_s",
+        "decoder_s",
         "report_s",
         "total_s",
         "passes",
@@ -99,10 +106,12 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     ),
     "pass_timing": ("name", "load_s", "transform_s", "write_s", "verify_s", "benchmark_s", "total_s"),
     "sessions": ("built", "reused"),
+    **DECODER_SCHEMA,
 }
 # Keys added in a minor version: a report written before them is still valid without them.
 OPTIONAL: dict[str, frozenset[str]] = {
-    "report": frozenset({"timings"}),
+    "report": frozenset({"timings", "decoder"}),
+    "timings": frozenset({"decoder_s"}),
     "input_set": frozenset({"inputs"}),  # present when the inputs' roles are known
 }
 
@@ -171,6 +180,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         check(timings.get("sessions"), "sessions", "timings.sessions")
         for i, item in enumerate(timings.get("passes") or []):
             check(item, "pass_timing", f"timings.passes[{i}]")
+    problems.extend(decoder_problems(report.get("decoder"), check))
     for i, item in enumerate(report.get("candidates") or []):
         check(item, "candidate", f"candidates[{i}]")
     for i, item in enumerate(report.get("input_sets") or []):
@@ -206,17 +216,6 @@ def _json_default(value: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------ html
 
-_E = html.escape
-_COLORS = {
-    "applied": "#2e7d32",
-    "rolled_back": "#c62828",
-    "no_change": "#9e9e9e",
-    "failed": "#ef6c00",
-    "baseline": "#1565c0",
-    "original": "#1565c0",
-    "optimized": "#2e7d32",
-}
-
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em;color:#222;max-width:1200px}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
@@ -226,16 +225,6 @@ vertical-align:top;text-align:left}th{background:#f4f4f4}.num{text-align:right;f
 .ok{color:#2e7d32}.bad{color:#c62828}.box{padding:.6em 1em;border-radius:4px;background:#f7f7f7}
 svg text{font-size:11px;font-family:inherit}ul{margin:0;padding-left:1.2em}code{font-size:.9em}
 """
-
-
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}"
-    return str(value)
 
 
 def _svg_bars(labels: Sequence[str], values: Sequence[float | None], colors: Sequence[str], unit: str) -> str:
@@ -345,13 +334,6 @@ def _svg_op_histogram(before: Mapping[str, int], after: Mapping[str, int]) -> st
         )
     parts.append("</svg>")
     return "".join(parts)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Cells must already be escaped HTML."""
-    head = "".join(f"<th>{_E(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _kv(mapping: Mapping[str, Any] | None) -> str:
@@ -501,6 +483,8 @@ def render_html(report: Mapping[str, Any]) -> str:
         )
     else:
         sections.append("<p>Not benchmarked (config.benchmark is false, or nothing changed).</p>")
+    sections.append("<h2>Decoder: prefill and decode</h2>")
+    sections.append(render_decoder(report.get("decoder")))
     sections.append("<h2>Op histogram before vs after</h2>")
     sections.append(_svg_op_histogram(histogram.get("before") or {}, histogram.get("after") or {}))
     sections.append("<h2>Verification of the returned model</h2>")

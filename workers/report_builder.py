@@ -75,6 +75,7 @@ def build_report(
     side: list[Path],
     duration_s: float,
     timings: dict[str, Any] | None = None,
+    decoder: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     decision, benchmark, rebase = gate.decision, gate.benchmark, ledger.rebase
     final_ir = artifacts.load_ir(final_path)
@@ -141,4 +142,5 @@ def build_report(
         },
         "duration_s": duration_s,
         **({"timings": timings} if timings is not None else {}),
+        **({"decoder": decoder} if decoder is not None else {}),
     }
