@@ -363,7 +363,7 @@ def _measure(
         warmup=1,
         min_runs=PREFILL_MIN_BLOCKS,
         max_runs=PREFILL_MAX_BLOCKS,
-        max_seconds=max(0.2, budget * PREFILL_SHARE / len(lengths)),
+        max_seconds=budget * PREFILL_SHARE / len(lengths),
         target=target,
         intra_op_threads=threads,
         io_binding=False,  # host feeds, as a generate loop that reads the logits and the cache
