@@ -327,8 +327,16 @@ class TokenProbe:
         reference = [sess.run([logits], f)[0] for f in feeds]
         return cls(logits, token, feeds, reference)
 
+    def run(self, path: Path) -> list[np.ndarray]:
+        """The logits of the model at ``path`` on the probe's feeds (graph optimizations off)."""
+        return [outputs[0] for outputs in run_outputs(path, self.feeds, [self.logits])]
+
     def measure(self, path: Path) -> TokenAccuracy:
-        got = run_outputs(path, self.feeds, [self.logits])
+        return self.figures(self.run(path))
+
+    def figures(self, logits: Sequence[np.ndarray]) -> TokenAccuracy:
+        """The next-token figures of ``logits`` (one array per feed, as ``run`` gives) against the reference."""
+        got = [[g] for g in logits]
         tensor = worst([compare_arrays(r, g[0]) for r, g in zip(self.reference, got, strict=True)])
         result = TokenAccuracy(tensor.max_abs, tensor.rel_l2, tensor.cosine)
         nll_ref = nll_got = 0.0
@@ -350,6 +358,11 @@ class TokenProbe:
             result.perplexity_original = math.exp(nll_ref / scored)
             result.perplexity_quantized = math.exp(nll_got / scored)
         return result
+
+    def positions(self, logits: Sequence[np.ndarray]) -> np.ndarray:
+        """``logits`` (one array per feed) as one [positions, vocab] array of the counted positions."""
+        rows = [x[self._valid(f, x.shape)] for f, x in zip(self.feeds, logits, strict=True)]
+        return np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows])
 
     def _valid(self, feed: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
         """Positions to count: every one, less the padding a 2-D attention mask marks (batch x sequence)."""

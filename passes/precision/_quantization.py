@@ -26,6 +26,7 @@ import difflib
 import io
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +47,19 @@ from passes.precision._accuracy import (
     load_ir,
     logits_output,
     measure,
+    round_sig,
     run_outputs,
     save_proto,
     session,
 )
-from passes.precision._sensitivity import exclusion_loop, rank_nodes
+from passes.precision._sensitivity import (
+    MarginLoss,
+    SearchOutcome,
+    Trial,
+    exclusion_loop,
+    flip_search,
+    rank_nodes,
+)
 
 # Weights above this go to external data in the temporary files (protobuf stops at 2 GiB).
 EXTERNAL_DATA_BYTES = 1536 << 20
@@ -396,3 +405,120 @@ _QUANT_OPS = {
     "com.microsoft::QuantizeLinear",
     "com.microsoft::DequantizeLinear",
 }
+
+
+def drive_next_token(
+    model: ir.Model,
+    samples: Sequence[dict[str, np.ndarray]],
+    options: QuantizationOptions,
+    *,
+    candidates: Sequence[str],
+    weights: dict[str, int],
+    quantize: Callable[[Path, Path, list[str], bool], None],
+    notes: dict[str, Any],
+    kept_as: str,
+    search_seconds: float,
+) -> Quantized | None:
+    """``drive`` for a budget on the greedy tokens: the mix is searched by what each node does to them
+    (``_sensitivity.flip_search``), not by its weight error. None when no probe can be built (no logits
+    output, no sample with token ids): the caller falls back to ``drive``.
+
+    ``quantize(src, dst, kept, large)`` quantizes every candidate to 4 bits but those in ``kept``."""
+    budget = budget_of(options)
+    original = ir.serde.serialize_model(model)
+    large = tensor_bytes(original) > EXTERNAL_DATA_BYTES
+    user_excluded = list(options.nodes_to_exclude)
+    with workdir() as tmp:
+        work = Path(tmp)
+        src = work / "input.onnx"
+        save_proto(original, src, large)
+        probe = TokenProbe.build(src, logits_output(model), samples, options.max_samples)
+        if probe is None:
+            return None
+        ref_sess = session(src)
+        feeds = feeds_for(ref_sess, samples, options.max_samples)
+        outputs = float_outputs(ref_sess)
+        del ref_sess
+        reference = run_outputs(src, feeds, outputs)
+        notes["external_data"] = large
+        notes["budget"] = budget.to_dict()
+        notes["samples_used"] = len(feeds)
+        note_probe(notes, budget, probe.logits, probe)
+        reference_positions = probe.positions(probe.reference)
+        loss: list[MarginLoss] = []
+        count = [0]
+
+        def trial(int4: list[str]) -> Trial:
+            count[0] += 1
+            path = work / f"trial{count[0]}.onnx"
+            kept = [c for c in candidates if c not in int4]
+            with quiet_ort_quantization():
+                quantize(src, path, [*user_excluded, *kept], large)
+            accuracy = measure(path, feeds, outputs, reference)
+            got = probe.run(path)
+            accuracy[probe.key] = probe.figures(got)
+            score = loss[0](probe.positions(got)) if loss else 0.0
+            return Trial(list(int4), accuracy, score, budget.misses(accuracy), path)
+
+        full = trial(list(candidates))
+        notes["accuracy_all_quantized"] = {k: v.to_dict() for k, v in full.accuracy.items()}
+        counts = {"nodes_quantized": len(candidates), "nodes_excluded_by_user": len(user_excluded)}
+        chosen = full
+        if full.misses and options.max_exclusions == 0:
+            reason = "accuracy budget missed and max_exclusions is 0: " + "; ".join(full.misses)
+            notes["decision"] = "refused: accuracy budget missed"
+            return Quantized(None, counts, [NonMatch(reason)], notes)
+        if full.misses:
+            # A position whose top-2 are closer than full int4's largest logit move can flip: those are scored.
+            loss.append(MarginLoss(reference_positions, float(full.accuracy[probe.key].max_abs)))
+            clock = time.monotonic
+            outcome = flip_search(candidates, weights, trial, deadline=clock() + search_seconds, clock=clock)
+            notes["search"] = {
+                "by": "next-token margin loss of each MatMul alone in int4, least per weight first, added while "
+                "the budget holds",
+                "fragile_positions": int(loss[0].fragile.sum()),
+                "fragile_margin_below": round_sig(loss[0].threshold),
+                "stopped": outcome.stopped,
+                "ranking": outcome.ranking,
+                "trials": outcome.trials,
+            }
+            picked = outcome.chosen
+            kept = [c for c in candidates if picked is None or c not in picked.int4]
+            notes["excluded_for_accuracy"] = [{"node": c} for c in kept]
+            failure = None
+            if picked is None:
+                failure = f"accuracy budget missed even with all {len(candidates)} MatMul(s) in {kept_as}: "
+                failure += "; ".join(budget.misses(_first_trial(outcome, full)))
+            elif not picked.int4:
+                failure = f"accuracy budget missed with any MatMul in int4 (the rest {kept_as}): "
+                failure += "; ".join(full.misses)
+            elif options.max_exclusions is not None and len(kept) > options.max_exclusions:
+                failure = (
+                    f"accuracy budget missed even with the {options.max_exclusions} most sensitive MatMul(s) in "
+                    f"{kept_as} (max_exclusions={options.max_exclusions}); it holds with {len(kept)}: "
+                    + "; ".join(full.misses)
+                )
+            if failure is not None:
+                notes["accuracy"] = {k: v.to_dict() for k, v in full.accuracy.items()}
+                notes["decision"] = "refused: accuracy budget missed"
+                return Quantized(None, counts, [NonMatch(failure)], notes)
+            assert picked is not None
+            chosen = picked
+            counts["nodes_quantized"] = notes["nodes_quantized"] = len(picked.int4)
+            counts["nodes_excluded_for_accuracy"] = len(kept)
+            notes["decision"] = (
+                f"quantized {len(picked.int4)} MatMul(s) to int4; kept {len(kept)} in {kept_as} to meet the budget"
+            )
+        else:
+            notes["nodes_quantized"] = len(candidates)
+            notes["decision"] = f"quantized {len(candidates)} node(s) within the accuracy budget"
+        notes["accuracy"] = {k: v.to_dict() for k, v in chosen.accuracy.items()}
+        assert chosen.path is not None
+        result = load_ir(chosen.path)
+    notes["op_types_after"] = dict(sorted(_op_counts(result).items()))
+    return Quantized(result, counts, [], notes)
+
+
+def _first_trial(outcome: SearchOutcome, full: Trial) -> dict[str, OutputAccuracy]:
+    """The accuracy of the search's first trial (no int4), for the refusal's figures."""
+    return outcome.base.accuracy if outcome.base is not None else full.accuracy

@@ -14,7 +14,7 @@ What ORT leaves to the user, and this pass decides:
 
 * **accuracy_level by measurement.** 4 (int8 compute of the activations, the fast x86 path) and 0 (fp32
   compute) give the same weights; the pass times both on the samples (ORT's default optimizations, 1
-  thread) and keeps the fastest whose outputs meet the accuracy budget.
+  thread) and keeps the fastest whose outputs meet the accuracy budget (neither: 0, the accurate one).
 * **The lm_head is never int4** by default (an int4 head made a model repeat itself, issue 19): it is found
   from the graph, the MatMul whose output reaches a graph output through reshapes and elementwise ops only,
   never by name, and stays float, or becomes 8-bit ``MatMulNBits`` where that measures no slower and the
@@ -25,14 +25,28 @@ What ORT leaves to the user, and this pass decides:
   the max logit difference and the perplexity of both models on those tokens are in the notes
   (``passes/precision/_accuracy.py``). A logits cosine of 0.9966 flipped 4% of the greedy tokens of the
   trained test decoder: a cosine budget alone passes that.
-* **Mixed precision by measured sensitivity.** When the budget is missed, ``q.drive`` ranks every
-  quantized MatMul by the error it introduces and makes the worst 8-bit ``MatMulNBits`` (or float,
-  ``sensitive_as``), as few as the budget allows (``passes/precision/_quantization.py``); the notes give
-  every MatMul's precision (``precision``: int4 / int8 / float) and the figures of each trial.
+* **Block size by measurement** (``block_size="auto"``): full int4 at 64, 32 and 16 (no longer than the
+  longest K); the largest within the budget, else the one that flips the fewest greedy tokens, starts the mix.
+* **Mixed precision by the greedy tokens.** When full int4 misses a next-token budget, every MatMul is
+  measured alone in int4 (the rest 8-bit ``MatMulNBits``, or float with ``sensitive_as``) by the top-1 margin
+  it takes from the *fragile* positions (those whose top-2 are closer than full int4's largest logit move),
+  and the int4 set grows, least loss per weight first, while the budget holds: 2n + 1 teacher-forced trials
+  within ``search_seconds`` (``passes/precision/_sensitivity.py``, ``flip_search``). On the trained test
+  decoder one MatMul alone in int4 flips 4 to 25 of 1,024 greedy tokens; the per-MatMul weight error does not
+  order them. A budget on tensors only (no top-1 / perplexity criterion) keeps the weight-error ranking of
+  ``q.drive``. The notes give every MatMul's precision (``precision``), the int4 share of the MatMul weights
+  (``int4_share``), the ranking and every trial (``search``).
+* **Not offered: GPTQ.** ORT 1.32 ships it (``neural_compressor.gptq_quantize``, numpy, no torch and no
+  neural-compressor package needed), but on the trained test decoder it flipped as many greedy tokens as
+  asymmetric RTN (42 and 44 of 1,024 at blocks 32 and 16, calibrated on the held-out bytes themselves) and
+  78 / 73 symmetric, against RTN's 40 / 32; and ``MatMulNBitsQuantizer`` ignores ``nodes_to_exclude`` on
+  its GPTQ path (only the RTN branch marks them), so no mix could be built through it. Asymmetric RTN (42-44
+  flips) and HQQ (57 at block 32, 29 at 16) are options, not searched: neither is reliably better here.
 
 Refuses (no change, with a reason) when no MatMul has a constant weight, when ``nodes_to_exclude`` names a
 node the graph lacks, when HQQ is asked for without torch, and when the budget (top-1 agreement included) is
-missed even with ``max_exclusions`` MatMuls in 8-bit or float; the reason gives the figures.
+missed with every MatMul 8-bit, with no MatMul left in int4, or only with more than ``max_exclusions`` of
+them 8-bit; the reason gives the full int4 figures.
 """
 
 from __future__ import annotations
@@ -52,7 +66,7 @@ from pydantic import Field
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import take_graph_output
 from passes.precision import _quantization as q
-from passes.precision._accuracy import TokenProbe, head_outputs, logits_output
+from passes.precision._accuracy import TokenAccuracy, TokenProbe, head_outputs, logits_output, round_sig
 
 _LEVELS = {"fp32": 0, "int8": 4}
 
@@ -63,7 +77,12 @@ class QuantizeInt4Options(PassOptions):
         description="rtn: round-to-nearest per block (ORT's DefaultWeightOnlyQuantConfig). hqq: half-quadratic "
         "quantization (ORT's HQQWeightOnlyQuantConfig, always asymmetric), needs torch in the worker.",
     )
-    block_size: int = Field(32, ge=16, description="Weights per quantization block along K (a power of 2, >= 16).")
+    block_size: int | Literal["auto"] = Field(
+        "auto",
+        description="Weights per quantization block along K (a power of 2, >= 16). auto: measure full int4 at "
+        "64, 32 and 16 and keep the largest (fewest scale bytes) within the budget, else the one that flips "
+        "the fewest greedy tokens (ties: the smaller logit move).",
+    )
     symmetric: bool = Field(True, description="Symmetric blocks (no zero point). rtn only; hqq is asymmetric.")
     accuracy_level: Literal["auto", 0, 1, 4] = Field(
         "auto",
@@ -107,8 +126,17 @@ class QuantizeInt4Options(PassOptions):
         description="What the exclusion loop makes of the MatMuls it takes out of int4 to meet the budget: "
         "8-bit MatMulNBits (half the bytes of float, close to float accuracy) or float.",
     )
-    max_exclusions: int = Field(
-        8, ge=0, description="Most MatMuls the exclusion loop may take out of int4 to meet the budget (0: none)."
+    max_exclusions: int | None = Field(
+        None,
+        ge=0,
+        description="Most MatMuls the search may take out of int4 to meet the budget (0: none; unset: any, the "
+        "report gives the int4 share of the MatMul weights).",
+    )
+    search_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Time budget of the next-token search for the int4/8-bit mix; once spent, the MatMuls not "
+        "yet tried stay 8-bit (or float) and the notes say so.",
     )
     max_samples: int = Field(8, ge=1, description="Samples used to measure accuracy and speed.")
 
@@ -125,8 +153,9 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         refusal = q.unknown_node_names(model, options.nodes_to_exclude)
         if options.algorithm == "hqq" and importlib.util.find_spec("torch") is None:
             refusal.append(NonMatch("algorithm 'hqq' runs on torch (ORT's HQQ quantizer), not installed here"))
-        if options.block_size & (options.block_size - 1):
-            refusal.append(NonMatch(f"block_size {options.block_size} is not a power of 2 (MatMulNBits needs one)"))
+        size = options.block_size
+        if isinstance(size, int) and (size < 16 or size & (size - 1)):
+            refusal.append(NonMatch(f"block_size {size} is not a power of 2 >= 16 (MatMulNBits needs one)"))
         if refusal:
             return q.refused(model, refusal)
         if _gemm_sites(model):
@@ -140,7 +169,6 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         candidates = [c for c in candidates if c not in kept_float]
         notes: dict[str, Any] = {
             "algorithm": options.algorithm,
-            "block_size": options.block_size,
             "symmetric": options.symmetric if options.algorithm == "rtn" else False,
             "lm_head": heads or "none found",
             "candidates": len(candidates),
@@ -157,10 +185,13 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             max_abs_error=options.max_abs_error,
             min_top1_agreement=options.min_top1_agreement,
             max_perplexity_increase=options.max_perplexity_increase,
-            max_exclusions=options.max_exclusions,
+            max_exclusions=len(candidates) if options.max_exclusions is None else options.max_exclusions,
             max_samples=options.max_samples,
         )
         logits = logits_output(model)
+        options = _choose_block_size(
+            model, ctx.samples, options, budget_options, notes, candidates=candidates, logits=logits
+        )
         level = _choose_level(model, ctx.samples, options, budget_options, notes, logits=logits)
         candidate_set = set(candidates)
 
@@ -172,16 +203,31 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
                 proto = quantize_proto(proto, options, level, others, bits=8, include=sensitive)
             q.save_proto(proto, dst, large)
 
-        out = q.drive(
-            model,
-            ctx.samples,
-            budget_options,
-            candidates=candidates,
-            quantize=quantize,
-            quantized_nodes=replaced_nodes,
-            notes=notes,
-            kept_as=options.sensitive_as,
-        )
+        weights = _weight_sizes(model)
+        out = None
+        if options.min_top1_agreement is not None or options.max_perplexity_increase is not None:
+            out = q.drive_next_token(
+                model,
+                ctx.samples,
+                budget_options,
+                candidates=candidates,
+                weights=weights,
+                quantize=quantize,
+                notes=notes,
+                kept_as=options.sensitive_as,
+                search_seconds=options.search_seconds,
+            )
+        if out is None:  # a tensor budget only, or no token ids to judge the greedy tokens by
+            out = q.drive(
+                model,
+                ctx.samples,
+                budget_options,
+                candidates=candidates,
+                quantize=quantize,
+                quantized_nodes=replaced_nodes,
+                notes=notes,
+                kept_as=options.sensitive_as,
+            )
         non_matches += out.non_matches
         if "nodes_excluded_by_user" in out.counts:  # drive counts the float head among the user's exclusions
             out.counts["nodes_excluded_by_user"] = len(options.nodes_to_exclude)
@@ -201,6 +247,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
                 logits=logits,
             )
         notes["precision"] = precision_by_layer(result, [*candidates, *kept_float, *options.nodes_to_exclude])
+        notes["int4_share"] = int4_share(notes["precision"], weights)
         notes["weight_bytes"] = {
             "before": q.tensor_bytes(ir.serde.serialize_model(model)),
             "after": q.tensor_bytes(ir.serde.serialize_model(result)),
@@ -363,6 +410,8 @@ def _measure(
     samples: Sequence[dict[str, np.ndarray]],
     limit: int,
     logits: str | None,
+    *,
+    timed: bool = True,
 ) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, float]] | None:
     """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto."""
     with q.workdir() as tmp:
@@ -382,8 +431,84 @@ def _measure(
             path = Path(tmp) / f"{key}.onnx"
             q.save_proto(proto, path, large)
             accuracy[key] = q.measure(path, feeds, outputs, reference, probe)
-            latency[key] = _latency_ms(onnx.load(str(path), load_external_data=True), feeds)
+            if timed:
+                latency[key] = _latency_ms(onnx.load(str(path), load_external_data=True), feeds)
         return accuracy, latency
+
+
+def _choose_block_size(
+    model: ir.Model,
+    samples: Sequence[dict[str, np.ndarray]],
+    options: QuantizeInt4Options,
+    budget_options: q.QuantizationOptions,
+    notes: dict[str, Any],
+    *,
+    candidates: Sequence[str],
+    logits: str | None,
+) -> QuantizeInt4Options:
+    """``options`` with an int ``block_size``: the option's, or (auto) the measured choice, in the notes."""
+    if options.block_size != "auto":
+        notes["block_size"] = {"chosen": options.block_size, "by": "option"}
+        return options
+    original = ir.serde.serialize_model(model)
+    # A block longer than every weight's K only pads: it stores as many scales as the next smaller one.
+    longest = max((n.inputs[1].const_value.shape[0] for n in model.graph if n.name in candidates), default=16)
+    sizes = tuple(size for size in (64, 32, 16) if size <= max(longest, 16))
+    protos = {
+        str(size): quantize_proto(
+            onnx.ModelProto.FromString(original.SerializeToString()),
+            options.model_copy(update={"block_size": size}),
+            0,
+            budget_options.nodes_to_exclude,
+        )
+        for size in sizes
+    }
+    measured = _measure(original, protos, samples, options.max_samples, logits, timed=False)
+    if measured is None:
+        notes["block_size"] = {"chosen": 32, "by": "no samples give every input: ORT's usual 32"}
+        return options.model_copy(update={"block_size": 32})
+    accuracy, _ = measured
+    budget = q.budget_of(budget_options)
+    holding = [size for size in sizes if not budget.misses(accuracy[str(size)])]
+
+    def damage(size: int) -> tuple[int, float]:
+        token = [a for a in accuracy[str(size)].values() if isinstance(a, TokenAccuracy)]
+        flipped = sum(a.flipped for a in token)
+        return flipped, max((a.max_abs for a in accuracy[str(size)].values()), default=0.0)
+
+    chosen = holding[0] if holding else min(sizes, key=damage)
+    notes["block_size"] = {
+        "chosen": chosen,
+        "by": "measured: the largest within the budget"
+        if holding
+        else "measured: none holds in full int4, the one that flips the fewest greedy tokens",
+        "full_int4": {
+            str(size): {"within_budget": size in holding, "flipped": d[0], "max_diff": round_sig(d[1])}
+            for size in sizes
+            for d in [damage(size)]
+        },
+    }
+    return options.model_copy(update={"block_size": chosen})
+
+
+def _weight_sizes(model: ir.Model) -> dict[str, int]:
+    """Elements of the constant 2-D weight of every named MatMul (the head and excluded ones included)."""
+    sizes = {}
+    for node in model.graph:
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.name and len(node.inputs) > 1:
+            weight = node.inputs[1]
+            if weight is not None and weight.const_value is not None and len(weight.const_value.shape) == 2:
+                sizes[node.name] = int(np.prod(weight.const_value.shape))
+    return sizes
+
+
+def int4_share(precision: dict[str, str], weights: dict[str, int]) -> dict[str, Any]:
+    """The share of the MatMul weights (elements, the float head included) stored in int4, and per precision."""
+    total = sum(weights.get(name, 0) for name in precision)
+    by: dict[str, int] = {}
+    for name, kind in precision.items():
+        by[kind] = by.get(kind, 0) + weights.get(name, 0)
+    return {"of_matmul_weights": round_sig(by.get("int4", 0) / total) if total else 0.0, "weights": by}
 
 
 def _choose_level(
