@@ -1,0 +1,229 @@
+"""The structural half of ``fuse_gqa``: one decoder self-attention, found from its ``Softmax``, or the reason
+it is not one.
+
+What every exporter we read (TorchScript eager and SDPA, dynamo; Llama, Qwen2, Phi-3, Mistral, GPT-2) emits
+for one layer, by value, with the names this module gives them::
+
+    q [B,H,S,D] (opaque: rotated or not) ------------------------------------+
+    past_k [B,kv,P,D] --+                                                     |
+    k_new [B,kv,S,D] ---Concat(axis 2)--> k_all (the present key)            |
+                         repeat_kv: Unsqueeze(2)-Expand-Reshape --> k_rep     |
+                                                  Transpose(0,1,3,2)          v
+                         MatMul(q, k^T) --Mul|Div(scale)--Add(mask)--Softmax--(Cast)--MatMul(., v_rep)
+                                                                           --Transpose(0,2,1,3)--> out [B,S,H,D]
+    past_v, v_new ---Concat(axis 2)--> v_all --repeat_kv--> v_rep
+
+Without a cache, ``k_all`` is ``k_new`` itself; with as many kv heads as heads (GPT-2), ``k_rep`` is ``k_all``.
+The scale may also sit on q and k^T (one Mul each). Casts to the same element type and single-input
+Concat/Identity copies are looked through. q, k_new and v_new are opaque values, so rotary embedding,
+fused (``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads, kv heads, head
+size) are not read here: ``_gqa_probe`` measures them, and also what the mask computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from core.inputs.graph import const_array
+from passes._infra import NonMatch
+
+_ONNX = ("", "ai.onnx")
+EXPECTED = (
+    "Softmax(axis -1) of [Mul|Div](MatMul(q, Transpose(0,1,3,2)(k)), scale) + mask, then MatMul(., v) and "
+    "Transpose(0,2,1,3); k and v each [Concat(past, new, axis 2)] and [Unsqueeze(2)-Expand-Reshape] (repeat_kv)"
+)
+
+
+@dataclasses.dataclass
+class Site:
+    """One attention layer, matched. ``k_new``/``v_new`` are the layer's new keys and values ([B,kv,S,D]),
+    ``k_past``/``v_past`` what the Concat prepends (None without a cache), ``k_all``/``v_all`` the Concat
+    outputs (the present cache), ``out`` the [B,S,H,D] value the layer's output projection reads."""
+
+    layer: int
+    softmax: ir.Node
+    q: ir.Value
+    k_new: ir.Value
+    v_new: ir.Value
+    k_past: ir.Value | None
+    v_past: ir.Value | None
+    k_all: ir.Value
+    v_all: ir.Value
+    k_rep: ir.Value
+    v_rep: ir.Value
+    mask: ir.Value | None
+    scale: float
+    context: ir.Node  # MatMul(probs, v): every input of the fused op is computed before it
+    out: ir.Value
+    k_bsnd: bool = False  # k_new is [B,S,kv,D] (keys transposed once, straight to k^T)
+
+    def probed(self) -> list[ir.Value]:
+        """The values whose run-time shapes ``_gqa_probe`` measures for this site."""
+        return [self.q, self.k_all, self.v_all, self.k_rep, self.v_rep, self.out]
+
+
+class Declined(Exception):
+    """A candidate that is not the pattern; the message says which part was expected and what was found."""
+
+
+def match_sites(graph: ir.Graph) -> tuple[list[Site], list[NonMatch]]:
+    """Every Softmax of ``graph`` as a ``Site`` or a ``NonMatch`` naming the part of the pattern that blocked
+    it. Nothing is edited."""
+    sites: list[Site] = []
+    declined: list[NonMatch] = []
+    softmaxes = [n for n in graph if n.op_type == "Softmax" and n.domain in _ONNX]
+    for layer, node in enumerate(softmaxes):
+        try:
+            sites.append(_match(layer, node))
+        except Declined as exc:
+            reason = f"attention layer {layer} (node {node.name}): expected {EXPECTED}; {exc}"
+            declined.append(NonMatch(reason, node=node.name, op_type="Softmax"))
+    return sites, declined
+
+
+def _match(layer: int, softmax: ir.Node) -> Site:
+    axis = softmax.attributes.get_int("axis", -1)
+    rank = len(softmax.inputs[0].shape) if softmax.inputs[0].shape is not None else 4
+    if axis not in (-1, rank - 1):
+        raise Declined(f"found Softmax over axis {axis}, not the keys (-1)")
+    probs = _through_casts(softmax.outputs[0])
+    context = _single_use(probs, "MatMul", "the Softmax's output")
+    if context.inputs[0] is not probs:
+        raise Declined("found the probabilities as the MatMul's second input, not its first")
+    out_t = _single_use(context.outputs[0], "Transpose", "MatMul(probs, v)")
+    if list(out_t.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        raise Declined(f"found Transpose perm {list(out_t.attributes.get_ints('perm', []))} after MatMul(probs, v)")
+    scores, mask = _strip_mask(softmax.inputs[0])
+    q, kt, scale = _strip_scale(scores)
+    k_rep, k_bsnd = _transposed_keys(kt)
+    k_all, v_all = _unrepeat(k_rep, "k"), _unrepeat(context.inputs[1], "v")
+    if k_bsnd and (k_all is not k_rep or _producer(k_all, "Concat") is not None):
+        raise Declined("found keys transposed straight from [B,S,N,D] but repeated or concatenated with a cache")
+    k_past, k_new = _split_cache(k_all, "key")
+    v_past, v_new = _split_cache(v_all, "value")
+    if (k_past is None) != (v_past is None):
+        raise Declined("found a cache Concat on one of key and value only")
+    return Site(
+        layer, softmax, q, k_new, v_new, k_past, v_past, k_all, v_all, k_rep, context.inputs[1], mask, scale,
+        context, out_t.outputs[0], k_bsnd,
+    )  # fmt: skip
+
+
+def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in _ONNX or node.op_type not in ops:
+        return None
+    return node
+
+
+def _through_casts(value: ir.Value) -> ir.Value:
+    """Follow single-use Casts to the value's own element type (TorchScript casts probabilities to float)."""
+    while True:
+        uses = list(value.uses())
+        if len(uses) != 1 or uses[0].node.op_type != "Cast" or uses[0].node.domain not in _ONNX:
+            return value
+        # An untyped value (TorchScript writes no value_info) is taken as float32, the exporters' default.
+        own = value.dtype.value if value.dtype is not None else ir.DataType.FLOAT.value
+        if uses[0].node.attributes.get_int("to", 0) != own:
+            return value
+        value = uses[0].node.outputs[0]
+
+
+def _single_use(value: ir.Value, op: str, what: str) -> ir.Node:
+    uses = list(value.uses())
+    if len(uses) != 1 or uses[0].node.op_type != op or uses[0].node.domain not in _ONNX:
+        found = ", ".join(u.node.op_type for u in uses) or "no consumer"
+        raise Declined(f"expected {what} to feed one {op}; found {found}")
+    return uses[0].node
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    array = const_array(value)
+    if array is None or array.size != 1 or not np.issubdtype(array.dtype, np.floating):
+        return None
+    return float(array.reshape(-1)[0])
+
+
+def _strip_mask(value: ir.Value) -> tuple[ir.Value, ir.Value | None]:
+    """The scores under an additive mask, and the mask (None when there is none)."""
+    add = _producer(value, "Add")
+    if add is None:
+        return value, None
+    for i in (0, 1):
+        if _producer(add.inputs[i], "Mul", "Div", "MatMul") is not None:
+            return add.inputs[i], add.inputs[1 - i]
+    raise Declined("found an Add before the Softmax whose inputs are not scores (Mul, Div or MatMul) and a mask")
+
+
+def _strip_scale(value: ir.Value) -> tuple[ir.Value, ir.Value, float]:
+    """(q, k^T, scale) from ``MatMul(q, kT) * c``, ``MatMul(q, kT) / c`` or ``MatMul(q * a, kT * b)``."""
+    scale = 1.0
+    node = _producer(value, "Mul", "Div")
+    if node is not None:
+        c = _scalar(node.inputs[1]) if node.op_type == "Div" else _scalar(node.inputs[1]) or _scalar(node.inputs[0])
+        if c is None:
+            raise Declined(f"found {node.op_type} of the scores by a non-constant")
+        scale = 1.0 / c if node.op_type == "Div" else c
+        value = node.inputs[0] if _scalar(node.inputs[0]) is None else node.inputs[1]
+    matmul = _producer(value, "MatMul")
+    if matmul is None:
+        found = value.producer().op_type if value.producer() is not None else "a graph input"
+        raise Declined(f"expected MatMul(q, k^T) under the scale; found {found}")
+    q, kt = matmul.inputs[0], matmul.inputs[1]
+    for side in ("q", "k"):
+        operand = q if side == "q" else kt
+        mul = _producer(operand, "Mul")
+        c = None if mul is None else (_scalar(mul.inputs[1]) or _scalar(mul.inputs[0]))
+        if mul is not None and c is not None:
+            scale *= c
+            operand = mul.inputs[0] if _scalar(mul.inputs[0]) is None else mul.inputs[1]
+            q, kt = (operand, kt) if side == "q" else (q, operand)
+    return q, kt, scale
+
+
+def _transposed_keys(kt: ir.Value) -> tuple[ir.Value, bool]:
+    """(k, whether k is [B,S,N,D]): ``Transpose(0,1,3,2)`` of heads-first keys, or ``Transpose(0,2,3,1)``
+    of the projection split into heads (dynamo's GPT-2 without a cache transposes once)."""
+    node = _producer(kt, "Transpose")
+    perm = list(node.attributes.get_ints("perm", [])) if node is not None else None
+    if node is None or perm not in ([0, 1, 3, 2], [0, 2, 3, 1]):
+        found = f"Transpose{perm}" if node is not None else (kt.producer().op_type if kt.producer() else "input")
+        raise Declined(f"expected k^T = Transpose(0,1,3,2)(k); found {found}")
+    return node.inputs[0], perm == [0, 2, 3, 1]
+
+
+def _unrepeat(value: ir.Value, which: str) -> ir.Value:
+    """The kv-head tensor under repeat_kv ``Reshape(Expand(Unsqueeze(x, 2)))``, else the value itself (the
+    probe then checks it has as many heads as q)."""
+    reshape = _producer(value, "Reshape")
+    expand = _producer(reshape.inputs[0], "Expand") if reshape is not None else None
+    unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsqueeze is None:
+        return value
+    axes = const_array(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else None
+    if axes is None and "axes" in unsqueeze.attributes:
+        axes = np.array(unsqueeze.attributes.get_ints("axes", []))
+    if axes is None or axes.reshape(-1).tolist() != [2]:
+        raise Declined(f"found repeat_kv of {which} unsqueezing axes {None if axes is None else axes.tolist()}, not 2")
+    return unsqueeze.inputs[0]
+
+
+def _split_cache(value: ir.Value, which: str) -> tuple[ir.Value | None, ir.Value]:
+    """(past, new) of ``Concat(past, new, axis=2)``; (None, value) when there is no cache Concat."""
+    concat = _producer(value, "Concat")
+    if concat is None:
+        return None, value
+    axis = concat.attributes.get_int("axis", 0)
+    if axis in (3, -1):  # partial rotary joins rotated and plain halves of the head dim: the keys themselves
+        return None, value
+    if axis not in (2, -2) or len(concat.inputs) != 2:
+        raise Declined(f"found the {which} from a Concat of {len(concat.inputs)} inputs on axis {axis}")
+    past = concat.inputs[0]
+    copy = _producer(past, "Concat", "Identity")
+    while copy is not None and len(copy.inputs) == 1:  # TorchScript's single-input Concat copy of the past
+        past = copy.inputs[0]
+        copy = _producer(past, "Concat", "Identity")
+    return past, concat.inputs[1]

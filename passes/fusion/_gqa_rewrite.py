@@ -1,0 +1,142 @@
+"""The rewriting half of ``fuse_gqa``: the inputs GroupQueryAttention and MultiHeadAttention take, built
+from a matched ``Site``, and the layer rewired onto the fused op.
+
+Both ops take q (and GQA k, v) as [B, S, N*D]. A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] is
+flattened straight from its source (a Reshape, no copy); any other (a rotated q or k, heads first) through
+a Transpose. The fused output [B,S,H*D] is reshaped back to [B,S,H,D], the value the layer's output
+projection read, so the rest of the layer is untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from passes._match import take_graph_output
+from passes.fusion._gqa_match import Site
+from passes.fusion._gqa_probe import gqa_window_offset
+
+
+def const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    tensor = ir.tensor(array, name=name)
+    value = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+    graph.register_initializer(value)
+    return value
+
+
+def lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
+    """seqlens_k = sum(mask, axis 1) - 1 and total_sequence_length = mask.shape[1], both int32, once per
+    graph, at its start (they read only the graph input)."""
+    mask = next(v for v in graph.inputs if v.name == mask_name)
+    opset = graph.opset_imports.get("", 18)
+    cast = ir.node("Cast", [mask], {"to": ir.DataType.INT32}, name="fuse_gqa/mask_int32")
+    if opset >= 13:
+        axes = const(graph, "fuse_gqa/axis_1", np.array([1], np.int64))
+        summed = ir.node("ReduceSum", [cast.outputs[0], axes], {"keepdims": 0}, name="fuse_gqa/mask_sum")
+    else:
+        summed = ir.node("ReduceSum", [cast.outputs[0]], {"axes": [1], "keepdims": 0}, name="fuse_gqa/mask_sum")
+    one = const(graph, "fuse_gqa/one", np.array(1, np.int32))
+    seqlens = ir.node("Sub", [summed.outputs[0], one], name="fuse_gqa/seqlens_k")
+    shape = ir.node("Shape", [mask], name="fuse_gqa/mask_shape")
+    index = const(graph, "fuse_gqa/index_1", np.array(1, np.int64))
+    length = ir.node("Gather", [shape.outputs[0], index], {"axis": 0}, name="fuse_gqa/mask_length")
+    total = ir.node("Cast", [length.outputs[0]], {"to": ir.DataType.INT32}, name="fuse_gqa/total_sequence_length")
+    nodes = [cast, summed, seqlens, shape, length, total]
+    graph.insert_before(next(iter(graph)), nodes)
+    seqlens.outputs[0].name, total.outputs[0].name = "fuse_gqa/seqlens_k", "fuse_gqa/total_sequence_length"
+    return seqlens.outputs[0], total.outputs[0]
+
+
+def flat_heads(graph: ir.Graph, value: ir.Value, prefix: str, bsnd: bool) -> tuple[ir.Value, list[ir.Node]]:
+    """``value`` [B,N,S,D] (or [B,S,N,D] when ``bsnd``) as [B,S,N*D]: ``Reshape(x)`` when it is
+    ``Transpose(0,2,1,3)(x)``, else through a Transpose (a rotated q or k is in heads-first layout)."""
+    nodes = []
+    producer = value.producer()
+    perm = list(producer.attributes.get_ints("perm", [])) if producer and producer.op_type == "Transpose" else []
+    if bsnd:
+        source = value
+    elif perm == [0, 2, 1, 3] and producer.domain in ("", "ai.onnx"):
+        source = producer.inputs[0]
+    else:
+        nodes.append(ir.node("Transpose", [value], {"perm": [0, 2, 1, 3]}, name=f"{prefix}/to_bsnh"))
+        source = nodes[-1].outputs[0]
+    shape = const(graph, f"{prefix}/flat_shape", np.array([0, 0, -1], np.int64))
+    nodes.append(ir.node("Reshape", [source, shape], name=f"{prefix}/to_bsh"))
+    return nodes[-1].outputs[0], nodes
+
+
+def rewrite_gqa(
+    graph: ir.Graph,
+    site: Site,
+    lengths_: tuple[ir.Value, ir.Value],
+    sizes: tuple[int, int, int],
+    window: int | None,
+) -> None:
+    """The layer as GroupQueryAttention on its new q, k, v and its cache; GQA's presents replace the cache
+    Concats (and take their graph output names)."""
+    heads, kv_heads, _ = sizes
+    seqlens, total = lengths_
+    prefix = f"fuse_gqa/layer_{site.layer}"
+    nodes: list[ir.Node] = []
+    flat = []
+    for role, value in (("q", site.q), ("k", site.k_new), ("v", site.v_new)):
+        out, made = flat_heads(graph, value, f"{prefix}/{role}", bsnd=role == "k" and site.k_bsnd)
+        flat.append(out)
+        nodes += made
+    attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(site.scale)}
+    if window is not None:
+        attributes["local_window_size"] = window - gqa_window_offset()
+    gqa = ir.node(
+        "GroupQueryAttention",
+        [*flat, site.k_past, site.v_past, seqlens, total],
+        attributes,
+        domain="com.microsoft",
+        num_outputs=3,
+        name=f"{prefix}/GroupQueryAttention",
+    )
+    out, present_k, present_v = gqa.outputs
+    present_k.name, present_v.name = f"{prefix}/present_key", f"{prefix}/present_value"
+    _replace_output(graph, site, [*nodes, gqa], out, sizes)
+    if site.k_past is None:  # no cache: the presents stay unused
+        return
+    for old, new in ((site.k_all, present_k), (site.v_all, present_v)):
+        if old.type is not None:
+            new.type, new.shape = old.type, old.shape
+        take_graph_output(graph, old, new, "/unfused")
+        ir.convenience.replace_all_uses_with(old, new)
+
+
+def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int]) -> None:
+    """The layer's attention core as MultiHeadAttention: q flat, the repeated keys and values as they are
+    ([B,H,T,D], after the cache Concat, which stays), the graph's own mask as ``attention_bias``. Exact for
+    any mask, padding and batch: the fallback where GroupQueryAttention does not fit."""
+    heads = sizes[0]
+    prefix = f"fuse_gqa/layer_{site.layer}"
+    q, nodes = flat_heads(graph, site.q, f"{prefix}/q", bsnd=False)
+    key, value = site.k_rep, site.v_rep
+    if site.k_bsnd:  # keys [B,S,H,D]: MHA then takes both keys and values as [B,S,H*D]
+        key, made_k = flat_heads(graph, site.k_rep, f"{prefix}/k", bsnd=True)
+        value, made_v = flat_heads(graph, site.v_rep, f"{prefix}/v", bsnd=False)
+        nodes += made_k + made_v
+    mha = ir.node(
+        "MultiHeadAttention",
+        [q, key, value, None, None, site.mask],
+        {"num_heads": heads, "scale": float(site.scale)},
+        domain="com.microsoft",
+        name=f"{prefix}/MultiHeadAttention",
+    )
+    _replace_output(graph, site, [*nodes, mha], mha.outputs[0], sizes)
+
+
+def _replace_output(graph: ir.Graph, site: Site, nodes: list[ir.Node], out: ir.Value, sizes) -> None:
+    """Insert ``nodes`` before the layer's MatMul(probs, v) (every input they read is computed by then) and
+    route ``out`` [B,S,H*D], reshaped to [B,S,H,D], to the readers of the layer's attention output."""
+    heads, _, head_size = sizes
+    prefix = f"fuse_gqa/layer_{site.layer}"
+    out.name = f"{prefix}/out"
+    split = const(graph, f"{prefix}/heads_shape", np.array([0, 0, heads, head_size], np.int64))
+    unflat = ir.node("Reshape", [out, split], name=f"{prefix}/to_heads")
+    graph.insert_before(site.context, [*nodes, unflat])
+    ir.convenience.replace_all_uses_with(site.out, unflat.outputs[0])

@@ -1,0 +1,225 @@
+"""fuse_gqa: each causal self-attention of a decoder LLM becomes one ``com.microsoft::GroupQueryAttention``.
+
+Re-implements what onnxruntime-genai's model builder emits (GQA, ``do_rotary=0``), but from the ONNX graph a
+team already has, as TorchScript or dynamo export it, with or without a KV cache. ORT's python optimizer has
+no such fusion for Llama-like decoders; onnxscript's ``ort_fusions/gqa.py`` needs a pure causal mask and one
+exporter's node sequence. Here the structure is matched by math (``_gqa_match``) and what cannot be read from
+the structure is measured (``_gqa_probe``): heads, kv heads and head size from one run, and the additive mask
+run on its own at many shapes, which must be causal (+ a sliding window, which becomes
+``local_window_size``) plus key padding from ``attention_mask``.
+
+Before (one layer, Llama-like, cache; q and k rotated or not: they are opaque values here)::
+
+    q[B,H,S,D] ------------------------------------------------------------+
+    past_k --Concat(k_new)--> present.N.key --repeat_kv--Transpose--> MatMul --*scale--+mask--Softmax--+
+    past_v --Concat(v_new)--> present.N.value --repeat_kv-------------------------------------------> MatMul
+                                                                          --Transpose(0,2,1,3)--> out[B,S,H,D]
+After::
+
+    seqlens_k = Cast<int32>(ReduceSum(attention_mask, 1)) - 1        (once per graph)
+    total_sequence_length = Cast<int32>(Shape(attention_mask)[1])
+    q, k_new, v_new --[B,S,N*D]--> GroupQueryAttention(past_k, past_v, seqlens_k, total_sequence_length,
+        num_heads, kv_num_heads, scale) --> out --Reshape[0,0,H,D]--> (the layer's output projection)
+                                        --> present.N.key, present.N.value (the graph's outputs, same names)
+
+A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] enters GQA as ``Reshape(x, [0,0,-1])`` (no copy); any
+other (a rotated q or k) through ``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past.
+
+Fallback: ``com.microsoft::MultiHeadAttention`` on the repeated keys and values with the graph's own mask as
+``attention_bias`` (the cache Concat stays), exact for any mask, padding and batch, where GQA does not fit:
+a mask that is not causal + key padding, a head size ORT's CPU GQA refuses (not a multiple of 8), or sample
+inputs GQA cannot compute like the graph (a padded mask; a batch of prompts after a cache, which ORT's GQA
+refuses). ``attention`` chooses: ``auto`` (GQA where it fits, else MHA), ``gqa`` only, ``mha`` only.
+
+Masks: GQA assumes right padding: row b holds ``seqlens_k[b] + 1`` valid positions, all at the start. With
+an all-ones mask (and with right padding on the valid positions of a prompt) it computes what the graph
+does. With LEFT padding it does not: the graph masks the padded keys wherever they are, GQA counts them as
+the first positions of the row. Feed right-padded batches (or batch 1) to the fused model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from pydantic import Field
+
+from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes.fusion import _gqa_rewrite as rewrite
+from passes.fusion._gqa_match import Site, match_sites
+from passes.fusion._gqa_probe import Feeder, MaskKind, ProbeError, measure_shapes, probe_mask
+
+LEFT_PADDING = (
+    "GQA reads each row's length from seqlens_k = sum(attention_mask) - 1 and assumes right padding: a "
+    "left-padded batch gives other values than the original (verify and serve with right padding or batch 1)"
+)
+
+
+class FuseGqaOptions(PassOptions):
+    attention: Literal["auto", "gqa", "mha"] = Field(
+        "auto",
+        description="'auto': GroupQueryAttention where it fits the mask, head size and sample inputs, else "
+        "MultiHeadAttention (exact for any mask and padding); 'gqa': GroupQueryAttention only; 'mha': "
+        "MultiHeadAttention only.",
+    )
+    local_window: bool = Field(
+        True,
+        description="Fuse a sliding-window mask (Mistral) as GQA's local_window_size; False leaves those layers to "
+        "MultiHeadAttention (or unfused with attention='gqa').",
+    )
+    max_probe_length: int = Field(
+        16384,
+        ge=64,
+        description="Longest cache (positions) at which the mask is run to find a sliding window; a window wider "
+        "than this is not detected.",
+    )
+
+
+class FuseGqa(Pass[FuseGqaOptions]):
+    name = "fuse_gqa"
+    summary = "Fuse each decoder self-attention (KV cache or none) into GroupQueryAttention, else MultiHeadAttention."
+    exact = True  # within float tolerance: the fused kernels reassociate the sums
+    in_place = True
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        sites, declined = match_sites(model.graph)
+        notes: dict[str, Any] = {"attention_layers": len(sites) + len(declined), "padding": LEFT_PADDING}
+        if ctx.target == "tensorrt":
+            reason = "TensorRT parses standard ONNX only: contrib attention ops would fall back"
+            return PassResult(model, False, {}, [NonMatch(reason)], notes)
+        if not sites:
+            return PassResult(model, False, {}, declined, notes)
+        feeder = Feeder(model)
+        try:
+            probed = [v for site in sites for v in site.probed()]
+            shapes = measure_shapes(model, feeder, probed + [s.mask for s in sites if s.mask is not None])
+        except ProbeError as exc:
+            return PassResult(model, False, {}, [*declined, NonMatch(f"shape probe: {exc}")], notes)
+        unfit = _samples_unfit(ctx.samples, feeder)
+        masks: dict[int, MaskKind | str] = {}
+        plans: list[tuple[Site, tuple[int, int, int], str, MaskKind]] = []
+        for site in sites:
+            head = f"attention layer {site.layer} (node {site.softmax.name})"
+            try:  # a layer that is not causal self-attention (an encoder's) is fuse_transformer's to fuse
+                sizes = _sizes(site, shapes, feeder.has_past)
+                kind = self._causal(model, feeder, site, masks)
+            except ProbeError as exc:
+                declined.append(NonMatch(f"{head}: {exc}", node=site.softmax.name, op_type="Softmax"))
+                continue
+            why_not = self._why_not_gqa(sizes, kind, unfit)
+            if why_not is None:
+                plans.append((site, sizes, "gqa", kind))
+                continue
+            mha = "attention='gqa'" if self.options.attention == "gqa" else _mha_unfit(site, shapes, sizes)
+            if mha is None:
+                plans.append((site, sizes, "mha", kind))
+                reason = f"{head}: fused as MultiHeadAttention, not GroupQueryAttention: {why_not}"
+            else:
+                reason = f"{head}: not fused: GroupQueryAttention does not fit ({why_not}); MultiHeadAttention: {mha}"
+            declined.append(NonMatch(reason, node=site.softmax.name, op_type="Softmax"))
+        notes["masks"] = [
+            {"window": k.window, "proven_up_to": k.proven} for k in masks.values() if not isinstance(k, str)
+        ]
+        if not plans:
+            return PassResult(model, False, {}, declined, notes)
+        if any(op == "gqa" for _, _, op, _ in plans):
+            assert feeder.mask_name is not None  # probe_mask refused otherwise
+            lengths = rewrite.lengths(model.graph, feeder.mask_name)
+        for site, sizes, op, kind in plans:
+            if op == "gqa":
+                rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
+            else:
+                rewrite.rewrite_mha(model.graph, site, sizes)
+        common_passes.RemoveUnusedNodesPass()(model)
+        model.graph.sort()
+        model.opset_imports.setdefault("com.microsoft", 1)
+        notes["layers"] = [
+            {"layer": s.layer, "op": op, "heads": h, "kv_heads": kv, "head_size": d, "scale": s.scale,
+             "cache": s.k_past is not None}
+            for s, (h, kv, d), op, _ in plans
+        ]  # fmt: skip
+        counts = {
+            "fused_gqa": sum(op == "gqa" for _, _, op, _ in plans),
+            "fused_mha": sum(op == "mha" for _, _, op, _ in plans),
+            "windowed": sum(k.window is not None and op == "gqa" for _, _, op, k in plans),
+        }
+        return PassResult(model, True, counts, declined, notes)
+
+    def _causal(self, model, feeder: Feeder, site: Site, masks: dict[int, MaskKind | str]) -> MaskKind:
+        """The layer's mask kind (causal, its window), probed once per distinct mask value; ProbeError when
+        the layer's mask is not causal plus key padding."""
+        if site.mask is None:
+            raise ProbeError("found no mask added to the scores: attention over every key is not causal")
+        key = id(site.mask)
+        if key not in masks:  # layers share one mask value
+            try:
+                masks[key] = probe_mask(model, feeder, site.mask, self.options.max_probe_length)
+            except ProbeError as exc:
+                masks[key] = f"not causal self-attention: mask probe: {exc}"
+        kind = masks[key]
+        if isinstance(kind, str):
+            raise ProbeError(kind)
+        return kind
+
+    def _why_not_gqa(self, sizes: tuple[int, int, int], kind: MaskKind, unfit: str | None) -> str | None:
+        if self.options.attention == "mha":
+            return "attention='mha'"
+        if sizes[2] % 8:
+            return f"head size {sizes[2]}: ORT's CPU GroupQueryAttention needs a multiple of 8"
+        if kind.window is not None and not self.options.local_window:
+            return f"the mask has a sliding window of {kind.window} keys and local_window is off"
+        return unfit
+
+
+def _samples_unfit(samples: list[dict[str, np.ndarray]], feeder: Feeder) -> str | None:
+    """Why GroupQueryAttention would not compute what the graph does on the job's sample inputs (which
+    verify the pass), or None: a mask with zeros (GQA places each row's tokens by its count), or several
+    rows of new tokens after a cache (ORT's GQA refuses a batch of prompts after a past)."""
+    for index, sample in enumerate(samples):
+        mask = sample.get(feeder.mask_name or "")
+        if mask is None or mask.ndim != 2:
+            continue
+        if not np.all(mask != 0):
+            return f"sample {index} has a padded attention mask ({LEFT_PADDING})"
+        seq = max((sample[n].shape[1] for n in feeder.sequence_inputs if n in sample), default=mask.shape[1])
+        if mask.shape[0] > 1 and seq > 1 and mask.shape[1] > seq:
+            return (
+                f"sample {index} holds {mask.shape[0]} rows of {seq} new tokens after a cache of "
+                f"{mask.shape[1] - seq}, which ORT's GroupQueryAttention refuses (batch 1 only there)"
+            )
+    return None
+
+
+def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], has_past: bool) -> tuple[int, int, int]:
+    """(heads, kv heads, head size) measured at 1 x 3 new tokens after a cache of 2; ProbeError when a value
+    is not the shape the pattern gives it."""
+    q, k_all, v_all = shapes[site.q.name], shapes[site.k_all.name], shapes[site.v_all.name]
+    if site.k_bsnd and len(k_all) == 4:  # [B,S,N,D] keys: compare them in the heads-first layout
+        k_all = (k_all[0], k_all[2], k_all[1], k_all[3])
+        shapes = {**shapes, site.k_rep.name: k_all}
+    total = 5 if has_past and site.k_past is not None else 3
+    if len(q) != 4 or q[0] != 1 or q[2] != 3:
+        raise ProbeError(f"q has shape {q} at 3 new tokens, not [1, heads, 3, head_size]")
+    heads, head_size = q[1], q[3]
+    if len(k_all) != 4 or k_all[2] != total or k_all[3] != head_size or v_all != k_all:
+        raise ProbeError(f"key/value have shapes {k_all}/{v_all}, not [1, kv_heads, {total}, {head_size}]")
+    kv_heads = k_all[1]
+    expanded = (1, heads, total, head_size)
+    if shapes[site.k_rep.name] != expanded or shapes[site.v_rep.name] != expanded or heads % kv_heads:
+        raise ProbeError(f"repeated key/value {shapes[site.k_rep.name]} are not {expanded} from {kv_heads} kv heads")
+    if shapes[site.out.name] != (1, 3, heads, head_size):
+        raise ProbeError(f"the attention output has shape {shapes[site.out.name]}, not [1, 3, {heads}, {head_size}]")
+    return heads, kv_heads, head_size
+
+
+def _mha_unfit(site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int, int, int]) -> str | None:
+    """None where MultiHeadAttention takes the layer's mask as attention_bias ([B|1, H|1, S, T]), else why not."""
+    if site.mask is None:
+        return None
+    mask = shapes[site.mask.name]
+    total = shapes[site.k_rep.name][2] if not site.k_bsnd else shapes[site.k_rep.name][1]
+    if len(mask) != 4 or mask[0] != 1 or mask[1] not in (1, sizes[0]) or mask[2:] != (3, total):
+        return f"the mask has shape {mask} at 1 x 3 new tokens, not [1, 1 or {sizes[0]}, 3, {total}]"
+    return None
