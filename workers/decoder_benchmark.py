@@ -2,20 +2,23 @@
 
 ::
 
+    weights  bytes of every initializer, external data included (nothing read: sizes from dtype and shape)
+    memory   one child process per model, both at once, before anything is timed (workers/decoder_memory.py):
+             VmRSS before its session, VmHWM once built (the load), then VmHWM reset and read after the
+             longest prefill and the decode (the runs): neither the other model nor the load passes for a
+             session's run peak
     prefill  a prompt of each length (config.decoder_benchmark.prompt_lengths, clipped to the position table)
              on an empty past: workers.benchmark.compare, interleaved A/B blocks alternating the order, medians
     decode   a prefill of the decode prompt, then new_tokens steps of one token each: every step's present.*
              is the next step's past and the mask spans past + new; both models step in lockstep (the order
              alternates per step and per block), blocks repeat until the time budget; medians per position
-    weights  bytes of every initializer, external data included (nothing read: sizes from dtype and shape)
-    memory   one child process per model (workers/decoder_memory.py): VmRSS before its session, VmHWM once
-             built (the load), then VmHWM reset and read after the longest prefill and the decode (the runs),
-             so neither the other model nor a large model's load passes for a session's run peak
 
-Inputs come from ``core.inputs`` (the roles the graph gives them, the sizes bound here); the token ids are
-random, not fed back, which changes no latency. Sessions come from the job's kind of ``SessionPool``
-(ORT_ENABLE_ALL, each model's session recipe) with host feeds: a generate loop copies the cache in and out.
-Every skip or early stop is a sentence in the section (``reason``, ``notes``); an error never fails the job.
+The budget (``time_budget_s``) is shared out in that order (memory until 40%, prefill until 70%, decode until
+100%); a timed phase whose share is spent still does one block, and says so in ``notes``. Inputs come from
+``core.inputs`` (the roles the graph gives them, the sizes bound here); the token ids are random, not fed
+back, which changes no latency. Sessions come from a ``SessionPool`` (ORT_ENABLE_ALL, each model's session
+recipe) with host feeds: a generate loop copies the cache in and out. Every skip or early stop is a sentence
+in the section (``reason``, ``notes``); an error never fails the job.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ PREFILL_MIN_BLOCKS = 5
 PREFILL_MAX_BLOCKS = 200
 DECODE_MIN_BLOCKS = 3
 DECODE_MAX_BLOCKS = 15
-PREFILL_SHARE = 0.3  # of the budget, for every prompt length together
-DECODE_UNTIL = 0.55  # decode blocks start until this share of the budget is spent; the memory children get the rest
+# Shares of the budget: the memory children until 40%, sessions and prefill until 70%, decode blocks start
+# until it is spent. Each timed phase does its minimum (one block) even when its share is gone.
+MEMORY_SHARE = 0.4
+PREFILL_UNTIL = 0.7
 
 
 # ------------------------------------------------------------------------------------------- the plan
@@ -282,6 +287,62 @@ def _decode_section(
 # --------------------------------------------------------------------------------------- the section
 
 
+def _prefill(
+    paths: tuple[Path, Path],
+    recipes: tuple[Any, Any],
+    plan: Plan,
+    lengths: list[int],
+    *,
+    params: BenchmarkParams,
+    pool: SessionPool,
+    seed: int,
+    until: float,
+    notes: list[str],
+) -> tuple[list[dict[str, Any]], list[dict[str, np.ndarray]], int]:
+    """Prefill entries at each prompt length on an empty past (a past of 1 where the graph refuses one),
+    timed by ``workers.benchmark.compare`` on the pool's sessions; as many blocks as fit before ``until``
+    (one run of each estimated first), at least one. Returns the entries, the feeds and the past length."""
+    past = 0
+    sets = [InputSet(f"prompt {n}", plan.feeds(n, past, seed + n)) for n in lengths]
+    try:
+        pool.runs(paths[0], [s.feeds for s in sets], params, recipes[0])
+    except Exception as exc:  # a graph that cannot take an empty past (a zero-size dim): one token of past
+        past = 1
+        notes.append(f"an empty past was refused ({type(exc).__name__}), so prefill runs on a past of 1")
+        sets = [InputSet(f"prompt {n}", plan.feeds(n, past, seed + n)) for n in lengths]
+    feeds = [s.feeds for s in sets]
+    runs = [pool.runs(path, feeds, params, recipe)[0] for path, recipe in zip(paths, recipes, strict=True)]
+    one_block = 0.0
+    for index in range(len(sets)):
+        for run in runs:
+            begin = time.perf_counter()
+            run.select(index)()
+            one_block += time.perf_counter() - begin
+    left = until - time.perf_counter()
+    blocks = max(1, min(PREFILL_MIN_BLOCKS, int(left / one_block) if one_block > 0 else PREFILL_MIN_BLOCKS))
+    if blocks < PREFILL_MIN_BLOCKS:
+        notes.append(
+            f"prefill: {blocks} block(s) per prompt length, not {PREFILL_MIN_BLOCKS}: one block of every length "
+            f"takes {one_block:.2f} s and the budget left {max(left, 0.0):.2f} s"
+        )
+    params = dataclasses.replace(params, min_runs=blocks, max_seconds=max(left, 0.0) / len(sets))
+    comparison = compare(*paths, sets, params, recipe_a=recipes[0], recipe_b=recipes[1], pool=pool)
+    entries = [
+        {
+            "prompt_length": n,
+            "past_length": past,
+            "original": s.a.to_dict(),
+            "optimized": s.b.to_dict(),
+            "speedup": s.verdict.speedup,
+            "paired_ratio": s.verdict.paired_ratio,
+            "ci95": list(s.verdict.ci95),
+            "stopped_by": s.stopped_by,
+        }
+        for n, s in zip(lengths, comparison.shapes, strict=True)
+    ]
+    return entries, feeds, past
+
+
 FIGURES = ("prompt_lengths", "prefill", "decode", "weights", "memory")
 
 
@@ -360,47 +421,50 @@ def _measure(
     notes: list[str] = []
     lengths, prompt, tokens = _lengths(options, plan.max_positions, notes)
     params = BenchmarkParams(
-        warmup=1,
+        warmup=0,  # _prefill's estimate runs are the warm-up
         min_runs=PREFILL_MIN_BLOCKS,
         max_runs=PREFILL_MAX_BLOCKS,
-        max_seconds=budget * PREFILL_SHARE / len(lengths),
+        max_seconds=0.0,
         target=target,
         intra_op_threads=threads,
         io_binding=False,  # host feeds, as a generate loop that reads the logits and the cache
         cuda_graph=False,
     )
     recipes = (read_recipe(original), read_recipe(optimized))
+    # Memory first, while nothing is timed: its children then cannot slow a timed run, and a budget that a
+    # slow prefill would spend still leaves them their share.
+    start_feed = plan.feeds(prompt, 0, seed + 104729)
+    steps = plan.step_inputs(prompt, tokens, seed + 7919)
+    memory = measure_memory(
+        (original, optimized),
+        recipes,
+        plan.cache,
+        [plan.feeds(lengths[-1], 0, seed + lengths[-1]), start_feed, *steps],
+        target=target,
+        threads=threads,
+        deadline=started + budget * MEMORY_SHARE,
+        notes=notes,
+    )
     pool = SessionPool()
     try:
-        past = 0
-        sets = [InputSet(f"prompt {n}", plan.feeds(n, past, seed + n)) for n in lengths]
-        try:
-            pool.runs(original, [s.feeds for s in sets], params, recipes[0])
-        except Exception as exc:  # a graph that cannot take an empty past (a zero-size dim): one token of past
-            past = 1
-            notes.append(f"an empty past was refused ({type(exc).__name__}), so prefill runs on a past of 1")
-            sets = [InputSet(f"prompt {n}", plan.feeds(n, past, seed + n)) for n in lengths]
-        comparison = compare(original, optimized, sets, params, recipe_a=recipes[0], recipe_b=recipes[1], pool=pool)
-        prefill = [
-            {
-                "prompt_length": n,
-                "past_length": past,
-                "original": s.a.to_dict(),
-                "optimized": s.b.to_dict(),
-                "speedup": s.verdict.speedup,
-                "paired_ratio": s.verdict.paired_ratio,
-                "ci95": list(s.verdict.ci95),
-                "stopped_by": s.stopped_by,
-            }
-            for n, s in zip(lengths, comparison.shapes, strict=True)
-        ]
-        feeds = [s.feeds for s in sets]
+        prefill, feeds, past = _prefill(
+            (original, optimized),
+            recipes,
+            plan,
+            lengths,
+            params=params,
+            pool=pool,
+            seed=seed,
+            until=started + budget * PREFILL_UNTIL,
+            notes=notes,
+        )
         sessions = (
             pool.runs(original, feeds, params, recipes[0])[0].session,
             pool.runs(optimized, feeds, params, recipes[1])[0].session,
         )
-        start_feed = plan.feeds(prompt, past, seed + 104729)
-        steps = plan.step_inputs(prompt + past, tokens, seed + 7919)
+        if past:
+            start_feed = plan.feeds(prompt, past, seed + 104729)
+            steps = plan.step_inputs(prompt + past, tokens, seed + 7919)
         decode = _decode_section(
             sessions,
             plan=plan,
@@ -408,23 +472,11 @@ def _measure(
             steps=steps,
             prompt=prompt,
             past=past,
-            deadline=started + budget * DECODE_UNTIL,
+            deadline=started + budget,
             notes=notes,
         )
     finally:
         pool.close()
-    if decode is None:
-        steps = []
-    memory = measure_memory(
-        (original, optimized),
-        recipes,
-        plan.cache,
-        [feeds[-1], start_feed, *steps],
-        target=target,
-        threads=threads,
-        deadline=started + budget,
-        notes=notes,
-    )
     return {
         "status": "measured",
         "reason": None,
