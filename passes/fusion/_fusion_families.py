@@ -11,6 +11,10 @@ llama         RMS norms, no LayerNorm, and a causal mask (a decoder: Llama, Qwen
               embeddings, SiLU feed-forward)
 bart          a graph input ``decoder_input_ids`` and LayerNorms (encoder-decoder)
 vit           a ``Conv`` on a rank-4 float graph input (patch embedding) and LayerNorms
+whisper       a ``Conv`` on a rank-3 float graph input (log-mel features ``[B, mels, frames]``: the
+              convolutional stem of an audio encoder) and LayerNorms
+wav2vec2      a ``Conv`` reading a rank-2 float graph input through ``Unsqueeze``/``Reshape`` (raw audio
+              ``[B, samples]`` into the convolutional feature encoder) and LayerNorms
 gpt2          a comparison (``LessOrEqual``, ``Greater``...) of two ``Range``-derived index tensors (the
               causal mask), or a ``Trilu``
 bart          learned positions read at ``ids + 2`` (BART's offset): an embedding Gather indexed by an
@@ -26,6 +30,7 @@ unknown       no Softmax or no normalization: not a transformer we know how to f
 
 from __future__ import annotations
 
+import typing
 from collections import Counter
 from typing import Literal
 
@@ -34,8 +39,10 @@ import onnx_ir as ir
 
 from core.inputs import InputSynthesis
 
-Family = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "unknown"]
-FAMILIES: tuple[str, ...] = ("bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit")
+Family = Literal[
+    "bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2", "unknown"
+]
+FAMILIES: tuple[str, ...] = typing.get_args(Family)[:-1]
 
 # Fusion group -> the com.microsoft ops that count as achieving it.
 GROUPS: dict[str, frozenset[str]] = {
@@ -55,6 +62,10 @@ ORT_MODEL_TYPE: dict[str, str] = {
     "t5": "t5",
     "bart": "bart",
     "vit": "vit",
+    # ORT has no type for the audio encoders alone; its vit type runs the generic BERT-style fusions (attention,
+    # skip norm, GELU) with the heads and hidden size given, which is what their layers are.
+    "whisper": "vit",
+    "wav2vec2": "vit",
 }
 
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
@@ -66,12 +77,16 @@ def expected_fusions(family: str, layers: int) -> dict[str, int]:
     if family in ("bert", "roberta", "distilbert"):
         # post-norm: LN(x + attn) and LN(x + ffn) per layer; the embedding LN becomes EmbedLayerNorm.
         return {"attention": n, "skip_layer_norm": 2 * n, "gelu": n, "embed_layer_norm": 1}
-    if family in ("gpt2", "vit"):
+    if family in ("gpt2", "vit", "whisper"):
         # pre-norm: ln_2 of every layer, ln_1 of layers 2..n and the final LN each follow a residual Add.
         return {"attention": n, "skip_layer_norm": 2 * n, "gelu": n}
     if family == "bart":
         # post-norm like BERT, plus the embedding sum's LayerNorm as one more skip norm (no token types, and
         # its positions sit at an offset of 2, which ORT's EmbedLayerNormalization does not express).
+        return {"attention": n, "skip_layer_norm": 2 * n + 1, "gelu": n}
+    if family == "wav2vec2":
+        # post-norm like BERT (or pre-norm in its "stable" variant, the same count), plus the norm after the
+        # positional convolution's residual Add; GELUs of the convolutional feature encoder come on top.
         return {"attention": n, "skip_layer_norm": 2 * n + 1, "gelu": n}
     if family in ("t5", "llama"):
         # pre-RMS-norm: the norm of every block but the first follows a residual Add, and so does the final
@@ -131,11 +146,8 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
                 return "llama", f"a decoder: RMS normalization, no LayerNormalization, {causal}"
             return "t5", "RMS normalization (Pow, ReduceMean, Sqrt), no LayerNormalization, no causal mask"
         return "unknown", "no LayerNormalization: not a LayerNorm transformer"
-    for node in graph:
-        if node.op_type == "Conv" and node.inputs[0] is not None and node.inputs[0].is_graph_input():
-            shape = node.inputs[0].shape
-            if shape is not None and len(shape) == 4:
-                return "vit", f"patch-embedding Conv {node.name!r} on the 4-D input {node.inputs[0].name!r}"
+    if stem := _conv_stem(model):
+        return stem
     if causal:
         return "gpt2", causal
     gathers = _embedding_gathers(model)
@@ -153,6 +165,32 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
     if len(gathers) >= 2:
         return "distilbert", f"{len(gathers)} embedding tables, no token types, no causal mask"
     return "unknown", "attention found, but no embedding structure of a known family"
+
+
+_STEM = {4: ("vit", "patch-embedding"), 3: ("whisper", "spectrogram"), 2: ("wav2vec2", "raw-audio")}
+
+
+def _conv_stem(model: ir.Model) -> tuple[str, str] | None:
+    """A Conv reading a float graph input (directly, or through the Unsqueeze/Reshape/Cast that give raw
+    audio its channel axis): the family by the input's rank, with the evidence."""
+    for node in model.graph:
+        if node.op_type != "Conv":
+            continue
+        source, hops = node.inputs[0], 0
+        while source is not None and not source.is_graph_input() and hops < 3:
+            producer = source.producer()
+            if producer is None or producer.op_type not in ("Unsqueeze", "Reshape", "Cast", "Identity"):
+                break
+            source, hops = producer.inputs[0], hops + 1
+        if source is None or not source.is_graph_input() or source.shape is None:
+            continue
+        if source.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            continue
+        rank = len(source.shape)
+        if rank in _STEM:
+            family, kind = _STEM[rank]
+            return family, f"{kind} Conv {node.name!r} on the {rank}-D input {source.name!r}"
+    return None
 
 
 def _causal_mask(model: ir.Model) -> str:
@@ -179,25 +217,90 @@ def _is_const(value: ir.Value | None, number: float) -> bool:
 
 
 def detect_sizes(model: ir.Model) -> tuple[int, int]:
-    """(num_heads, hidden_size) from shapes, 0 where unknown (ORT's optimizer then detects them)."""
+    """(num_heads, hidden_size) from shapes, 0 where unknown (ORT's optimizer then detects them, except for
+    ViT, whose fusion asserts both are given)."""
     hidden = 0
     for node in model.graph:
         if node.op_type == "LayerNormalization" and node.inputs[1] is not None and node.inputs[1].shape:
             dim = node.inputs[1].shape[-1]
             hidden = dim if isinstance(dim, int) else 0
             break
-    heads = 0
-    for node in model.graph:  # Softmax(... MatMul(q[B,h,S,d], k)): q's heads dim
-        if node.op_type != "Softmax":
-            continue
-        producer = node.inputs[0].producer() if node.inputs[0] is not None else None
-        while producer is not None and producer.op_type != "MatMul":
-            producer = producer.inputs[0].producer() if producer.inputs and producer.inputs[0] is not None else None
-        q = producer.inputs[0] if producer is not None else None
-        if q is not None and q.shape is not None and len(q.shape) == 4 and isinstance(q.shape[1], int):
-            heads = q.shape[1]
+    for node in model.graph:
+        if node.op_type == "Softmax" and (heads := _heads(node)):
+            return heads, hidden
+    return 0, hidden
+
+
+_PASS_THROUGH = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Transpose"})
+
+
+def _heads(softmax: ir.Node) -> int:
+    """The head count of the attention feeding ``softmax``: q's heads axis when inference knows it (dynamo),
+    else read off q's head split. TorchScript splits heads with a run-time shape, ``Reshape(x[B,S,W],
+    Concat(B, S, -1, d))``, whose output axis inference leaves unknown; ``d`` (or the head count itself,
+    where the exporter wrote it instead of -1) is a constant there, and heads = W / d."""
+    producer = softmax.inputs[0].producer() if softmax.inputs[0] is not None else None
+    while producer is not None and producer.op_type != "MatMul":
+        if producer.op_type not in _PASS_THROUGH:
+            return 0
+        producer = _first_input_producer(producer)
+    q = producer.inputs[0] if producer is not None else None
+    if q is None:
+        return 0
+    if q.shape is not None and len(q.shape) == 4 and isinstance(q.shape[1], int):
+        return q.shape[1]
+    split = q.producer()
+    for _ in range(8):  # Transpose and the scaling of SDPA exports (q * sqrt(scale)) sit between
+        if split is None or split.op_type == "Reshape":
             break
-    return heads, hidden
+        split = _first_input_producer(split) if split.op_type in _PASS_THROUGH else None
+    if split is None or split.op_type != "Reshape" or split.inputs[0] is None:
+        return 0
+    dims = _shape_values(split.inputs[1])
+    if dims is None or len(dims) != 4:
+        return 0
+    heads, size = dims[2], dims[3]
+    if heads is not None and heads > 0:
+        return heads
+    width = split.inputs[0].shape[-1] if split.inputs[0].shape is not None else None
+    if size and size > 0 and isinstance(width, int) and width % size == 0:
+        return width // size
+    return 0
+
+
+def _first_input_producer(node: ir.Node) -> ir.Node | None:
+    return node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+
+
+def _shape_values(value: ir.Value | None) -> list[int | None] | None:
+    """A shape operand's entries where constant (None where computed), or None when not readable."""
+    tensor = _constant(value)
+    if tensor is not None:
+        return [int(x) for x in tensor.reshape(-1)]
+    producer = value.producer() if value is not None else None
+    if producer is None or producer.op_type != "Concat":
+        return None
+    entries: list[int | None] = []
+    for part in producer.inputs:
+        piece = _constant(part)
+        if piece is not None:
+            entries += [int(x) for x in piece.reshape(-1)]
+        elif part is not None and part.shape is not None and len(part.shape) == 1 and isinstance(part.shape[0], int):
+            entries += [None] * part.shape[0]
+        else:
+            return None
+    return entries
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    if value is None:
+        return None
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        attr = producer.attributes.get("value")
+        tensor = attr.value if attr is not None else None
+    return None if tensor is None else tensor.numpy()
 
 
 _ID_SHAPES = ((1, 7), (3, 16), (2, 33))  # (batch, sequence): odd lengths, several rows

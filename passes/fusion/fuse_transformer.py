@@ -72,15 +72,17 @@ from passes.fusion import _rms_norm as rms_norm
 from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion._qkv_packing import pack_qkv
 
+KnownFamily = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2"]
 Engine = Literal["onnxscript", "ort", "onnxscript+ort"]
 AttentionMode = Literal["attention", "mha", "none"]
 _ORT_LOGGERS = ("fusion_attention", "fusion_gpt_attention_no_past", "fusion_embedlayer", "fusion_skiplayernorm")
 
 
 class FuseTransformerOptions(PassOptions):
-    family: Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit"] | None = Field(
+    family: KnownFamily | None = Field(
         None,
-        description="Model family; None detects it from the graph (embeddings, causal mask, RMS norms, patch Conv). "
+        description="Model family; None detects it from the graph (embeddings, causal mask, RMS norms, the Conv "
+        "stem of vision and audio encoders). "
         "'llama' covers the RMS-norm decoders (Llama, Qwen2, Mistral, Phi-3).",
     )
     num_heads: int = Field(0, ge=0, description="Attention heads for ORT's optimizer; 0 detects from shapes.")
