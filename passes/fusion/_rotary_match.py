@@ -1,0 +1,316 @@
+"""Matching a decoder's rotate-half rotary embedding for fuse_rotary; the graph is never edited here.
+
+transformers' ``apply_rotary_pos_emb`` (Llama, Qwen2, Mistral, Phi-3, Gemma...) as the TorchScript exporter
+(eager and SDPA attention) and the dynamo exporter write it, per q and per k::
+
+    cos = Unsqueeze(c, 1)   c = [Cast] [Mul(., attention_scaling)] Cos(emb)       emb = Concat(f, f, axis=-1)
+    sin = Unsqueeze(s, 1)   s = [Cast] [Mul(., attention_scaling)] Sin(emb)
+        f = Mul(Cast(Unsqueeze(position_ids, -1)), inv_freq)                                 (transformers >= 4.5x)
+          | Transpose(MatMul([Expand] inv_freq[None, :, None], Cast(Unsqueeze(position_ids, 1))), [0, 2, 1])
+    or  c = Gather(cos_cached, position_ids)        (older models: a folded cos/sin table, [max_pos, rotary_dim])
+
+    rotated = Add(Mul(x, cos), Mul(Concat(Neg(Slice(x, h:)), Slice(x, :h), axis=-1), sin))     h = rotary_dim / 2
+
+and Phi-3's partial form (``partial_rotary_factor``) rotates ``x = Slice(q, :rotary_dim)`` then
+``Concat(rotated, Slice(q, rotary_dim:), axis=-1)``. Heads are on axis 1 (the ``Unsqueeze(c, 1)``), the BNSH
+layout ``com.microsoft::RotaryEmbedding`` takes in 4-D.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.fusion._rotary_eval import (
+    SLICE_TO_END,
+    Hints,
+    axes_of,
+    const,
+    heads_of_split,
+    int_attr,
+    ints_attr,
+    one_int,
+    scalar,
+)
+
+_ONNX = ("", "ai.onnx")
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+
+
+class Declined(Exception):
+    """A rotary candidate that does not fuse; the message is the reason the report shows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CosSin:
+    """Where one cos or sin factor comes from."""
+
+    kind: Literal["inv_freq", "table"]
+    positions: ir.Value  # int64 [batch, sequence]
+    values: np.ndarray  # inv_freq [rotary_dim/2], or the folded table's first half [max_positions, rotary_dim/2]
+    scale: float  # attention_scaling (1 for default rope)
+    nodes: tuple[ir.Node, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryMatch:
+    anchor: ir.Node  # its output is what RotaryEmbedding replaces: the Add, or the partial form's Concat
+    x: ir.Value  # RotaryEmbedding's input, [batch, heads, sequence, head_size]
+    rotary_dim: int
+    partial: bool  # rotary_dim may be below x's head size: RotaryEmbedding needs rotary_embedding_dim, num_heads
+    num_heads: int | None
+    cos: CosSin
+    sin: CosSin
+    nodes: tuple[ir.Node, ...]  # every matched node, for cleaning up the dead ones
+
+
+def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in _ONNX or node.op_type not in ops:
+        return None
+    return node
+
+
+def looks_rotary(add: ir.Node) -> bool:
+    """An Add of two Muls, one fed a Concat(Neg(.), .): what a rotary candidate looks like before checking."""
+    return _rotate_half_mul(add) is not None
+
+
+def _rotate_half_mul(add: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node] | None:
+    """(plain Mul, rotated Mul, rotate_half Concat) of ``Add(Mul(x, cos), Mul(rotate_half(x), sin))``."""
+    if add.op_type != "Add" or add.domain not in _ONNX or len(add.inputs) != 2:
+        return None
+    muls = [_producer(v, "Mul") for v in add.inputs]
+    if muls[0] is None or muls[1] is None:
+        return None
+    for plain, rotated in ((muls[0], muls[1]), (muls[1], muls[0])):
+        for v in rotated.inputs:
+            concat = _producer(v, "Concat")
+            if concat is not None and len(concat.inputs) == 2 and _producer(concat.inputs[0], "Neg") is not None:
+                return plain, rotated, concat
+    return None
+
+
+def _slice(node: ir.Node | None, hints: Hints) -> tuple[ir.Value, int | None, int | None] | None:
+    """(data, start, end) of a step-1 Slice on the last axis of a rank-4 tensor; None if it is not one."""
+    if node is None or len(node.inputs) < 3:
+        return None
+    axes = node.inputs[3] if len(node.inputs) > 3 else None
+    steps = node.inputs[4] if len(node.inputs) > 4 else None
+    if axes is None or one_int(axes, hints) not in (-1, 3):
+        return None
+    if steps is not None and one_int(steps, hints) != 1:
+        return None
+    data = node.inputs[0]
+    assert data is not None
+    return data, one_int(node.inputs[1], hints), one_int(node.inputs[2], hints)
+
+
+def _positions(value: ir.Value | None, axis: tuple[int, ...], nodes: list[ir.Node]) -> ir.Value:
+    """position_ids behind ``Cast(Unsqueeze(p, axis))`` (either order)."""
+    cast = _producer(value, "Cast")
+    unsqueeze = _producer(cast.inputs[0] if cast else value, "Unsqueeze")
+    if unsqueeze is None:
+        raise Declined("the angle's positions are not Cast(Unsqueeze(position_ids))")
+    if axes_of(unsqueeze) not in [[a] for a in axis]:
+        raise Declined(f"position_ids unsqueezed on axes {axes_of(unsqueeze)}, not {list(axis)}")
+    nodes += [n for n in (cast, unsqueeze) if n is not None]
+    inner = unsqueeze.inputs[0]
+    if cast is None:
+        cast = _producer(inner, "Cast")
+        if cast is None:
+            raise Declined("the angle's positions are never cast to float")
+        nodes.append(cast)
+        inner = cast.inputs[0]
+    assert inner is not None
+    if inner.dtype not in (None, ir.DataType.INT64, ir.DataType.INT32):
+        raise Declined(f"positions {inner.name} are {inner.dtype}, not integers")
+    if inner.shape is not None and len(inner.shape) != 2:
+        raise Declined(f"positions {inner.name} have rank {len(inner.shape)}, not [batch, sequence]")
+    return inner
+
+
+def _angles(emb: ir.Value | None, nodes: list[ir.Node]) -> tuple[ir.Value, np.ndarray]:
+    """(position_ids, inv_freq) of ``emb = Concat(f, f)``, ``f = positions * inv_freq``."""
+    concat = _producer(emb, "Concat")
+    if concat is None or len(concat.inputs) != 2 or concat.inputs[0] is not concat.inputs[1]:
+        raise Declined("cos/sin's angle is not Concat(freqs, freqs)")
+    if int_attr(concat, "axis", 0) not in (-1, 2):
+        raise Declined("cos/sin's angle halves are not concatenated on the last axis")
+    nodes.append(concat)
+    freqs = concat.inputs[0]
+    mul = _producer(freqs, "Mul")
+    if mul is not None:
+        nodes.append(mul)
+        for i in (0, 1):
+            inv = const(mul.inputs[i])
+            if inv is not None and inv.dtype.kind == "f":
+                return _positions(mul.inputs[1 - i], (-1, 2), nodes), inv.astype(np.float32).reshape(-1)
+        raise Declined("the angle's Mul has no constant inv_freq")
+    transpose = _producer(freqs, "Transpose")
+    matmul = _producer(transpose.inputs[0], "MatMul") if transpose else None
+    if transpose is None or matmul is None or ints_attr(transpose, "perm") != [0, 2, 1]:
+        raise Declined("the angle is neither positions * inv_freq nor Transpose(MatMul(inv_freq, positions))")
+    nodes += [transpose, matmul]
+    expand = _producer(matmul.inputs[0], "Expand")
+    inv = const(expand.inputs[0] if expand else matmul.inputs[0])
+    if inv is None or inv.ndim != 3 or inv.shape[0] != 1 or inv.shape[2] != 1:
+        raise Declined("the angle's MatMul has no constant inv_freq of shape [1, d, 1]")
+    nodes += [expand] if expand else []
+    return _positions(matmul.inputs[1], (1,), nodes), inv.astype(np.float32).reshape(-1)
+
+
+def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
+    """Trace one factor of the rotation back to its angle or its folded table."""
+    nodes: list[ir.Node] = []
+    unsqueeze = _producer(value, "Unsqueeze")
+    if unsqueeze is None or axes_of(unsqueeze) != [1]:
+        raise Declined(f"{op.lower()} is not unsqueezed on the heads axis 1 (not the BNSH layout)")
+    nodes.append(unsqueeze)
+    v, scale = unsqueeze.inputs[0], 1.0
+    while (node := _producer(v, "Cast", "Mul")) is not None:
+        if node.op_type == "Mul":
+            factor = [scalar(i) for i in node.inputs]
+            if factor[1] is not None:
+                scale, v = scale * factor[1], node.inputs[0]
+            elif factor[0] is not None:
+                scale, v = scale * factor[0], node.inputs[1]
+            else:
+                break
+        else:
+            v = node.inputs[0]
+        nodes.append(node)
+    trig = _producer(v, op)
+    if trig is not None:
+        nodes.append(trig)
+        positions, inv_freq = _angles(trig.inputs[0], nodes)
+        return CosSin("inv_freq", positions, inv_freq, scale, tuple(nodes))
+    gather = _producer(v, "Gather")
+    if gather is None or int_attr(gather, "axis", 0) != 0:
+        raise Declined(f"{op.lower()} comes from neither {op}(angles) nor Gather(table, position_ids)")
+    nodes.append(gather)
+    table_value = gather.inputs[0]
+    sliced = _producer(table_value, "Slice")
+    if sliced is not None:  # cos_cached[:seq_len]: every row stays reachable through position_ids
+        nodes.append(sliced)
+        table_value = sliced.inputs[0]
+    table = const(table_value)
+    if table is None or table.ndim != 2 or table.shape[1] % 2:
+        raise Declined(f"the {op.lower()} table gathered by position_ids is not a constant [positions, dim]")
+    half = table.shape[1] // 2
+    if not np.array_equal(table[:, :half], table[:, half:]):
+        raise Declined(f"the {op.lower()} table's halves differ (not the rotate_half layout)")
+    positions = gather.inputs[1]
+    assert positions is not None
+    if positions.shape is not None and len(positions.shape) != 2:
+        raise Declined(f"positions {positions.name} have rank {len(positions.shape)}, not [batch, sequence]")
+    return CosSin("table", positions, table[:, :half].astype(np.float32), scale, tuple(nodes))
+
+
+def _num_heads(q: ir.Value) -> int | None:
+    if q.shape is not None and len(q.shape) == 4 and isinstance(q.shape[1], int):
+        return q.shape[1]
+    transpose = _producer(q, "Transpose")
+    reshape = _producer(transpose.inputs[0], "Reshape") if transpose else None
+    if transpose is None or reshape is None or ints_attr(transpose, "perm") != [0, 2, 1, 3]:
+        return None
+    split = heads_of_split(reshape.inputs[1], reshape.inputs[0])
+    return split[0] if split else None
+
+
+def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
+    """The rotary embedding ending at ``add``; raises Declined with the reason when it is not one."""
+    parts = _rotate_half_mul(add)
+    if parts is None:
+        raise Declined("not Add(Mul(x, cos), Mul(rotate_half(x), sin))")
+    plain, rotated, concat = parts
+    sin_value = next(v for v in rotated.inputs if v is not concat.outputs[0])
+    if len(plain.inputs) != 2 or concat.outputs[0] not in rotated.inputs:
+        raise Declined("rotate_half's Mul is not binary")
+    neg = _producer(concat.inputs[0], "Neg")
+    assert neg is not None
+    second, first = _producer(neg.inputs[0], "Slice"), _producer(concat.inputs[1], "Slice")
+    if int_attr(concat, "axis", 0) not in (-1, 3):
+        raise Declined("rotate_half concatenates on an axis other than the last")
+    cos_value = None
+    x: ir.Value | None = None
+    for i in (0, 1):
+        if second is not None and plain.inputs[i] is second.inputs[0]:
+            x, cos_value = plain.inputs[i], plain.inputs[1 - i]
+    if x is None or cos_value is None or first is None or second is None or first.inputs[0] is not x:
+        raise Declined("rotate_half's two Slices and the cos Mul do not read the same tensor")
+    cos = cos_sin(cos_value, "Cos")
+    sin = cos_sin(sin_value, "Sin")
+    if cos.kind != sin.kind or cos.positions is not sin.positions:
+        raise Declined("cos and sin come from different positions or forms")
+    if cos.kind == "inv_freq" and not np.array_equal(cos.values, sin.values):
+        raise Declined("cos and sin use different inv_freq")
+    if cos.kind == "table" and cos.values.shape != sin.values.shape:
+        raise Declined("the cos and sin tables differ in shape")
+    if cos.scale != sin.scale:
+        raise Declined(f"cos is scaled by {cos.scale}, sin by {sin.scale}")
+    if x.dtype is not None and x.dtype not in _FLOATS:
+        raise Declined(f"{x.name} is {x.dtype}; RotaryEmbedding takes float or float16")
+    rotary_dim = 2 * cos.values.shape[-1]
+    hints = {
+        x: (np.nan, np.nan, np.nan, float(rotary_dim)),
+        cos_value: (np.nan, np.nan, np.nan, float(rotary_dim)),
+        cos_value.producer().inputs[0]: (np.nan, np.nan, float(rotary_dim)),  # type: ignore[union-attr]
+    }
+    half = rotary_dim // 2
+    lo, hi = _slice(first, hints), _slice(second, hints)
+    if lo is None or hi is None or lo[1:] != (0, half) or hi[1] != half or (hi[2] or 0) < rotary_dim:
+        raise Declined(f"rotate_half does not split the last axis at {half} (rotary_dim {rotary_dim})")
+    nodes = [add, plain, rotated, concat, neg, first, second, *cos.nodes, *sin.nodes]
+    anchor, rotated_input, partial, heads = add, x, False, None
+    outer = _producer(x, "Slice")
+    users = add.outputs[0].uses()
+    wrapper = users[0].node if len(users) == 1 and add.outputs[0] not in graph_outputs else None
+    if outer is not None and wrapper is not None and wrapper.op_type == "Concat" and len(wrapper.inputs) == 2:
+        q = outer.inputs[0]
+        assert q is not None
+        outer_hints = {**hints, q: (np.nan, np.nan, np.nan, np.nan)}
+        rot, rest = _slice(outer, outer_hints), _slice(_producer(wrapper.inputs[1], "Slice"), outer_hints)
+        heads = _num_heads(q)
+        if (
+            wrapper.inputs[0] is add.outputs[0]
+            and int_attr(wrapper, "axis", 0) in (-1, 3)
+            and rot is not None
+            and rest is not None
+            and rot[0] is q
+            and rest[0] is q
+            and rot[1:] == (0, rotary_dim)
+            and rest[1] == rotary_dim
+            and (rest[2] or 0) >= SLICE_TO_END
+            and heads is not None
+        ):
+            nodes += [wrapper, outer, wrapper.inputs[1].producer()]  # type: ignore[list-item]
+            anchor, rotated_input, partial = wrapper, q, True
+    return RotaryMatch(anchor, rotated_input, rotary_dim, partial, heads, cos, sin, tuple(nodes))
+
+
+_LAYER = re.compile(r"(?:layers|layer|h|blocks|block)[._/](\d+)[._/]")
+
+
+def layer_of(node: ir.Node, depth: int = 16) -> int | None:
+    """The decoder layer a node belongs to: from its name (TorchScript) or the nearest weight's (dynamo)."""
+    seen: set[ir.Node] = set()
+    frontier = [node]
+    for _ in range(depth):
+        following: list[ir.Node] = []
+        for current in frontier:
+            for text in (current.name or "", *(v.name or "" for v in current.inputs if v is not None)):
+                found = _LAYER.search(text + ".")
+                if found:
+                    return int(found.group(1))
+            for v in current.inputs:
+                producer = v.producer() if v is not None else None
+                if producer is not None and producer not in seen:
+                    seen.add(producer)
+                    following.append(producer)
+        frontier = following
+    return None

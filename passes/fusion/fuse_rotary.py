@@ -1,0 +1,203 @@
+"""Fuse a decoder's rotary position embedding into ``com.microsoft::RotaryEmbedding``, and report the decoder's
+structure.
+
+ORT's ``fusion_rotary_attention.py`` does this for Llama-2-shaped exports of its own converter only, and
+onnxscript's ``rotary_embedding``/``cos_sin_cache`` rules match ``MatMul(inv_freq, positions)`` with static
+head shapes, which current transformers no longer export (it writes ``positions * inv_freq``) and TorchScript
+never annotates. This pass matches the forms ``_rotary_match`` draws (TorchScript eager and SDPA, dynamo,
+full and Phi-3 partial rotary, angles computed or the exporter's folded table), per q and per k::
+
+    x --Mul(cos)-------------------------------+
+    x --Slice--Neg--Concat--Mul(sin)----------Add-->        ==>   x --RotaryEmbedding(position_ids,
+    x --Slice-----/                                                    cos_cache, sin_cache)-->
+    position_ids--Unsqueeze--Cast--Mul(inv_freq)--Concat--Cos/Sin--[Mul(scaling)]--Unsqueeze
+
+with the caches computed once per distinct frequency set (``_rotary_cache``). The consumers of the rotated
+q and k are unchanged (an attention fusion after this one sees opaque values). Nodes left without a
+consumer are removed; the trigonometry disappears with the last layer's use of it.
+
+It also rewrites the dynamo exporter's RMS norms into the form ORT's session fuses into
+``SimplifiedLayerNormalization`` (``_decoder_norm``), which it otherwise leaves as six elementwise nodes.
+
+``notes["decoder"]`` is the structure ``_decoder_structure.detect`` reads from the graph; ``non_matches``
+names, per layer, every rotate-half candidate that did not fuse and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from pydantic import Field
+
+from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes.fusion import _decoder_structure
+from passes.fusion._decoder_norm import divide_rms_norms
+from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_positions, rows
+from passes.fusion._rotary_match import Declined, RotaryMatch, layer_of, looks_rotary, match
+
+_MS = "com.microsoft"
+
+
+class FuseRotaryOptions(PassOptions):
+    max_positions: int | None = Field(
+        default=None,
+        ge=1,
+        description="Rows of the cos/sin cache built from inv_freq: the longest context (past + prompt) the "
+        "artifact accepts; ORT refuses a position beyond it. Default: the model's max_position_embeddings "
+        f"metadata, else {DEFAULT_MAX_POSITIONS}. A table the exporter folded keeps its own rows.",
+    )
+
+
+class FuseRotary(Pass[FuseRotaryOptions]):
+    name = "fuse_rotary"
+    summary = (
+        "Decoder rotary position embeddings (rotate_half: q*cos + rotate_half(q)*sin, full or partial) -> "
+        "com.microsoft::RotaryEmbedding with a constant cos/sin cache; reports the decoder's structure."
+    )
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        del ctx  # the rewrite is decided from the graph alone
+        graph = model.graph
+        outputs = set(graph.outputs)
+        matches: list[RotaryMatch] = []
+        declined: list[NonMatch] = []
+        for node in graph:
+            if not looks_rotary(node):
+                continue
+            try:
+                matches.append(match(node, outputs))
+            except Declined as reason:
+                declined.append(_non_match(node, str(reason)))
+        trig = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
+        structure = _decoder_structure.detect(model, matches)
+        norms = divide_rms_norms(graph)
+        if not matches:
+            structure["rotary"] = "unmatched" if declined or trig else "no rotary"
+            counts = {"rms_norms_divided": norms} if norms else {}
+            return PassResult(model, bool(norms), counts, declined, notes={"decoder": structure})
+        layers = sorted({layer for m in matches if (layer := layer_of(m.anchor)) is not None})
+        max_positions = self.options.max_positions or metadata_max_positions(model) or DEFAULT_MAX_POSITIONS
+        caches: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
+        for found in matches:
+            _rewrite(graph, found, outputs, _caches(graph, found, max_positions, caches))
+        removed = _remove_dead(graph, [n for m in matches for n in m.nodes], set(graph.outputs))
+        model.opset_imports.setdefault(_MS, 1)
+        left = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
+        notes: dict[str, Any] = {
+            "decoder": structure,
+            "max_positions": {
+                m.cos.kind: (max_positions if m.cos.kind == "inv_freq" else len(m.cos.values)) for m in matches
+            },
+            "rotary_layers": layers,
+        }
+        counts = {
+            "rotary_embeddings": len(matches),
+            "partial_rotary": sum(m.partial for m in matches),
+            "cos_sin_caches": len(caches),
+            "nodes_removed": removed,
+            "trig_left": left,
+            "rms_norms_divided": norms,
+        }
+        return PassResult(model, True, counts=counts, non_matches=declined, notes=notes)
+
+
+def _non_match(node: ir.Node, reason: str) -> NonMatch:
+    layer = layer_of(node)
+    where = f"layer {layer}: " if layer is not None else ""
+    return NonMatch(reason=f"{where}{reason}", node=node.name, op_type=node.op_type)
+
+
+def _caches(
+    graph: ir.Graph, found: RotaryMatch, max_positions: int, made: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]]
+) -> tuple[ir.Value, ir.Value]:
+    """The initializers holding this match's cos and sin caches, shared by every match with the same ones."""
+    dtype = found.x.dtype or ir.DataType.FLOAT
+    cos, sin = found.cos, found.sin
+    key = (cos.kind, cos.values.tobytes(), sin.values.tobytes(), cos.scale, max_positions, dtype)
+    if key not in made:
+        values = []
+        for op, factor in (("cos", cos), ("sin", sin)):
+            table = rows(factor, max_positions, op).astype(dtype.numpy())
+            name = f"rotary_emb.{op}_cache" + (f".{len(made)}" if made else "")
+            value = ir.Value(name=name, shape=ir.Shape(table.shape), type=ir.TensorType(dtype))
+            value.const_value = ir.tensor(table, name=name)
+            graph.register_initializer(value)
+            values.append(value)
+        made[key] = (values[0], values[1])
+    return made[key]
+
+
+def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches: tuple[ir.Value, ir.Value]) -> None:
+    attributes: dict[str, Any] = {"interleaved": 0}
+    if found.partial:  # ORT requires num_heads with rotary_embedding_dim, though a 4-D input carries the heads
+        attributes |= {"rotary_embedding_dim": found.rotary_dim, "num_heads": found.num_heads}
+    anchor = found.anchor
+    old = anchor.outputs[0]
+    positions = found.cos.positions
+    feeds = [found.x, positions, *caches]
+    if positions.dtype == ir.DataType.INT32:  # RotaryEmbedding takes int64 position_ids
+        cast = ir.node("Cast", [positions], {"to": ir.DataType.INT64}, name=f"{anchor.name}/rotary_positions")
+        graph.insert_before(anchor, cast)
+        feeds[1] = cast.outputs[0]
+    if not _batched(positions, graph):
+        # Positions a model computes itself (arange(S)[None]) broadcast over the batch in the original; the
+        # kernel wants one row per batch entry.
+        name = f"{anchor.name}/rotary_positions"
+        batch = ir.node("Shape", [found.x], {"start": 0, "end": 1}, name=f"{name}_batch")
+        one = ir.node("Constant", [], {"value": ir.tensor(np.array([1], np.int64))}, name=f"{name}_one")
+        target = ir.node("Concat", [batch.outputs[0], one.outputs[0]], {"axis": 0}, name=f"{name}_shape")
+        expand = ir.node("Expand", [feeds[1], target.outputs[0]], name=f"{name}_expand")
+        graph.insert_before(anchor, [batch, one, target, expand])
+        feeds[1] = expand.outputs[0]
+    node = ir.node("RotaryEmbedding", feeds, attributes, domain=_MS, name=f"{anchor.name}/RotaryEmbedding")
+    new = node.outputs[0]
+    new.name = f"{anchor.name}/RotaryEmbedding_output_0"
+    if (dtype := old.dtype or found.x.dtype) is not None:
+        new.dtype = dtype
+    new.shape = old.shape or found.x.shape
+    graph.insert_before(anchor, node)
+    if old in outputs:  # the rotated value is a graph output itself: the new one takes its place and name
+        index = list(graph.outputs).index(old)
+        name = old.name
+        old.name = f"{name}/unfused"
+        graph.outputs[index] = new
+        new.name = name
+    ir.convenience.replace_all_uses_with(old, new)
+
+
+def _batched(positions: ir.Value, graph: ir.Graph) -> bool:
+    """Whether position_ids has the batch's rows: a graph input (the caller feeds one row per sequence, as
+    Optimum's signature does) whose first dim is not a fixed 1."""
+    shape = positions.shape
+    return positions in graph.inputs and shape is not None and len(shape) == 2 and shape[0] != 1
+
+
+def _remove_dead(graph: ir.Graph, candidates: list[ir.Node], outputs: set[ir.Value]) -> int:
+    """Remove the matched nodes, and what fed only them, once nothing reads their outputs."""
+    pending = list(dict.fromkeys(candidates))
+    removed = 0
+    constants: list[ir.Value] = []
+    while pending:
+        node = pending.pop()
+        if node.graph is not graph or any(v.uses() or v in outputs for v in node.outputs):
+            continue
+        feeders = [v for v in node.inputs if v is not None]
+        graph.remove(node, safe=True)
+        removed += 1
+        pending.extend(p for v in feeders if (p := v.producer()) is not None)
+        constants += [v for v in feeders if v.is_initializer()]
+    for value in constants:  # inv_freq and the folded tables, now read by nothing
+        if not value.uses() and value.name in graph.initializers and value not in graph.inputs:
+            del graph.initializers[value.name]  # type: ignore[arg-type]
+    return removed
+
+
+def cache_rows(model: ir.Model) -> dict[str, np.ndarray]:
+    """The cos/sin caches the pass wrote, by initializer name (tests and the benchmark read them)."""
+    return {
+        name: value.const_value.numpy()
+        for name, value in model.graph.initializers.items()
+        if name.startswith("rotary_emb.") and value.const_value is not None
+    }
