@@ -124,7 +124,7 @@ def _svg_series(series: Sequence[tuple[str, Sequence[int], Sequence[float]]]) ->
             f"{y:.4g} ms</title></circle>"
             for x, y in zip(xs, ys, strict=False)
         )
-        lx = left + 10 + 110 * i
+        lx = left + plot_w - 200 + 110 * i
         parts.append(
             f'<rect x="{lx}" y="{top - 18}" width="10" height="10" fill="{color}"/>'
             f'<text x="{lx + 14}" y="{top - 9}">{escape(label)}</text>'
@@ -155,7 +155,7 @@ def _rows(section: Mapping[str, Any]) -> list[list[str]]:
     decode = section.get("decode") or {}
     if decode:
         a, b = decode.get("original") or {}, decode.get("optimized") or {}
-        rows.append(_row("decode ms per token (median)", a.get("ms_per_token"), b.get("ms_per_token")))
+        rows.append(_row("decode ms per token", a.get("ms_per_token"), b.get("ms_per_token")))
         rows.append(_row("decode tokens/s", a.get("tokens_per_s"), b.get("tokens_per_s")))
     weights = section.get("weights") or {}
     if weights:

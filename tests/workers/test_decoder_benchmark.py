@@ -83,8 +83,8 @@ def test_decoder_section_has_both_models_figures_when_a_kv_cache_decoder_is_opti
     for label in ("original", "optimized"):
         figures = decode[label]
         assert len(figures["per_position_ms"]) == tokens and all(v > 0 for v in figures["per_position_ms"])
+        assert figures["ms_per_token"] == pytest.approx(np.mean(figures["per_position_ms"]))
         assert figures["tokens_per_s"] == pytest.approx(1000.0 / figures["ms_per_token"])
-        assert min(figures["per_position_ms"]) > 0 and figures["ms_per_token"] > 0
     assert decode["speedup"] == pytest.approx(decode["original"]["ms_per_token"] / decode["optimized"]["ms_per_token"])
     weights = section["weights"]
     assert weights["original"]["bytes"] == _initializer_bytes(DECODERS / name)
