@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from passes._match import node_label
+
 Dim = int | ir.SymbolicDim | None
 
 
@@ -94,6 +96,31 @@ def same_input(a: ir.Value | None, b: ir.Value | None) -> bool:
         return False
     x, y = ta.numpy(), tb.numpy()
     return x.shape == y.shape and bool(np.array_equal(x, y))
+
+
+def producer_to_cross(node: ir.Node, is_twin: Callable[[ir.Node, int], bool]) -> tuple[ir.Node, list[ir.Node]] | str:
+    """The producer P that ``node`` (a slice or a flatten, reading its data at input 0) would move above,
+    with the copies of ``node`` to merge into it; or, as words for the stop reason, why it cannot.
+
+    P must not produce a graph output (the move would change it), and ``node`` must be its only reader,
+    or every other reader must be a twin (``is_twin(reader, input_index)``: a copy of ``node`` that arrived
+    on another branch of the same value). Both ``upstream_slice`` and ``upstream_reshape`` climb this way."""
+    data = node.inputs[0]
+    assert data is not None
+    p = data.producer()
+    if p is None:
+        return f"{'initializer' if data.is_initializer() else 'graph input'} {data.name!r}"
+    label = repr(node_label(p))
+    for out in p.outputs:
+        if out.is_graph_output():
+            return f"{label} (its output {out.name!r} is a graph output)"
+    edges = sum(len(list(out.uses())) for out in p.outputs)
+    if edges == 1:
+        return p, []
+    twins = [use.node for use in data.uses() if use.node is not node]
+    if edges != 1 + len(twins) or not all(is_twin(use.node, use.idx) for use in data.uses() if use.node is not node):
+        return f"{label} ({edges} consumers)"
+    return p, twins
 
 
 def _dims(value: ir.Value | None) -> list[Dim] | None:

@@ -44,7 +44,15 @@ from pydantic import Field
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label
 from passes.cleanup.shape_inference import ensure_shapes
-from passes.compute_order._upstream_rules import POINTWISE, Dim, FreshNames, drop_orphans, same_dim, same_input
+from passes.compute_order._upstream_rules import (
+    POINTWISE,
+    Dim,
+    FreshNames,
+    drop_orphans,
+    producer_to_cross,
+    same_dim,
+    same_input,
+)
 
 _ONNX = ("", "ai.onnx")
 _NORMS = ("LayerNormalization", "Softmax", "LogSoftmax")
@@ -118,47 +126,30 @@ def _opset(node: ir.Node) -> int:
     return 1 if graph is None else graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1))
 
 
-def _twins(reshape: ir.Node, data: ir.Value) -> list[ir.Node] | None:
-    """The other readers of ``data`` when every one is the same flatten as ``reshape``, else None.
+def _is_twin(reshape: ir.Node, other: ir.Node, index: int) -> bool:
+    """Whether ``other``, reading the same value at ``index``, is the same flatten as ``reshape``.
 
     Branches of one value (the two halves of an erf-GELU, a residual Add and the FFN reading one
     LayerNorm) each get a copy of the flatten; once all of them have arrived the copies are merged and the
     flatten moves on, where ORT (and a single pass here) stops at the first value with two consumers."""
-    twins = []
-    allowzero = reshape.attributes.get_int("allowzero", 0)
-    for use in data.uses():
-        other = use.node
-        if other is reshape:
-            continue
-        if (
-            other.op_type != "Reshape"
-            or other.domain not in _ONNX
-            or use.idx != 0
-            or other.attributes.get_int("allowzero", 0) != allowzero
-            or not same_input(other.inputs[1], reshape.inputs[1])
-            or _entry(other) is not None
-        ):
-            return None
-        twins.append(other)
-    return twins
+    return (
+        other.op_type == "Reshape"
+        and other.domain in _ONNX
+        and index == 0
+        and other.attributes.get_int("allowzero", 0) == reshape.attributes.get_int("allowzero", 0)
+        and same_input(other.inputs[1], reshape.inputs[1])
+        and _entry(other) is None
+    )
 
 
 def _step(reshape: ir.Node) -> tuple[ir.Node, dict[int, Dim], list[ir.Node]] | str:
+    found = producer_to_cross(reshape, lambda other, index: _is_twin(reshape, other, index))
+    if isinstance(found, str):
+        return found
+    p, twins = found
     data = reshape.inputs[0]
-    assert data is not None
-    p = data.producer()
-    if p is None:
-        return f"{'initializer' if data.is_initializer() else 'graph input'} {data.name!r}"
+    assert data is not None and data.shape is not None
     label = repr(node_label(p))
-    if any(o.is_graph_output() for o in p.outputs):
-        return f"{label} (an output is a graph output)"
-    edges = sum(len(list(o.uses())) for o in p.outputs)
-    twins: list[ir.Node] = []
-    if edges != 1:
-        found = _twins(reshape, data)
-        if found is None or edges != 1 + len(found):
-            return f"{label} ({edges} consumers)"
-        twins = found
     plan = _plan(p, list(data.shape))
     if isinstance(plan, str):
         return f"{label} ({plan})"

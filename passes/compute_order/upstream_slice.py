@@ -65,6 +65,7 @@ from passes.compute_order._upstream_rules import (
     Move,
     SliceInfo,
     drop_orphans,
+    producer_to_cross,
     rule_for,
     same_dim,
     same_input,
@@ -138,51 +139,34 @@ def _entry(node: ir.Node) -> SliceInfo | str | None:
     return SliceInfo(node, axis, scalar=False, length=out_shape[axis] if out_shape is not None else None)
 
 
-def _twins(s: SliceInfo, data: ir.Value) -> list[ir.Node] | None:
-    """The other readers of ``data`` when every one is the same slice as S, else None.
+def _is_twin(s: SliceInfo, other: ir.Node, index: int) -> bool:
+    """Whether ``other``, reading S's data at ``index``, is the same slice as S.
 
     Copies of one slice arrive on each branch of a shared value (the residual Add and the FFN both read a
     LayerNorm; the two halves of an erf-GELU read one bias Add). Once all readers are such copies they are
     merged into S and S moves on: ORT, and a single sweep without CSE, stop at the shared value."""
-    twins = []
+    info = _entry(other) if index == 0 else None
     attrs = {k: v.value for k, v in s.node.attributes.items() if k != "axis"}
-    for use in data.uses():
-        other = use.node
-        if other is s.node:
-            continue
-        info = _entry(other) if use.idx == 0 else None
-        if (
-            not isinstance(info, SliceInfo)
-            or other.op_type != s.node.op_type
-            or (info.axis, info.scalar) != (s.axis, s.scalar)
-            or {k: v.value for k, v in other.attributes.items() if k != "axis"} != attrs
-            or len(other.inputs) != len(s.node.inputs)
-            or not all(same_input(a, b) for a, b in zip(other.inputs[1:], s.node.inputs[1:], strict=True))
-            or other.outputs[0].is_graph_output()
-        ):
-            return None
-        twins.append(other)
-    return twins
+    return (
+        isinstance(info, SliceInfo)
+        and other.op_type == s.node.op_type
+        and (info.axis, info.scalar) == (s.axis, s.scalar)
+        and {k: v.value for k, v in other.attributes.items() if k != "axis"} == attrs
+        and len(other.inputs) == len(s.node.inputs)
+        and all(same_input(a, b) for a, b in zip(other.inputs[1:], s.node.inputs[1:], strict=True))
+        and not other.outputs[0].is_graph_output()
+    )
 
 
 def _step(s: SliceInfo) -> tuple[ir.Node, int, Move, list[ir.Node]] | str:
     """Decide whether S moves above its data producer P, on the graph as it stands. Never edits."""
+    found = producer_to_cross(s.node, lambda other, index: _is_twin(s, other, index))
+    if isinstance(found, str):
+        return found
+    p, twins = found
     data = s.node.inputs[0]
     assert data is not None
-    p = data.producer()
-    if p is None:
-        return f"{'initializer' if data.is_initializer() else 'graph input'} {data.name!r}"
     label = repr(node_label(p))
-    for out in p.outputs:
-        if out.is_graph_output():
-            return f"{label} (its output {out.name!r} is a graph output)"
-    edges = sum(len(list(out.uses())) for out in p.outputs)
-    twins: list[ir.Node] = []
-    if edges != 1:
-        found = _twins(s, data)
-        if found is None or edges != 1 + len(found):
-            return f"{label} ({edges} consumers)"
-        twins = found
     rule = rule_for(p)
     if rule is None:
         return f"{label} ({p.op_type} is not in the allow-list)"
