@@ -1,31 +1,38 @@
-"""Decoder benchmark: the uploaded fp32 decoder against quantize_int4's output (and the ``fast`` preset's, where
-the pipeline takes the decoder: ``--fast``), side by side, on ORT's CPU EP at its default level (what users run).
+"""Decoder benchmark: the uploaded fp32 decoder against onnxforge's ``int4`` and ``fast`` presets (and the
+``quantize_int4`` pass alone), side by side, on ORT's CPU EP at its default level (what users run).
 
 Run ``python -m bench.decoders [--models NAME ...] [--qwen05] [--threads 1 2] [--decode-tokens 32]
-[--prompts 32 128] [--rounds 3] [--fast NAME ...] [--no-write]``.
+[--prompts 32 128] [--rounds 3] [--presets NAME ...] [--no-write]``.
 
 Models: the committed corpus decoders with a cache (``tests/models/decoders/<family>_past_ts.onnx``, tiny,
 random weights), the trained tiny Llama, and with ``--qwen05`` a decoder shaped like Qwen2.5-0.5B (24
-layers, hidden 896, 14/2 heads, vocabulary 151936, random weights; built by ``tests.models.build_decoders
---qwen05`` into ``bench/out/decoders/``, never committed, never in CI). Per model, thread count and variant:
+layers, hidden 896, 14/2 heads, intermediate 4864, vocabulary 151936, tied embeddings, random weights; built
+by ``tests.models.build_decoders --qwen05`` into ``bench/out/decoders/``, never committed, never in CI).
+Per model, thread count and variant:
 
 * prefill: latency of one call on an empty cache at each ``--prompts`` length (batch 1);
 * decode: ``--decode-tokens`` greedy steps after a prefill of the first prompt length, each feeding the
   previous step's presents (the cache grows by one per step): mean latency per token and tokens/s;
 * weight bytes: the initializers' bytes.
 
-Variants are timed interleaved: every round runs each variant once, in an order that rotates per round;
-medians over rounds. The int4 model is made by the ``quantize_int4`` pass with its defaults, its samples the
-prefill and decode feeds. The table goes into bench/README.md between the ``decoders-table`` markers.
+Variants: ``fp32`` (the upload); ``int4 pass``: the ``quantize_int4`` pass with its defaults, its samples the
+prefill and decode feeds, the greedy-token gate off (meaningless on random weights); for the models in
+``--presets`` (default: the corpus Llama and qwen05), the ``fast`` and ``int4`` presets' artifacts from the
+engine in-process (``workers.pipeline.run_pipeline``), as a user sends the job: no samples, default options;
+the passes are whatever the presets list when the script runs. They are timed interleaved: every round runs
+each variant once, in an order that rotates per round; medians over rounds. The rows go into bench/README.md
+between the ``decoders-table`` markers, replacing the rows of the models this run measured and keeping the
+others.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,12 +49,14 @@ import onnx  # noqa: E402
 import onnx_ir as ir  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
-from bench._report import machine_line, unmarked, write_blocks  # noqa: E402
+from bench._report import README, machine_line, write_blocks  # noqa: E402
+from core.recipe import read_recipe  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
 from passes.precision import _quantization as q  # noqa: E402
 from passes.precision.quantize_int4 import QuantizeInt4  # noqa: E402
 from tests.models.build_decoders import OUT, Signature, build_qwen05, decoder_feeds, presents_as_past  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
+from workers.sessions import make_session  # noqa: E402
 
 START, END = "<!-- decoders-table:start -->", "<!-- decoders-table:end -->"
 HEADING = "## Decoders: fp32 against int4 (issue 19)"
@@ -55,8 +64,8 @@ CORPUS = ("llama", "qwen2", "phi3", "mistral", "gpt2", "trained_llama")
 QWEN_DIR = REPO / "bench" / "out" / "decoders"
 NOTE = (
     "Tiny decoders (hidden 32-64, 2 layers): per-op overhead and the shared machine's load dominate, so these rows "
-    "check the harness and the int4 pass end to end, not int4's gain; the Qwen2.5-0.5B-shaped row (`--qwen05`, "
-    "not yet run) is the one that measures it."
+    "check the harness and the int4 pass end to end, not int4's gain; the Qwen2.5-0.5B-shaped rows (`qwen05`) "
+    "measure it."
 )
 
 
@@ -64,12 +73,14 @@ def model_path(name: str) -> Path:
     return build_qwen05(QWEN_DIR) if name == "qwen05" else OUT / f"{name}_past_ts.onnx"
 
 
-def session(path: Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+def session(path: Path, threads: int, *, optimize: bool = True) -> ort.InferenceSession:
+    """The session users get (ORT's default level; a ``tune_session`` recipe in the model applied as
+    ``core.runtime`` applies it), at ``threads`` intra-op threads: the comparison's variable, not the recipe's."""
+    recipe = read_recipe(path)
+    if recipe:
+        options = {k: v for k, v in (recipe.get("session_options") or {}).items() if not k.endswith("_num_threads")}
+        recipe = {**recipe, "session_options": options}
+    return make_session(path, intra_op_threads=threads, optimize=optimize, recipe=recipe)
 
 
 def prefill_ms(sess: ort.InferenceSession, signature: Signature, prompt: int) -> float:
@@ -114,15 +125,53 @@ def make_int4(path: Path, signature: Signature, prompts: list[int], work: Path) 
     }
 
 
-def make_fast(path: Path, work: Path) -> tuple[Path | None, str]:
-    """The `fast` preset's artifact through the CLI (the service's pipeline), or why there is none."""
-    out = work / f"{path.stem}.fast.onnx"
-    cmd = [sys.executable, "-m", "onnxforge.cli", "optimize", str(path), "-o", str(out), "--preset", "fast"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=REPO)
-    if proc.returncode != 0 or not out.exists():
-        lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
-        return None, (lines[-1] if lines else f"exit {proc.returncode}")[:200]
-    return out, "ok"
+def preset_artifact(
+    src: Path, preset: str, root: Path, reuse: bool = False, job: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The preset's artifact from ``run_pipeline``, in-process, as the CLI and the service call it: no samples,
+    the preset's default options (plus ``job``'s keys), the server's default pipeline settings. The passes are
+    whatever the preset lists when the script runs."""
+    from core.config import JobConfig
+    from core.settings import get_settings
+    from workers.pipeline import PipelineRequest, run_pipeline
+
+    out = root / f"{src.stem}.{preset}"
+    model = out / "model.onnx"
+    if reuse and model.exists():
+        return model, {"job_s": float("nan"), "reused": True, "ops": contrib_ops(model)}
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    result = run_pipeline(
+        PipelineRequest(
+            model_path=src,
+            output_dir=out,
+            config=JobConfig.parse({**(job or {}), "preset": preset}),
+            settings=get_settings().pipeline,
+        )
+    )
+    passes = result.report.get("passes", [])
+    return Path(result.model_path), {
+        "job_s": time.perf_counter() - t0,
+        "used_original": result.used_original,
+        "applied": [p["name"] for p in passes if p.get("status") == "applied"],
+        "ops": contrib_ops(Path(result.model_path)),
+    }
+
+
+def contrib_ops(path: Path) -> dict[str, int]:
+    """How many nodes of each com.microsoft op a model has (what the fusions and int4 left in the graph)."""
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        if node.domain == "com.microsoft":
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def describe(preset: str, info: dict[str, Any]) -> str:
+    ops = ", ".join(f"{k} {v}" for k, v in sorted(info["ops"].items())) or "none"
+    state = "reused" if info.get("reused") else f"job {info['job_s']:.0f}s"
+    gate = ", the upload handed back (gate)" if info.get("used_original") else ""
+    return f"`{preset}` preset: {state}{gate}; contrib ops {ops}"
 
 
 def weight_bytes(path: Path) -> int:
@@ -147,59 +196,87 @@ def measure(variants: dict[str, Path], signature: Signature, args: argparse.Name
     return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in timings.items()}
 
 
-def run(args: argparse.Namespace) -> str:
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="onnxforge-bench-decoders-") as tmp:
+LABELS = {
+    "fp32": "fp32 (upload)",
+    "int4 pass": "int4 pass (gate off)",
+    "fast": "`fast` preset",
+    "int4": "`int4` preset",
+}
+
+
+def run(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Table rows and one run note per model."""
+    rows: list[str] = []
+    notes: list[str] = []
+    command = "python -m bench.decoders " + shlex.join(sys.argv[1:])
+    QWEN_DIR.parent.mkdir(parents=True, exist_ok=True)  # the 2 GB qwen05 artifacts: on the repo's disk, not /tmp
+    with tempfile.TemporaryDirectory(prefix="onnxforge-bench-decoders-", dir=QWEN_DIR.parent) as tmp:
         work = Path(tmp)
         for name in args.models:
             path = model_path(name)
             signature = Signature.of(path)
             int4, info = make_int4(path, signature, args.prompts, work)
-            variants = {"fp32": path, "int4": int4}
-            fast_status = "not run (not in --fast)"
-            if name in args.fast:
-                fast, fast_status = make_fast(path, work)
-                if fast is not None:
-                    variants["fast"] = fast
+            variants = {"fp32": path, "int4 pass": int4}
+            details = [
+                f"int4 pass: accuracy_level {info['level']}, lm_head {info['head']}, {info['float_kept']} MatMul(s) "
+                f"kept float, {info['seconds']:.1f}s"
+            ]
+            if name in args.presets:
+                for preset in ("fast", "int4"):
+                    variants[preset], preset_info = preset_artifact(path, preset, work, job=args.job)
+                    details.append(describe(preset, preset_info))
+            print(f"{name}: " + "; ".join(details), flush=True)
             sizes = {v: weight_bytes(p) for v, p in variants.items()}
             for threads in args.threads:
                 medians = measure(variants, signature, args, threads)
                 base = medians["fp32"]
                 for variant, m in medians.items():
-                    prefill = " / ".join(f"{m[f'prefill{p}']:.2f}" for p in args.prompts)
-                    speed = base["decode"] / m["decode"]
+                    prefill = " / ".join(f"{p}: {m[f'prefill{p}']:.1f}" for p in args.prompts)
+                    ratio = " / ".join(f"{base[f'prefill{p}'] / m[f'prefill{p}']:.2f}x" for p in args.prompts)
                     rows.append(
-                        f"| {name} | {threads} | {variant} | {prefill} | {m['decode']:.3f} | "
-                        f"{1e3 / m['decode']:.0f} | {speed:.2f}x | {sizes[variant] / 1e6:.2f} MB "
-                        f"({sizes[variant] / sizes['fp32']:.2f}x) |"
+                        f"| {name} | {threads} | {LABELS[variant]} | {prefill} | {ratio} | {m['decode']:.2f} | "
+                        f"{1e3 / m['decode']:.1f} | {base['decode'] / m['decode']:.2f}x | "
+                        f"{sizes[variant] / 1e6:.1f} MB ({sizes[variant] / sizes['fp32']:.2f}x) |"
                     )
-            print(
-                f"{name}: int4 level {info['level']}, head {info['head']}, {info['float_kept']} kept float, "
-                f"pass {info['seconds']:.1f}s; fast: {fast_status}",
-                flush=True,
+                    print(rows[-1], flush=True)
+            load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+            notes.append(
+                f"* {name}: `{command.strip()}` at {time.strftime('%Y-%m-%d %H:%M %Z')}, load average {load}; "
+                f"decode {args.decode_tokens} tokens after {args.prompts[0]}, {args.rounds} rounds. "
+                + "; ".join(details)
+                + "."
             )
-            rows.append(
-                f"| {name} | | int4 pass: accuracy_level {info['level']}, lm_head {info['head']}, "
-                f"{info['float_kept']} MatMul(s) kept float, {info['seconds']:.1f}s; fast: {fast_status} | | | | | |"
-            )
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    command = "python -m bench.decoders " + shlex.join(sys.argv[1:])
-    prompts = " / ".join(str(p) for p in args.prompts)
+    return rows, notes
+
+
+def merge(rows: list[str], notes: list[str], models: list[str], old_block: str) -> str:
+    """The block: this run's rows and notes, plus the earlier ones of the models this run did not measure."""
+
+    def model_of(line: str) -> str:
+        return line.split("|")[1].strip() if line.startswith("|") else line[2:].split(":", maxsplit=1)[0]
+
+    old = old_block.splitlines()
+    kept_rows = [r for r in old if r.startswith("| ") and model_of(r) not in ("model", "---", *models)]
+    kept_notes = [n for n in old if n.startswith("* ") and model_of(n) not in models]
     header = [
         HEADING,
         "",
-        f"`{command.strip()}` (decode: {args.decode_tokens} greedy tokens after a {args.prompts[0]}-token prompt, "
-        f"cache growing; medians of {args.rounds} interleaved rounds; ORT default level; batch 1).",
+        "`python -m bench.decoders` (batch 1; ORT default level; intra-op threads as in the table, inter-op 1; "
+        "decode: greedy tokens after a prompt, cache growing; medians of interleaved rounds; ratios against the "
+        "upload in the same run). Each model's command, time and load average are in the notes below the table.",
         "",
-        machine_line(host_info(target="cpu", intra_op_threads=0), load=load),
+        machine_line(host_info(target="cpu", intra_op_threads=0)),
         "",
-        NOTE if "qwen05" not in args.models else "",
+        NOTE,
         "",
-        f"| model | threads | variant | prefill ms ({prompts} tokens) | decode ms/token | tokens/s | decode vs "
-        "fp32 | weights |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | threads | variant | prefill ms (prompt: ms) | prefill vs fp32 | decode ms/token | tokens/s | "
+        "decode vs fp32 | weights |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    return "\n".join(header + rows)
+    order = {m: i for i, m in enumerate([*CORPUS, "qwen05"])}
+    all_rows = sorted([*kept_rows, *rows], key=lambda r: order.get(model_of(r), len(order)))
+    all_notes = sorted([*kept_notes, *notes], key=lambda n: order.get(model_of(n), len(order)))
+    return "\n".join([*header, *all_rows, "", *all_notes])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,21 +284,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(CORPUS), choices=[*CORPUS, "qwen05"])
     parser.add_argument("--qwen05", action="store_true", help="add the Qwen2.5-0.5B-shaped decoder")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--prompts", nargs=2, type=int, default=[32, 128])
+    parser.add_argument("--prompts", nargs="+", type=int, default=[32, 128])
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--fast",
+        "--presets",
         nargs="*",
-        default=["llama"],
-        help="models whose fast-preset artifact (the CLI pipeline, about a minute each on 2 cores) joins the table",
+        default=["llama", "qwen05"],
+        help="models whose fast and int4 preset artifacts (a pipeline job each, minutes) join the table",
+    )
+    parser.add_argument(
+        "--job",
+        type=json.loads,
+        default={},
+        help="JSON job config keys for the preset jobs, e.g. '{\"benchmark\": false}' (this script measures)",
     )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     if args.qwen05 and "qwen05" not in args.models:
         args.models.append("qwen05")
-    table = run(args)
-    print(unmarked(table, START, END))
+    rows, notes = run(args)
+    text = README.read_text(encoding="utf-8")
+    old = text.split(START, 1)[1].split(END, 1)[0] if START in text and END in text else ""
+    table = merge(rows, notes, args.models, old)
+    print(table)
     if not args.no_write:
         write_blocks({(START, END): table}, heading="")
     return 0
