@@ -448,12 +448,21 @@ def drive_next_token(
         loss: list[MarginLoss] = []
         count = [0]
 
+        # Two quantizations, then every trial is assembled from them: ORT's quantizer on a large model takes
+        # longer than the teacher-forced run that judges it, and the search makes 2n + 1 trials.
+        low_path, kept_path = work / "all_low.onnx", work / "all_kept.onnx"
+        with quiet_ort_quantization():
+            quantize(src, low_path, user_excluded, large)
+            quantize(src, kept_path, [*user_excluded, *candidates], large)
+        low = onnx.load(str(low_path), load_external_data=True)
+        all_kept = onnx.load(str(kept_path), load_external_data=True)
+        produces = {n.name: n.output[0] for n in original.graph.node if n.name in set(candidates) and n.output}
+
         def trial(int4: list[str]) -> Trial:
             count[0] += 1
             path = work / f"trial{count[0]}.onnx"
-            kept = [c for c in candidates if c not in int4]
-            with quiet_ort_quantization():
-                quantize(src, path, [*user_excluded, *kept], large)
+            keep = {produces[c] for c in candidates if c not in int4 and c in produces}
+            save_proto(assemble(low, all_kept, keep), path, large)
             accuracy = measure(path, feeds, outputs, reference)
             got = probe.run(path)
             accuracy[probe.key] = probe.figures(got)
@@ -517,6 +526,44 @@ def drive_next_token(
         result = load_ir(chosen.path)
     notes["op_types_after"] = dict(sorted(_op_counts(result).items()))
     return Quantized(result, counts, [], notes)
+
+
+def assemble(low: onnx.ModelProto, kept: onnx.ModelProto, swap: set[str]) -> onnx.ModelProto:
+    """``low`` with the node producing each value in ``swap`` taken from ``kept`` (both quantized from one
+    model: the same nodes in the same order, each quantized node keeping its MatMul's output name), and the
+    initializers the nodes then use."""
+    from_kept = {n.output[0]: n for n in kept.graph.node if n.output and n.output[0] in swap}
+    nodes = [from_kept.get(n.output[0], n) if n.output else n for n in low.graph.node]
+    swapped = {id(n) for n in from_kept.values()}
+    # ORT names a quantized weight's scales after the weight, not the bits: each node reads its own model's
+    from_low = {value for n in nodes if id(n) not in swapped for value in _inputs_of(n)}
+    from_low |= {o.name for o in low.graph.output}
+    from_kept_values = {value for n in from_kept.values() for value in _inputs_of(n)}
+    out = onnx.ModelProto()
+    out.CopyFrom(low)  # the graph's inputs, outputs, value_info and metadata
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    inits: dict[str, onnx.TensorProto] = {}
+    for init in kept.graph.initializer:
+        if init.name in from_kept_values:
+            inits[init.name] = init
+    for init in low.graph.initializer:
+        if init.name in from_low and init.name not in inits:
+            inits[init.name] = init
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(inits.values())
+    have = {o.domain for o in out.opset_import}
+    out.opset_import.extend(o for o in kept.opset_import if o.domain not in have)
+    return out
+
+
+def _inputs_of(node: onnx.NodeProto) -> list[str]:
+    """The values ``node`` reads, its subgraphs' reads of outer values included."""
+    names = list(node.input)
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            names += [value for inner in graph.node for value in _inputs_of(inner)]
+    return names
 
 
 def _first_trial(outcome: SearchOutcome, full: Trial) -> dict[str, OutputAccuracy]:

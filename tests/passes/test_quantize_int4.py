@@ -235,3 +235,41 @@ def test_prefill_empties_the_cache_and_counts_positions_from_0_when_the_sample_i
     as_is = _accuracy.prefill(sess, expected)
     assert as_is.keys() == expected.keys() and all(as_is[k] is v for k, v in expected.items())
     assert _accuracy.prefill(sess, {k: v for k, v in sample.items() if k != "input_ids"}) is None
+
+
+def test_assemble_gives_the_model_a_direct_quantization_gives_when_some_matmuls_are_taken_from_the_8bit_one():
+    # setup: full int4 and full 8-bit from one model; two MatMuls to take from the 8-bit one
+    from passes.precision._quantization import assemble
+    from passes.precision.quantize_int4 import QuantizeInt4Options, quantize_proto
+
+    model = ir.load(OUT / "llama_past_ts.onnx")
+    heads = lm_heads(model)
+    names = [n.name for n in model.graph if n.op_type == "MatMul" and n.inputs[1].const_value is not None]
+    names = [n for n in names if n not in heads]
+    options = QuantizeInt4Options(block_size=16)
+    proto = ir.serde.serialize_model(model)
+
+    def quantized(int8):
+        fresh = onnx.ModelProto.FromString(proto.SerializeToString())  # ORT's quantizer edits its input
+        out = quantize_proto(fresh, options, 0, [*heads, *int8])
+        if int8:
+            others = [n.name for n in out.graph.node if n.op_type == "MatMul" and n.name not in int8]
+            out = quantize_proto(out, options, 0, others, bits=8, include=int8)
+        return out
+
+    int8 = names[2:4]
+    outputs = {n.name: n.output[0] for n in proto.graph.node}
+    # execute
+    mixed = assemble(quantized([]), quantized(names), {outputs[n] for n in int8})
+    # assert: same nodes, same initializers, same logits as quantizing the mix directly
+    direct = quantized(int8)
+    assert [n.name for n in mixed.graph.node] == [n.name for n in direct.graph.node]
+    assert {i.name for i in mixed.graph.initializer} == {i.name for i in direct.graph.initializer}
+    bits = {n.name: n.attribute for n in mixed.graph.node if n.op_type == "MatMulNBits"}
+    assert sorted(k for k, v in bits.items() if any(a.name == "bits" and a.i == 8 for a in v)) == sorted(
+        f"{n}_Q8" for n in int8
+    )
+    feeds = samples_for(OUT / "llama_past_ts.onnx")[0]
+    got = session(ir.serde.deserialize_model(mixed)).run(["logits"], feeds)[0]
+    want = session(ir.serde.deserialize_model(direct)).run(["logits"], feeds)[0]
+    np.testing.assert_array_equal(got, want)
