@@ -1,0 +1,112 @@
+"""quantize_int4 on the trained decoder (issue 19 "done when", accuracy): the pass with its defaults on the
+held-out bytes (1,024 teacher-forced positions), and the figures its notes give, beside the fp32 original's
+decode and prefill speed and weight bytes, timed interleaved on ORT's CPU EP at its default level.
+
+Run ``python -m bench.int4_trained [--threads 1 2] [--rounds 5] [--decode-tokens 32] [--embeddings]``;
+``--embeddings`` adds a variant with ``quantize_embeddings`` (GatherBlockQuantized token table). Prints a
+table; writes nothing. The decoder is tiny (hidden 64, 2 layers, 90k MatMul weights): its speed ratios say
+what per-op overhead does, not what int4 gains on a real model (``bench.decoders --qwen05`` measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import onnx_ir as ir  # noqa: E402
+
+from bench.decoders import decode_ms, prefill_ms, session, weight_bytes  # noqa: E402
+from passes._infra import PassContext  # noqa: E402
+from passes.precision import _quantization as q  # noqa: E402
+from passes.precision.quantize_int4 import QuantizeInt4  # noqa: E402
+from tests.models.build_decoders import OUT, Signature  # noqa: E402
+from tests.passes.test_quantize_int4_trained import heldout_samples  # noqa: E402
+
+KEY = "logits (teacher forcing)"
+PATH = OUT / "trained_llama_past_ts.onnx"
+
+
+def quantize(options: dict[str, Any] | None, out: Path) -> dict[str, Any] | str:
+    """The pass's figures, or its refusal reason."""
+    t0 = time.perf_counter()
+    result = QuantizeInt4(options)(ir.load(PATH), PassContext(samples=heldout_samples()))
+    seconds = time.perf_counter() - t0
+    notes = result.notes
+    if not result.modified:
+        return "refused: " + "; ".join(m.reason for m in result.non_matches)
+    proto = ir.serde.serialize_model(result.model)
+    q.save_proto(proto, out, False)
+    full, final = notes["accuracy_all_quantized"][KEY], notes["accuracy"][KEY]
+    return {
+        "seconds": round(seconds, 1),
+        "block": notes["block_size"]["chosen"],
+        "level": notes["accuracy_level"]["chosen"],
+        "head": notes.get("lm_head_decision", "float").split(":")[0],
+        "full_top1": full["top1_agreement"],
+        "full_flipped": full["flipped"],
+        "top1": final["top1_agreement"],
+        "flipped": final["flipped"],
+        "max_logit_diff": final["max_logit_diff"],
+        "ppl": (final["perplexity"]["original"], final["perplexity"]["quantized"]),
+        "int4_share": notes["int4_share"]["of_matmul_weights"],
+        "precision": notes["precision"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--embeddings", action="store_true")
+    args = parser.parse_args(argv)
+    signature = Signature.of(PATH)
+    with tempfile.TemporaryDirectory(prefix="onnxforge-int4-") as tmp:
+        work = Path(tmp)
+        paths = {"fp32": PATH, "int4": work / "int4.onnx"}
+        info = {"int4": quantize(None, paths["int4"])}
+        if args.embeddings:
+            paths["int4+emb"] = work / "int4_emb.onnx"
+            info["int4+emb"] = quantize({"quantize_embeddings": True}, paths["int4+emb"])
+        for name, figures in list(info.items()):
+            if isinstance(figures, str):
+                print(f"{name}: {figures}")
+                del paths[name]
+                continue
+            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "precision"))
+            per = [f"{k.split('/')[-2]}@{k.split('/')[-4]}={v}" for k, v in figures["precision"].items()]
+            print("  per MatMul: " + ", ".join(per))
+        base_bytes = weight_bytes(PATH)
+        for threads in args.threads:
+            sessions = {name: session(path, threads) for name, path in paths.items()}
+            decode: dict[str, list[float]] = {name: [] for name in paths}
+            prefill: dict[str, list[float]] = {name: [] for name in paths}
+            names = list(paths)
+            for r in range(args.rounds):
+                order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+                for name in order:
+                    decode[name].append(decode_ms(sessions[name], signature, args.prompt, args.decode_tokens))
+                    prefill[name].append(prefill_ms(sessions[name], signature, args.prompt))
+            for name in names:
+                d, p = statistics.median(decode[name]), statistics.median(prefill[name])
+                d0, p0 = statistics.median(decode["fp32"]), statistics.median(prefill["fp32"])
+                print(
+                    f"threads {threads} {name:9s} decode {d:.3f} ms/token ({d0 / d:.2f}x fp32), prefill@{args.prompt} "
+                    f"{p:.3f} ms ({p0 / p:.2f}x), weight bytes {weight_bytes(paths[name])} "
+                    f"({weight_bytes(paths[name]) / base_bytes:.3f}x)"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
