@@ -1,8 +1,8 @@
-"""The per-pass ledger: run each pass on the last accepted stage, verify it, time it, keep it or roll it back.
+"""The ledger: run the passes on the last accepted stage, verify and time them, keep them or roll them back.
 
 ::
 
-    for each pass, on a copy of the last accepted stage (a file, so rollback = reload):
+    a pass that is not groupable, alone, on a copy of the last accepted stage (a file, so rollback = reload):
       run ─> PassError? ─────────────────────────────────────> failed (rolled back, error recorded)
           ─> not modified? ──────────────────────────────────> no_change ("did nothing because ...")
           ─> written: the same bytes as the accepted stage? ─> no_change (neither verified nor timed)
@@ -13,184 +13,76 @@
           ─> verify vs the reference ─ out of tolerance ────> rolled_back (which output, how far off)
           ─> quick interleaved latency ─ slower beyond noise and rollback_slower ─> rolled_back
           ─> applied: this stage becomes the last accepted one
+    a run of groupable passes (declared exact; no side file, input change or frozen axis), in memory:
+      each pass on a snapshot (ir clone, tensors shared) ─ raised / not modified / same fingerprint ─>
+          failed / no_change, the snapshot goes on; else it joins the pending group
+          (a pass declaring valid_positions: the group before it is settled, then it alone)
+      settle the group (before the next non-groupable pass, and at the end): written once, checked, verified
+      once against the reference and timed once against the accepted stage, as above for one pass
+          ─> every check passes: all its passes applied (``latency.group`` names them)
+          ─> any check fails: each of its passes runs again alone (above), from the accepted stage
     finalize: the last stage + provenance, verified; if out of tolerance (an interaction of passes each
     verified alone), bisect the applied passes to name the first culprit, drop it, replay, re-check.
+
+Guarantee: every applied pass was verified within tolerance and timed not slower beyond noise, either alone
+or as part of the group it was applied with; a wrong or slower group is never kept as a group (its passes are
+judged one by one). What grouping gives up: a pass slower alone can be kept when its group as a whole is not
+slower. The gate (workers/gate.py) then times the artifact against the upload.
 
 Everything the ledger knows about a pass comes from the pass contract (``passes/_infra.py``): its class
 declarations and the typed fields of its ``PassResult``; never its name, never its notes.
 
-Job time: benchmark sessions come from the job's ``SessionPool`` (``Setup.pool``), so the original's is built
-once and the stage a pass was accepted as is timed as the next pass's A without a rebuild; the ledger keeps
-only the original, the accepted stage and (after an input change) its reference alive. Each pass's time is
-split in ``timings`` (load, transform, write and check, verify, benchmark) for the report.
+Job time: a group costs one write, one verification session and one A/B, however many passes it holds, and
+the model stays in memory between its passes. Benchmark sessions come from the job's ``SessionPool``
+(``Setup.pool``), so the original's is built once and the stage a pass was accepted as is timed as the next
+A without a rebuild; the ledger keeps only the original, the accepted stage and (after an input change) its
+reference alive. Each pass's time is split in ``timings`` (load, transform, write and check, verify,
+benchmark) for the report; a group's write, verification and timing are counted on its last pass.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import shutil
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import onnx
 import onnx_ir as ir
 
-from core.config import Tolerance
 from core.errors import PassError, VerificationError
 from core.inputs import InputSet
 from core.recipe import read_recipe
 from passes._infra import Pass, PassContext, PassResult, op_histogram
 from workers import artifacts
-from workers.benchmark import BenchmarkParams, Comparison, SessionPool, compare, measure
+from workers.benchmark import Comparison, compare, measure
+from workers.ledger_parts import (
+    Member,
+    Outcome,
+    PassTiming,
+    Rebase,
+    Setup,
+    applied_reason,
+    axis_freezers,
+    bisect_first_failing,
+    fingerprint,
+    groupable,
+    histogram_delta,
+    latency_summary,
+    lost_axes,
+    remove_stage,
+    speed,
+    timed,
+    why_nothing,
+)
+
+__all__ = ["Ledger", "Outcome", "PassTiming", "Rebase", "Setup", "bisect_first_failing", "groupable"]
 from workers.measurement import BenchmarkMeasure
 from workers.model_check import check_model
 from workers.report import PassRecord
 from workers.verify import VerificationResult, Verifier, same_bytes
 
 ProgressFn = Callable[[str, float], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What every ledger of a job shares (preset auto runs one ledger per candidate)."""
-
-    source: Path  # the upload: the first accepted stage
-    input_sets: list[InputSet]  # the verification and timing inputs of the original
-    raw_sets: list[InputSet] | None  # the user's raw samples, for a changes_inputs pass
-    verifier: Verifier  # reference outputs of the original on input_sets
-    tolerance: Tolerance
-    target: str
-    intra_op_threads: int
-    constant_fold_max_bytes: int
-    quick: BenchmarkParams  # the per-pass timing
-    rollback_slower: bool
-    dynamic_axes: dict[str, set[int]]  # of the upload: no pass but a may_freeze_axes one may freeze them
-    baseline_p50: float  # the upload's quick latency
-    provenance: artifacts.Provenance
-    progress: ProgressFn
-    pool: SessionPool = dataclasses.field(default_factory=SessionPool)  # the job's warm benchmark sessions
-
-    @property
-    def confirm(self) -> BenchmarkParams:
-        """A second, three times longer quick measurement that confirms a slowdown before blaming a pass."""
-        runs = 3 * self.quick.max_runs
-        return dataclasses.replace(self.quick, min_runs=runs, max_runs=runs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rebase:
-    """A pass replaced the model's inputs: its stage is the reference of what follows, fed raw inputs."""
-
-    pass_name: str
-    kept: int  # how many passes were applied before it
-    reference: Path  # a copy of its stage (and side files): verification and the gate measure against it
-    p50_ms: float  # its latency on raw input: the baseline of what follows
-
-
-@dataclasses.dataclass
-class PassTiming:
-    """Where one pass's time went (the report's ``timings.passes[]``); a step that did not run stays 0."""
-
-    name: str
-    load_s: float = 0.0  # the accepted stage read back from disk for the pass to work on
-    transform_s: float = 0.0  # the pass itself
-    write_s: float = 0.0  # its model written, compared with the accepted stage, checked (onnx.checker, axes)
-    verify_s: float = 0.0  # against the reference outputs
-    benchmark_s: float = 0.0  # the quick interleaved A/B (and its confirmation)
-    total_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@contextlib.contextmanager
-def _timed(timing: PassTiming, step: str) -> Iterator[None]:
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        setattr(timing, step, getattr(timing, step) + time.perf_counter() - started)
-
-
-@dataclasses.dataclass
-class Outcome:
-    """A ledger's artifact candidate: the last stage with provenance, its verification, any bisection."""
-
-    artifact: Path
-    verification: VerificationResult
-    bisection: dict[str, Any] | None
-
-
-def bisect_first_failing(count: int, fails: Callable[[int], bool]) -> int:
-    """Index of the first pass whose prefix fails: the smallest k with ``fails(k)`` (prefix of k passes),
-    minus one. Assumes ``fails(0)`` is False (the original) and ``fails(count)`` is True."""
-    lo, hi = 0, count
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fails(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi - 1
-
-
-def _histogram_delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
-    return {
-        op: after.get(op, 0) - before.get(op, 0)
-        for op in sorted(set(before) | set(after))
-        if after.get(op, 0) != before.get(op, 0)
-    }
-
-
-def _why_nothing(non_matches: Sequence[Any]) -> str:
-    if not non_matches:
-        return "did nothing because it found no candidate in the graph"
-    reasons = [f"{m.reason}" + (f" ({m.node})" if m.node else "") for m in non_matches[:3]]
-    more = f" (+{len(non_matches) - 3} more)" if len(non_matches) > 3 else ""
-    return "did nothing because " + "; ".join(reasons) + more
-
-
-def _latency_summary(comparison: Comparison) -> dict[str, Any]:
-    return {
-        "p50_ms_before": comparison.p50_a_ms,
-        "p50_ms_after": comparison.p50_b_ms,
-        "speedup": comparison.speedup,
-        "slower": comparison.slower,
-        "margin": comparison.pooled.margin,
-        "confirmed": comparison.mode == "quick-confirm",
-        "noisy": any(s.a.noisy or s.b.noisy for s in comparison.shapes),
-        "runs": min(s.a.runs for s in comparison.shapes),  # timing stops once the answer is settled
-        "input_sets_clearly_slower": [sh.input_set for sh in comparison.shapes if sh.clearly_slower],
-    }
-
-
-def _lost_axes(expected: dict[str, set[int]], model: ir.Model) -> list[str]:
-    """``artifacts.lost_axes`` of the model just written, read from memory: only its inputs and outputs are
-    serialized, where reading the file back would parse every weight."""
-    graph = model.graph
-    io = onnx.ModelProto()
-    io.graph.input.extend(ir.serde.serialize_value(v) for v in graph.inputs if v.name not in graph.initializers)
-    io.graph.output.extend(ir.serde.serialize_value(v) for v in graph.outputs)
-    now = artifacts.proto_dynamic_axes(io)
-    return [
-        f"{key} axis {axis}" for key, axes in sorted(expected.items()) for axis in sorted(axes - now.get(key, set()))
-    ]
-
-
-def _remove_stage(path: Path, side: dict[str, bytes]) -> None:
-    for stale in (path, path.with_name(path.name + ".data"), *(path.with_suffix(sfx) for sfx in side)):
-        stale.unlink(missing_ok=True)
-
-
-def _axis_freezers() -> str:
-    """The passes that declare ``may_freeze_axes``, for the reason given to a pass that froze one anyway."""
-    from passes import registry  # deferred for start-up cost: the registry imports every pass module
-
-    return ", ".join(sorted(cls.name for cls in registry.PASSES if cls.may_freeze_axes)) or "no pass"
 
 
 class Ledger:
@@ -211,6 +103,14 @@ class Ledger:
         self.rebase: Rebase | None = None
         self.input_sets = setup.input_sets
         self.verifier = setup.verifier
+        # The run's state: the accepted stage (a file), its latency, the in-memory model (the accepted stage
+        # plus the pending group) and its fingerprint, the pending group and the valid positions it declares.
+        self._accepted, self._accepted_p50 = setup.source, setup.baseline_p50
+        self._model: ir.Model | None = None
+        self._print = ""
+        self._pending: list[Member] = []
+        self._positions: dict[str, dict[str, Any]] = {}
+        self._elsewhere_s = 0.0  # time inside a pass's turn spent settling the group before it
         self.ctx = PassContext(
             target=setup.target,  # type: ignore[arg-type]
             samples=[s.feeds for s in setup.input_sets],
@@ -237,36 +137,206 @@ class Ledger:
     # The passes -----------------------------------------------------------------------------------
 
     def run(self, passes: Sequence[Pass], work: Path) -> Path:
-        """Run every pass on a copy of the last accepted stage; return the path of the last accepted one."""
-        accepted = self.setup.source
-        accepted_p50 = self.setup.baseline_p50
+        """Run every pass; return the path of the last accepted stage (module docstring: groups, fallback)."""
+        self._accepted, self._accepted_p50 = self.setup.source, self.setup.baseline_p50
+        self._model, self._print, self._pending = None, "", []
         for index, p in enumerate(passes):
             self.setup.progress("passes", index / len(passes))
+            grouped = self.setup.group_passes and groupable(p)
+            if not grouped:
+                self._flush(work)  # the group before it is settled first, on its own passes' clocks
             record = PassRecord(name=p.name, options=p.options.model_dump(mode="json"))
             self.records.append(record)
             timing = PassTiming(p.name)
             self.timings.append(timing)
-            started = time.perf_counter()
+            started, self._elsewhere_s = time.perf_counter(), 0.0
+            candidate = None
             try:
-                candidate = self._try(index, p, record, timing, accepted, accepted_p50, work)
+                if grouped:
+                    self._join(Member(index, p, record, timing), work)
+                else:
+                    candidate = self._try(index, p, record, timing, self._accepted, self._accepted_p50, work)
             finally:
-                record.duration_s = timing.total_s = time.perf_counter() - started
+                timing.total_s += time.perf_counter() - started - self._elsewhere_s
+                record.duration_s = timing.total_s
+            if grouped:
+                continue
             if candidate is None and p.changes_inputs:
                 # The job asked for another interface (raw input): without this pass the upload would come back
                 # with the old one, and its client would break. Fail instead (PassErrors raised above keep
                 # their own codes).
                 raise PassError(f"{p.name} was not applied: {record.reason}", pass_name=p.name)
             if candidate is not None:
-                if accepted != self.setup.source:
-                    accepted.unlink(missing_ok=True)
-                    accepted.with_name(accepted.name + ".data").unlink(missing_ok=True)
-                accepted = candidate
-                if record.latency_ms_p50_after is not None:
-                    accepted_p50 = record.latency_ms_p50_after
-                self.kept.append((index, p))
-            self.setup.pool.retain([*self._references(), accepted])  # a rolled-back candidate's session goes
+                self._accept([(index, p)], candidate, record.latency_ms_p50_after)
+            self.setup.pool.retain([*self._references(), self._accepted])  # a rolled-back candidate's goes
+        self._flush(work)
+        for record, timing in zip(self.records, self.timings, strict=True):
+            record.duration_s = timing.total_s  # a group's checks were added to its last pass after its turn
         self.setup.progress("passes", 1.0)
-        return accepted
+        return self._accepted
+
+    def _accept(
+        self, passes: list[tuple[int, Pass]], candidate: Path, p50: float | None, model: ir.Model | None = None
+    ) -> None:
+        """``candidate`` is the accepted stage now; ``model``: it in memory (a group's), else it is read back."""
+        if self._accepted != self.setup.source:
+            self._accepted.unlink(missing_ok=True)
+            self._accepted.with_name(self._accepted.name + ".data").unlink(missing_ok=True)
+        self._accepted = candidate
+        if p50 is not None:
+            self._accepted_p50 = p50
+        self.kept.extend(passes)
+        self._model = model
+
+    # A group: exact passes run one after the other in memory, checked once -------------------------
+
+    def _join(self, member: Member, work: Path) -> None:
+        """Run a groupable pass on the in-memory model (the accepted stage plus the pending passes); keep
+        its change pending, or discard it (a failure, or no change) by going back to the snapshot."""
+        p, record, timing = member.p, member.record, member.timing
+        with timed(timing, "load_s"):
+            if self._model is None:
+                self._model = artifacts.load_ir(self._accepted)
+                self._print = fingerprint(self._model)
+            model, before_print = self._model, self._print
+            before = op_histogram(model)
+            snapshot = model.clone() if p.in_place else model  # clone: O(nodes), the tensors are shared
+        record.nodes_before = record.nodes_after = sum(before.values())
+        record.latency_ms_p50_before = self._accepted_p50
+        self.ctx.side_files = dict(self.side_files)
+        self._model = snapshot  # until the pass is known to have changed something valid
+        try:
+            with timed(timing, "transform_s"):
+                result = self._call(p, model)
+                after = op_histogram(result.model)
+        except PassError as exc:
+            record.status, record.reason = "failed", f"pass raised, rolled back: {exc.message}"
+            return
+        except Exception as exc:  # a broken result (e.g. a graph op_histogram cannot walk)
+            record.status, record.reason = "failed", f"pass broke the model, rolled back: {type(exc).__name__}: {exc}"
+            return
+        record.modified = bool(result.modified)
+        record.counts = {k: int(v) for k, v in result.counts.items()}
+        record.non_matches = [m.to_dict() for m in result.non_matches]
+        record.notes = dict(result.notes)
+        if not result.modified:
+            record.status, record.reason = "no_change", why_nothing(result.non_matches)
+            return
+        with timed(timing, "write_s"):
+            after_print = fingerprint(result.model)
+        if after_print == before_print:
+            record.status = "no_change"
+            record.reason = "did nothing because the model it returned is the one it received (same graph and tensors)"
+            return
+        record.nodes_after = sum(after.values())
+        record.op_histogram_delta = histogram_delta(before, after)
+        if not result.valid_positions:
+            self._pending.append(member)
+            self._model, self._print = result.model, after_print
+            return
+        # Verification of this pass and what follows compares valid positions only: the passes before it are
+        # settled first, then this one alone.
+        if self._settle(work):
+            self._pending, self._positions = [member], dict(result.valid_positions)
+            self._model, self._print = result.model, after_print
+            self._settle(work)
+            return
+        # The group fell back pass by pass: this pass ran on a model that is not the accepted one.
+        candidate = self._try(member.index, p, record, timing, self._accepted, self._accepted_p50, work)
+        if candidate is not None:
+            self._accept([(member.index, p)], candidate, record.latency_ms_p50_after)
+
+    def _settle(self, work: Path) -> bool:
+        """``_flush`` inside a pass's turn: its time is on the group's passes, not on the pass whose turn it is."""
+        started = time.perf_counter()
+        try:
+            return self._flush(work)
+        finally:
+            self._elsewhere_s += time.perf_counter() - started
+
+    def _flush(self, work: Path) -> bool:
+        """Settle the pending group: written once, checked, verified once and timed once against the accepted
+        stage. Applied together, or (two or more passes, any check failing) run again one by one as alone.
+        Returns whether the accepted stage is now the in-memory model the group was run on."""
+        pending, self._pending = self._pending, []
+        positions = {**self.valid_positions, **self._positions}
+        self._positions = {}
+        if not pending:
+            return True
+        started = time.perf_counter()
+        last, names = pending[-1], [m.p.name for m in pending]
+        path = work / f"stage-{last.index:03d}.onnx"
+        failure: str | None = None
+        verification: VerificationResult | None = None
+        comparison: Comparison | None = None
+        with timed(last.timing, "write_s"):
+            try:
+                artifacts.save_ir(self._model, path)
+                artifacts.write_side_files(path, self.side_files)
+            except Exception as exc:
+                failure = f"produced an invalid model: {type(exc).__name__}: {exc}"
+            if failure is None and same_bytes(path, self._accepted):
+                for m in pending:
+                    m.record.status, m.record.nodes_after, m.record.op_histogram_delta = (
+                        "no_change",
+                        m.record.nodes_before,
+                        {},
+                    )
+                    m.record.reason = f"did nothing because {' + '.join(names)} returned the bytes they received"
+                remove_stage(path, self.side_files)
+                last.timing.total_s += time.perf_counter() - started
+                return True
+            if failure is None:
+                try:
+                    check_model(path)
+                except Exception as exc:
+                    failure = f"produced an invalid model: {type(exc).__name__}: {exc}"
+            lost = lost_axes(self.dynamic_axes, self._model) if failure is None else []
+            if lost:
+                failure = f"made dynamic axes static ({', '.join(lost[:5])}); only {axis_freezers()} may"
+        if failure is None:
+            with timed(last.timing, "verify_s"):
+                verification = self.verifier.check(path, positions, adapter=self._adapter(path))
+            if not verification.ok:
+                failure = f"broke tolerance: {verification.reason}"
+        if failure is None:
+            with timed(last.timing, "benchmark_s"):
+                comparison = self._compare(self._accepted, path)
+            if comparison.slower and self.setup.rollback_slower:
+                failure = f"slower beyond noise: {speed(comparison)}"
+        last.timing.total_s += time.perf_counter() - started
+        for m in pending:
+            m.record.verification = verification.worst() if verification is not None else None
+            if comparison is not None:
+                m.record.latency = latency_summary(comparison, names)
+                m.record.latency_ms_p50_before, m.record.latency_ms_p50_after = comparison.p50_a_ms, comparison.p50_b_ms
+        if failure is None:
+            assert comparison is not None
+            reason = applied_reason(comparison, names)
+            for m in pending:
+                m.record.status, m.record.reason = "applied", reason
+            self.valid_positions = positions
+            self._accept([(m.index, m.p) for m in pending], path, comparison.p50_b_ms, self._model)
+            self.setup.pool.retain([*self._references(), self._accepted])
+            return True
+        remove_stage(path, self.side_files)
+        self.setup.pool.retain([*self._references(), self._accepted])
+        self._model = None
+        if len(pending) == 1:
+            pending[0].record.status, pending[0].record.reason = "rolled_back", failure
+            return False
+        for m in pending:  # run again one by one, each verified and timed alone (the old per-pass ledger)
+            record = m.record
+            record.verification = record.latency = record.latency_ms_p50_after = None
+            record.op_histogram_delta = {}
+            again = time.perf_counter()
+            candidate = self._try(m.index, m.p, record, m.timing, self._accepted, self._accepted_p50, work)
+            m.timing.total_s += time.perf_counter() - again
+            record.reason = f"{record.reason} (run alone: the group {' + '.join(names)} {failure})"
+            if candidate is not None:
+                self._accept([(m.index, m.p)], candidate, record.latency_ms_p50_after)
+            self.setup.pool.retain([*self._references(), self._accepted])
+        return False
 
     def _call(self, p: Pass, model: Any) -> PassResult:
         """Run ``p``; a changes_inputs pass verifies itself on the raw samples (the user's, else its own)."""
@@ -288,14 +358,14 @@ class Ledger:
         accepted_p50: float,
         work: Path,
     ) -> Path | None:
-        with _timed(timing, "load_s"):
+        with timed(timing, "load_s"):
             model = artifacts.load_ir(accepted)
             before = op_histogram(model)
         record.nodes_before = record.nodes_after = sum(before.values())
         record.latency_ms_p50_before = accepted_p50
         self.ctx.side_files = dict(self.side_files)  # a rolled-back pass's side files never survive it
         try:
-            with _timed(timing, "transform_s"):
+            with timed(timing, "transform_s"):
                 result = self._call(p, model)
                 after = op_histogram(result.model)
         except PassError as exc:
@@ -314,14 +384,14 @@ class Ledger:
         record.non_matches = [m.to_dict() for m in result.non_matches]
         record.notes = dict(result.notes)
         if not result.modified:
-            record.status, record.reason = "no_change", _why_nothing(result.non_matches)
+            record.status, record.reason = "no_change", why_nothing(result.non_matches)
             return None  # whatever it touched is discarded: the next pass reloads the accepted stage
         record.nodes_after = sum(after.values())
-        record.op_histogram_delta = _histogram_delta(before, after)
+        record.op_histogram_delta = histogram_delta(before, after)
         path = work / f"stage-{index:03d}.onnx"
         side = dict(self.ctx.side_files)
         verify_side_file = result.verify_with_side_file or self.verify_side_file
-        with _timed(timing, "write_s"):
+        with timed(timing, "write_s"):
             try:
                 artifacts.save_ir(result.model, path)
                 artifacts.write_side_files(path, side)
@@ -333,54 +403,44 @@ class Ledger:
                 record.status = "no_change"
                 record.reason = "did nothing because the model it returned serializes to the bytes it received"
                 record.nodes_after, record.op_histogram_delta = record.nodes_before, {}
-                _remove_stage(path, side)
+                remove_stage(path, side)
                 return None
             try:
                 check_model(path)
             except Exception as exc:
                 record.status, record.reason = "rolled_back", f"produced an invalid model: {type(exc).__name__}: {exc}"
                 return None
-            lost = [] if result.inputs_changed is not None else _lost_axes(self.dynamic_axes, result.model)
+            lost = [] if result.inputs_changed is not None else lost_axes(self.dynamic_axes, result.model)
         if result.inputs_changed is not None:
-            with _timed(timing, "verify_s"):  # mostly the new reference's outputs and its latency
+            with timed(timing, "verify_s"):  # mostly the new reference's outputs and its latency
                 return self._rebase_on(index, p, result, record, path, side, verify_side_file)
         if lost and not p.may_freeze_axes:
             record.status, record.reason = (
                 "rolled_back",
-                f"made dynamic axes static ({', '.join(lost[:5])}); only {_axis_freezers()} may, when the job "
+                f"made dynamic axes static ({', '.join(lost[:5])}); only {axis_freezers()} may, when the job "
                 "asks for it",
             )
             return None
         positions = {**self.valid_positions, **result.valid_positions}
-        with _timed(timing, "verify_s"):
+        with timed(timing, "verify_s"):
             verification = self.verifier.check(path, positions, adapter=self._adapter(path, verify_side_file))
         record.verification = verification.worst()
         if not verification.ok:
             record.status, record.reason = "rolled_back", f"broke tolerance: {verification.reason}"
             return None
-        with _timed(timing, "benchmark_s"):
+        with timed(timing, "benchmark_s"):
             comparison = self._compare(accepted, path)
-        record.latency = _latency_summary(comparison)
+        record.latency = latency_summary(comparison, [p.name])
         record.latency_ms_p50_before, record.latency_ms_p50_after = comparison.p50_a_ms, comparison.p50_b_ms
-        speed = (
-            f"p50 {comparison.p50_a_ms:.4g} -> {comparison.p50_b_ms:.4g} ms "
-            f"(speedup {comparison.speedup:.3f}, paired ratio {comparison.pooled.ratio:.3f}, "
-            f"noise margin {record.latency['margin']:.1%})"
-        )
-        clearly = record.latency["input_sets_clearly_slower"]
-        if clearly:
-            speed += f"; clearly slower on {', '.join(clearly)}"
         if comparison.slower and self.setup.rollback_slower:
-            record.status, record.reason = "rolled_back", f"slower beyond noise: {speed}"
+            record.status, record.reason = "rolled_back", f"slower beyond noise: {speed(comparison)}"
             return None
         record.status = "applied"
         self.valid_positions = positions
         self.side_files, self.verify_side_file = side, verify_side_file
         if lost:  # a may_freeze_axes pass, as asked: the axes it froze are no longer expected to be dynamic
             self.dynamic_axes = artifacts.dynamic_axes(path)
-        record.reason = f"verified within tolerance; {speed}" + (
-            "; slower beyond noise but kept (rollback_slower is off)" if comparison.slower else ""
-        )
+        record.reason = applied_reason(comparison, [p.name])
         return path
 
     def _compare(self, accepted: Path, path: Path) -> Comparison:
@@ -480,9 +540,9 @@ class Ledger:
         self.setup.pool.retain(self._references())  # the last stage's session: the artifact is timed, not it
         if not self.kept:
             return Outcome(self.setup.source, self.verifier.check(self.setup.source), None)
-        artifact = artifacts.write_stamped(
-            artifacts.load_ir(accepted), self.kept_passes, provenance, work / "artifact.onnx", self.side_files
-        )
+        model = self._model if self._model is not None and accepted == self._accepted else artifacts.load_ir(accepted)
+        self._model = None  # stamped below: no longer the accepted stage
+        artifact = artifacts.write_stamped(model, self.kept_passes, provenance, work / "artifact.onnx", self.side_files)
         verification = self.check(artifact)
         bisection: dict[str, Any] | None = None
         while not verification.ok and self.kept:

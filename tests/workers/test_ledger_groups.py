@@ -1,0 +1,185 @@
+"""workers/ledger.py: groups. Consecutive exact passes run in memory and are written, verified and timed once
+together; a group that is wrong or slower is run again pass by pass, each verified and timed alone.
+
+The passes are TEST-ONLY (conftest.py and below), deliberately right, wrong, slow or idle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from core.config import JobConfig
+from core.settings import PipelineSettings
+from passes._infra import Pass, PassContext, PassResult
+from tests.workers.conftest import AddReluChain, DropReluChain, FlipSign, Idle, make_bert_like, resolver
+from tests.workers.test_ledger import PadGarbage
+from workers.ledger import groupable
+from workers.ledger_parts import fingerprint
+from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
+
+
+class DocString(Pass):
+    """Exact, and a change: the graph's doc string."""
+
+    name = "test_doc_string"
+    summary = "test only: changes bytes, not the function"
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        model.graph.doc_string = "documented by a test pass"
+        return PassResult(model, True, counts={"doc_strings": 1})
+
+
+class NotExact(DocString):
+    name = "test_not_exact"
+    exact = False
+
+
+class WithSideFile(DocString):
+    name = "test_side_file"
+    adds_files = (".test_side",)
+
+
+def _run(
+    model: Path, out: Path, settings: PipelineSettings, *passes: Pass, samples: Path | None = None, **config: Any
+) -> Any:
+    request = PipelineRequest(
+        model_path=model,
+        output_dir=out,
+        config=JobConfig(**config),
+        settings=settings,
+        pass_resolver=resolver(*passes),
+        samples_path=samples,
+    )
+    return run_pipeline(request)
+
+
+def _by_name(result: PipelineResult) -> tuple[dict[str, Any], dict[str, Any]]:
+    records = {p["name"]: p for p in result.report["passes"]}
+    steps = {t["name"]: t for t in result.report["timings"]["passes"]}
+    return records, steps
+
+
+def test_group_of_exact_passes_is_written_verified_and_timed_once_when_it_is_right_and_not_slower(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    result = _run(slow_mlp_path, tmp_path, fast_settings, DropReluChain(), Idle(), DocString())
+    records, steps = _by_name(result)
+    group = ["test_drop_relu_chain", "test_doc_string"]
+    for name in group:
+        assert records[name]["status"] == "applied", records[name]["reason"]
+        assert records[name]["latency"]["group"] == group
+        assert records[name]["verification"]["ok"] is True
+        assert "verified and timed as one group" in records[name]["reason"]
+    assert records["test_idle"]["status"] == "no_change"
+    # The group's write, verification and timing are counted on its last pass, once.
+    assert steps["test_drop_relu_chain"]["verify_s"] == steps["test_drop_relu_chain"]["benchmark_s"] == 0.0
+    assert steps["test_doc_string"]["verify_s"] > 0 and steps["test_doc_string"]["benchmark_s"] > 0
+    # Benchmark sessions: the upload, the group's one stage, the artifact.
+    assert result.report["timings"]["sessions"]["built"] == 3
+    assert result.report["decision"]["result"] == "optimized"
+    assert result.report["verification"]["ok"] is True
+    nodes = {n.op_type for n in onnx.load(str(result.model_path)).graph.node}
+    assert "Relu" in nodes and onnx.load(str(result.model_path)).graph.doc_string == "documented by a test pass"
+
+
+def test_group_falls_back_pass_by_pass_when_a_deliberately_wrong_pass_breaks_it(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    result = _run(slow_mlp_path, tmp_path, fast_settings, DropReluChain(), FlipSign(), DocString())
+    records, steps = _by_name(result)
+    wrong = records["test_flip_sign"]
+    assert wrong["status"] == "rolled_back" and wrong["reason"].startswith("broke tolerance")
+    assert (
+        "run alone: the group test_drop_relu_chain + test_flip_sign + test_doc_string broke tolerance"
+        in (wrong["reason"])
+    )
+    assert steps["test_flip_sign"]["benchmark_s"] == 0.0  # wrong alone: never timed
+    for name in ("test_drop_relu_chain", "test_doc_string"):
+        assert records[name]["status"] == "applied", records[name]["reason"]
+        assert records[name]["latency"]["group"] == [name]  # verified and timed alone
+    assert result.report["decision"]["result"] == "optimized"
+    assert result.report["verification"]["ok"] is True
+    w2 = next(t for t in onnx.load(str(result.model_path)).graph.initializer if t.name == "W2")
+    original = next(t for t in onnx.load(str(slow_mlp_path)).graph.initializer if t.name == "W2")
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(w2), onnx.numpy_helper.to_array(original))
+
+
+def test_group_falls_back_pass_by_pass_when_it_is_slower_and_keeps_the_passes_that_are_not(
+    tmp_path: Path, mlp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    result = _run(mlp_path, tmp_path, fast_settings, DocString(), AddReluChain())
+    records, _ = _by_name(result)
+    slow = records["test_add_relu_chain"]
+    assert slow["status"] == "rolled_back" and slow["reason"].startswith("slower beyond noise"), slow["reason"]
+    assert "(run alone: the group test_doc_string + test_add_relu_chain slower beyond noise" in slow["reason"]
+    assert records["test_doc_string"]["status"] == "applied"
+    assert records["test_doc_string"]["latency"]["group"] == ["test_doc_string"]
+    assert sum(n.op_type == "Relu" for n in onnx.load(str(result.model_path)).graph.node) < 10
+
+
+def test_a_pass_declaring_valid_positions_is_settled_alone_after_the_group_before_it(
+    tmp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    model = tmp_path / "in" / "bert.onnx"
+    model.parent.mkdir()
+    onnx.save(make_bert_like(), str(model))
+    mask = np.ones((2, 6), np.int64)
+    mask[0, 4:] = 0
+    samples = tmp_path / "in" / "samples.npz"
+    ids = np.random.default_rng(5).integers(1, 50, (2, 6)).astype(np.int64)
+    np.savez(samples, input_ids=ids, attention_mask=mask, token_type_ids=np.zeros((2, 6), np.int64))
+    passes = DocString(), PadGarbage(declare=True)
+    # three extra kernels may be slower: verification on valid positions decides here
+    result = _run(model, tmp_path / "out", fast_settings, *passes, samples=samples, rollback_slower=False)
+    records, _ = _by_name(result)
+    assert records["test_doc_string"]["status"] == "applied", records["test_doc_string"]["reason"]
+    assert records["test_pad_garbage"]["status"] == "applied", records["test_pad_garbage"]["reason"]
+    assert records["test_pad_garbage"]["verification"]["ok"] is True
+    assert records["test_doc_string"]["latency"]["group"] == ["test_doc_string"]
+    assert records["test_pad_garbage"]["latency"]["group"] == ["test_pad_garbage"]
+
+
+def test_groupable_reads_the_pass_declarations_only() -> None:
+    assert groupable(DocString()) and groupable(DropReluChain())
+    assert not groupable(NotExact()) and not groupable(WithSideFile())
+
+
+def test_fingerprint_tells_a_changed_model_from_its_clone_without_serialising_it() -> None:
+    model = ir.serde.deserialize_model(make_bert_like())
+    same = model.clone()
+    assert fingerprint(same) == fingerprint(model)
+    doc = model.clone()
+    doc.graph.doc_string = "x"
+    shape = model.clone()
+    next(iter(shape.graph)).outputs[0].shape = ir.Shape([1, 2, 3])
+    tensor = model.clone()
+    value = tensor.graph.initializers["word_embeddings"]
+    value.const_value = ir.tensor(value.const_value.numpy().copy(), name="word_embeddings")
+    removed = model.clone()
+    node = next(n for n in removed.graph if n.name == "add_types")
+    node.replace_input_with(1, node.inputs[0])  # sum = emb + emb: the type table's Gather is now unused
+    removed.graph.remove(next(n for n in removed.graph if n.name == "type_embed"), safe=True)
+    prints = {fingerprint(m) for m in (model, doc, shape, tensor, removed)}
+    assert len(prints) == 5
+
+
+@pytest.mark.parametrize("group_passes", [True, False])
+def test_grouped_and_per_pass_ledgers_keep_the_same_passes_when_each_pass_is_right(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings, group_passes: bool, monkeypatch: Any
+) -> None:
+    from workers import ledger
+
+    original = ledger.Setup
+    monkeypatch.setattr(
+        "workers.pipeline.Setup", lambda **kw: original(**{**kw, "group_passes": group_passes}), raising=True
+    )
+    result = _run(slow_mlp_path, tmp_path, fast_settings, DropReluChain(), DocString())
+    records, _ = _by_name(result)
+    assert [r["status"] for r in records.values()] == ["applied", "applied"]
+    groups = [r["latency"]["group"] for r in records.values()]
+    assert groups == ([["test_drop_relu_chain", "test_doc_string"]] * 2 if group_passes else [[n] for n in records])
