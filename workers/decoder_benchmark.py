@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -354,10 +354,18 @@ def skipped(reason: str, status: str = "skipped") -> dict[str, Any]:
 
 
 def decoder_section(
-    source: Path, returned: Path, config: JobConfig, settings: PipelineSettings, *, failed: bool
+    source: Path,
+    returned: Path,
+    config: JobConfig,
+    settings: PipelineSettings,
+    *,
+    failed: bool,
+    input_sets: Sequence[InputSet] = (),
 ) -> dict[str, Any]:
-    """The pipeline's stage: the section for the upload and the model the job hands back."""
+    """The pipeline's stage: the section for the upload and the model the job hands back. ``input_sets``: the
+    job's, whose recorded roles tell an encoder apart without parsing a large model again."""
     options = config.decoder_benchmark
+    roles = [s.provenance.get("inputs") for s in input_sets]
     reason = (
         "config.decoder_benchmark.enabled is false"
         if not options.enabled
@@ -367,6 +375,9 @@ def decoder_section(
         if failed
         else None
     )
+    past = any(entry.get("role") == "past_key_values" for inputs in roles if inputs for entry in inputs.values())
+    if reason is None and roles and all(roles) and not past:
+        reason = "the uploaded model has no past key/value inputs: not a decoder with a KV cache"
     if reason is not None:
         return {**skipped(reason), "time_budget_s": options.time_budget_s, "duration_s": 0.0}
     return run_decoder_benchmark(

@@ -304,7 +304,8 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
 
         # decoder: prefill and decode of a KV-cache decoder, original vs the model handed back
         with stages("decoder"):
-            decoder = decoder_section(source, final_path, config, settings, failed=decision["result"] == "failed")
+            failed = decision["result"] == "failed"
+            decoder = decoder_section(source, final_path, config, settings, failed=failed, input_sets=inputs.sets)
 
         # report
         report_started = time.perf_counter()
