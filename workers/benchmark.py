@@ -17,7 +17,8 @@ faster beyond noise; the choice and its reason go into ``Comparison.execution`` 
 section) and ``Comparison.recipe_b`` (the session recipe that gives users the graph).
 
 Stopping, per input set: after ``warmup`` untimed runs of each (a session also runs every set once when it is
-built), at least ``min_runs`` timed blocks, then more
+built, and a pooled session that has already run a set ``warmup`` times is not warmed up on it again), at least
+``min_runs`` timed blocks, then more
 only while the answer is still open: the run stops as soon as the 95% bootstrap interval of the median paired
 ratio (core/verdict.py) is narrower than the decision needs (``settled``: wholly below 1 - 3%, clearly
 faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise; wholly below 1 + 3%, not
@@ -234,6 +235,18 @@ class Runs:
         self._output_shapes = output_shapes
         self._runs: dict[int, BoundRun] = {}
         self._current: int | None = None
+        # Runs made so far per input set: a pooled session already warm on a set is not warmed up again.
+        self.ran: dict[int, int] = {}
+
+    def warm_up(self, index: int, warmup: int) -> None:
+        """Up to ``warmup`` untimed runs of input set ``index``, less the runs this session has made on it."""
+        run, missing = self.select(index), max(0, warmup - self.ran.get(index, 0))
+        for _ in range(missing):
+            run()
+        self.count(index, missing)
+
+    def count(self, index: int, runs: int) -> None:
+        self.ran[index] = self.ran.get(index, 0) + runs
 
     def select(self, index: int) -> Callable[[], Any]:
         if not self.bound:
@@ -286,6 +299,7 @@ def _prepared(
     peak = max(peak, _rss())
     for index in range(len(feeds)):
         runs.select(index)()
+        runs.count(index, 1)
         peak = max(peak, _rss())
     return runs, (peak - base) / (1 << 20)
 
@@ -498,11 +512,11 @@ def compare(
             runs_b, measured_recipe = graph_runs, with_cuda_graph(recipe_b)
     results = []
     for index, input_set in enumerate(input_sets):
+        runs_a.warm_up(index, params.warmup), runs_b.warm_up(index, params.warmup)
         run_a, run_b = runs_a.select(index), runs_b.select(index)
-        for _ in range(params.warmup):
-            run_a()
-            run_b()
         a_ms, b_ms, stopped_by = _timed_blocks(run_a, run_b, params, index)
+        runs_a.count(index, len(a_ms))
+        runs_b.count(index, len(b_ms))
         results.append(
             ShapeComparison(
                 input_set.name,
@@ -529,9 +543,8 @@ def measure(
     runs, mem = sessions.runs(path, feeds, params)
     out = []
     for index in range(len(feeds)):
+        runs.warm_up(index, params.warmup)
         run = runs.select(index)
-        for _ in range(params.warmup):
-            run()
         samples = []
         start = time.perf_counter()
         while True:
@@ -540,6 +553,7 @@ def measure(
                 break
             if len(samples) >= params.min_runs and time.perf_counter() - start >= params.max_seconds:
                 break
+        runs.count(index, len(samples))
         out.append(LatencyStats.from_samples(samples, mem))
     del runs
     if own:

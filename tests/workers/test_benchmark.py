@@ -11,7 +11,7 @@ import onnx
 from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
 from core.verdict import MIN_MARGIN, LatencyStats, Verdict, slower_beyond_noise
-from workers.benchmark import QUICK_MIN_BLOCKS, BenchmarkParams, SessionPool, compare, host_info, settled
+from workers.benchmark import QUICK_MIN_BLOCKS, BenchmarkParams, SessionPool, compare, host_info, measure, settled
 
 
 def _noisy(n: int, center: float, spread: float, seed: int) -> np.ndarray:
@@ -179,3 +179,21 @@ def test_session_pool_reuses_a_warm_session_until_the_file_changes_or_is_dropped
     assert pool.counts() == {"built": 3, "reused": 1}
     pool.retain([tmp_path / "elsewhere.onnx"])
     assert pool.runs(model, feeds, params)[0] is not rewritten and pool.counts()["built"] == 4
+
+
+def test_a_pooled_session_is_warmed_up_only_on_what_it_has_not_run_when_timed_again(
+    mlp_path: Path, slow_mlp_path: Path
+) -> None:
+    # setup: the baseline's measure warms the original up; the A/B after it must not warm it up again
+    sets = generate_input_sets(onnx.load(str(mlp_path)), 2)
+    feeds = [s.feeds for s in sets]
+    params = BenchmarkParams(warmup=4, min_runs=3, max_runs=3, max_seconds=0.0, intra_op_threads=1)
+    pool = SessionPool()
+    # execute
+    measure(mlp_path, sets, params, pool=pool)
+    after_measure = dict(pool.runs(mlp_path, feeds, params)[0].ran)
+    compare(mlp_path, slow_mlp_path, sets, params, pool=pool)
+    # assert: built (1 run per set), warmed up to 4, timed 3; then timed 3 more, never warmed again
+    assert after_measure == {0: 4 + 3, 1: 4 + 3}
+    assert pool.runs(mlp_path, feeds, params)[0].ran == {0: 4 + 3 + 3, 1: 4 + 3 + 3}
+    assert pool.runs(slow_mlp_path, feeds, params)[0].ran == {0: 4 + 3, 1: 4 + 3}  # the new B: warmed up once
