@@ -217,7 +217,7 @@ class PipelineSettings(_Section):
     )
     verify_shape_sets: int = Field(3, ge=1, description="Input shape sets generated to verify each model.")
     benchmark_warmup: int = Field(5, ge=0, description="Untimed runs before the benchmark of each model.")
-    benchmark_min_runs: int = Field(30, ge=1, description="Least timed runs per model and shape.")
+    benchmark_min_runs: int = Field(10, ge=1, description="Least timed runs per model and shape.")
     benchmark_max_seconds: float = Field(
         10.0, gt=0, description="Benchmark time budget per model and shape, seconds (min_runs still apply)."
     )
