@@ -268,6 +268,7 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
 def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode) -> onnx.ModelProto:
     model = ir.serde.deserialize_model(symbolic_shapes.infer(proto, report))
     common_passes.ShapeInferencePass()(model)
+    report["norm_flattens_sunk"] = sink_flatten_below_norm(model)
     report["gemm"] = gemm_to_matmul(model)
     report["nan_guards"] = nan_guard.rules.apply_to_model(model)
     counts = onnxscript_adapter.fuse_for_ort(model, stop_before=attention)
@@ -309,6 +310,51 @@ class _Collect(logging.Handler):
         message = record.getMessage().lower()
         if "fail" in message or "not" in message:
             self.sink[f"{record.name}: {message}"] += 1
+
+
+def sink_flatten_below_norm(model: ir.Model) -> int:
+    """Rewrite ``LayerNorm(Reshape(x[B,S,H], [-1,H]), axis=-1)`` to ``Reshape(LayerNorm(x), [-1,H])``.
+
+    ``upstream_reshape`` moves a Conv1D's flatten (GPT-2's dynamo export: ``view(-1, H)`` before ``addmm``)
+    above the LayerNorm, and stops at the residual Add, which has two readers. The norm then reads a
+    Reshape, not the Add, and the residual + norm no longer matches ``SkipLayerNormalization``::
+
+        Add(h, a)[B,S,H] --Reshape[-1,H]--> LN(axis -1) --> Gemm
+        ==>  Add(h, a) --> LN(axis -1) --Reshape[-1,H]--> Gemm     (Add + LN fuse; Reshape + Gemm -> MatMul)
+
+    A norm over the last axis is the same per row whatever the leading dims, so this is exact; the norm's
+    mean and inverse-deviation outputs must be unread (they are in inference graphs)."""
+    sites = []
+    for norm in model.graph:
+        if norm.op_type != "LayerNormalization" or norm.domain not in ("", "ai.onnx"):
+            continue
+        flat = norm.inputs[0]
+        reshape = flat.producer() if flat is not None else None
+        if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in ("", "ai.onnx"):
+            continue
+        x = reshape.inputs[0]
+        if x is None or x.shape is None or flat.shape is None or len(x.shape) != 3 or len(flat.shape) != 2:
+            continue
+        width = x.shape[2]
+        if not isinstance(width, int) or flat.shape[1] != width or norm.attributes.get_int("axis", -1) not in (1, -1):
+            continue
+        if norm.outputs[0].is_graph_output() or any(o.uses() or o.is_graph_output() for o in norm.outputs[1:]):
+            continue
+        sites.append((norm, x, width))
+    for norm, x, width in sites:
+        prefix = norm.name or "layer_norm"
+        y = norm.outputs[0]
+        shape = ir.node("Constant", [], {"value": ir.tensor(np.array([-1, width], np.int64))}, name=f"{prefix}/flat")
+        sunk = ir.node("LayerNormalization", [x, *norm.inputs[1:]], dict(norm.attributes), name=f"{prefix}/3d")
+        sunk.attributes["axis"] = ir.AttrInt64("axis", -1)
+        sunk.outputs[0].shape, sunk.outputs[0].dtype = ir.Shape(x.shape), y.dtype
+        after = ir.node("Reshape", [sunk.outputs[0], shape.outputs[0]], name=f"{prefix}/flatten")
+        after.outputs[0].shape, after.outputs[0].dtype = y.shape, y.dtype
+        model.graph.insert_before(norm, [sunk, shape, after])
+        ir.convenience.replace_all_uses_with(y, after.outputs[0], replace_graph_outputs=True)
+    if sites:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return len(sites)
 
 
 def gemm_to_matmul(model: ir.Model) -> int:

@@ -84,3 +84,30 @@ def test_fuse_transformer_fuses_attention_when_audio_encoder_export(audio_export
         feed = corpus.feeds(arch, "tiny", batch, 23, seed=batch)  # 23: a raw-audio length not exported
         for want, got in zip(reference.run(None, feed), candidate.run(None, feed), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{arch} {exporter} batch {batch}")
+
+
+def test_residual_norms_fuse_when_upstream_reshape_moved_gpt2_dynamo_flattens_above_them():
+    """GPT-2's dynamo export flattens before each Conv1D's ``addmm``; upstream_reshape moves that flatten
+    above ``ln_1``/``ln_2``/``ln_f`` and stops at the residual Add, so the norm read a Reshape and only 1 of
+    4 residual norms fused. fuse_transformer now sinks the flatten below the norm again."""
+    from passes.cleanup.shape_inference import ShapeInference
+    from passes.compute_order.upstream_reshape import UpstreamReshape
+
+    path = corpus.committed_path("gpt2", "dynamo")
+    model = ir.serde.deserialize_model(onnx.load(path))
+    ctx = PassContext(samples=[])
+    ShapeInference()(model, ctx)
+    assert UpstreamReshape()(model, ctx).counts["reshapes_moved"] > 0
+    flattened = [
+        n for n in model.graph if n.op_type == "LayerNormalization" and n.inputs[0].producer().op_type == "Reshape"
+    ]
+    assert len(flattened) >= 3  # the form this test is about
+    result = FuseTransformer()(model, ctx)
+    assert result.counts["fused_skip_layer_norm"] == 2 * LAYERS, result.notes.get("missing")
+    assert result.counts["fused_attention"] == LAYERS
+    assert result.notes["candidates"]["onnxscript"]["norm_flattens_sunk"] == len(flattened)
+    reference, candidate = session(str(path)), session(result.model)
+    for batch, seq in ((1, 5), (3, 37)):  # the export's is 2 x 16
+        feed = corpus.feeds("gpt2", "tiny", batch, seq, seed=seq, pad=True)
+        for want, got in zip(reference.run(None, feed), candidate.run(None, feed), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"gpt2 dynamo {batch}x{seq}")
