@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "job_time": ("bench.job_time", "issue 17: a fast job's wall time vs ORT's transformers optimizer"),
     "decoders": ("bench.decoders", "issue 19: decoder prefill and decode, fp32 vs int4 vs fast"),
     "gqa": ("bench.gqa", "issue 19: decode and prefill, unfused attention vs fuse_gqa's GQA and MHA"),
+    "rotary": ("bench.rotary", "issue 19: decode and prefill, decomposed rotary vs fuse_rotary's RotaryEmbedding"),
     "upload_rate": ("bench.upload_rate", "issue 20: the API's upload rate into the local and S3 stores"),
 }
 ON_DEMAND: dict[str, tuple[str, str]] = {

@@ -172,7 +172,7 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
         raise Declined(f"{op.lower()} is not unsqueezed on the heads axis 1 (not the BNSH layout)")
     nodes.append(unsqueeze)
     v, scale = unsqueeze.inputs[0], 1.0
-    while (node := _producer(v, "Cast", "Mul")) is not None:
+    while (node := _producer(v, "Cast", "Identity", "Mul")) is not None:
         if node.op_type == "Mul":
             factor = [scalar(i) for i in node.inputs]
             if factor[1] is not None:

@@ -82,7 +82,8 @@ class FuseRotary(Pass[FuseRotaryOptions]):
         caches: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
         for found in matches:
             _rewrite(graph, found, outputs, _caches(graph, found, max_positions, caches))
-        removed = _remove_dead(graph, [n for m in matches for n in m.nodes], set(graph.outputs))
+        matched = [n for m in matches for n in m.nodes]
+        removed = _remove_dead(graph, [*matched, *_downstream(matched)], set(graph.outputs))
         model.opset_imports.setdefault(_MS, 1)
         left = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
         notes: dict[str, Any] = {
@@ -165,6 +166,18 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         graph.outputs[index] = new
         new.name = name
     ir.convenience.replace_all_uses_with(old, new)
+
+
+def _downstream(nodes: list[ir.Node]) -> list[ir.Node]:
+    """Nodes reading the matched ones that lead nowhere (an earlier pass's leftover Identity, left for the final
+    dead_node_elimination): they would keep the trigonometry alive, so they are candidates too."""
+    matched = set(nodes)
+    found: list[ir.Node] = []
+    frontier = nodes
+    for _ in range(4):
+        frontier = [u.node for n in frontier for v in n.outputs for u in v.uses() if u.node not in matched]
+        found += frontier
+    return found
 
 
 def _batched(positions: ir.Value, graph: ir.Graph) -> bool:

@@ -1,0 +1,170 @@
+"""RotaryEmbedding benchmark: a Llama-shaped decoder as ``torch.onnx.export`` (TorchScript, KV cache) writes it,
+against the same model after ``fuse_rotary`` (rotary -> ``com.microsoft::RotaryEmbedding``), on ORT's CPU EP at
+its default level (what users run).
+
+Run ``python -m bench.rotary [--threads 1 2] [--past 128] [--prompt 128] [--rounds 9] [--no-write]``.
+
+Model: 4 layers, hidden 512, 8 heads / 2 kv heads (head size 64), MLP 1408, vocabulary 32000, random
+weights, built here (transformers config, no hub) into ``bench/out/rotary/`` and never committed. Figures, per
+intra-op thread count, batch 1:
+
+* decode: latency of one call with 1 new token after a cache of ``--past`` positions;
+* prefill: latency of one call on an empty cache with ``--prompt`` new tokens.
+
+Variants are timed interleaved: every round runs each variant once per figure, in an order that rotates per
+round; medians over rounds, ratio = original / fused (> 1: faster). The fused model is checked against the
+original (ORT, optimizations off) before it is timed. The table goes into bench/README.md between the
+``rotary-table`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import onnx_ir as ir  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+
+from bench._report import machine_line, unmarked, write_blocks  # noqa: E402
+from passes._infra import PassContext, op_histogram  # noqa: E402
+from passes.fusion.fuse_rotary import FuseRotary  # noqa: E402
+from tests.models.build_decoders import Family, Signature, causal_lm, decoder_feeds, export, save, wrap  # noqa: E402
+from workers.benchmark import host_info  # noqa: E402
+
+START, END = "<!-- rotary-table:start -->", "<!-- rotary-table:end -->"
+HEADING = "## RotaryEmbedding (issue 19, fuse_rotary)"
+WORK = REPO / "bench" / "out" / "rotary"
+LLAMA = Family(
+    "bench_llama", "LlamaConfig", "LlamaForCausalLM", layers=4, hidden=512, heads=8, kv_heads=2, intermediate=1408,
+    vocab=32000, max_positions=2048,
+)  # fmt: skip
+
+
+def build(path: Path) -> Path:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(export(wrap(causal_lm(LLAMA), "past"), LLAMA, "past", "ts", path), path)
+    return path
+
+
+def fuse(original: Path) -> Path:
+    out = original.with_name(f"{original.stem}.rotary.onnx")
+    model = ir.load(original)
+    result = FuseRotary()(model, PassContext())
+    ops = op_histogram(result.model)
+    if ops["com.microsoft::RotaryEmbedding"] != 2 * LLAMA.layers or ops["Sin"] or ops["Cos"]:
+        raise RuntimeError(f"fuse_rotary fused {dict(ops)}: {[m.reason for m in result.non_matches]}")
+    ir.save(result.model, out)
+    return out
+
+
+def check(original: Path, fused: Path, signature: Signature) -> float:
+    """Max |diff| of every output at a prefill of 9 and a decode after 33, ORT optimizations off."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    a, b = (ort.InferenceSession(str(p), options, providers=["CPUExecutionProvider"]) for p in (original, fused))
+    worst = 0.0
+    for seq, past in ((9, 0), (1, 33)):
+        feeds = decoder_feeds(signature, 1, seq, past, seed=seq)
+        for x, y in zip(a.run(None, feeds), b.run(None, feeds), strict=True):
+            worst = max(worst, float(np.abs(x - y).max()))
+    if worst > 1e-3:
+        raise RuntimeError(f"{fused.name} differs from the original by {worst}")
+    return worst
+
+
+def session(path: Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def timed(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> float:
+    t0 = time.perf_counter()
+    sess.run(None, feeds)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(variants: dict[str, Path], feeds: dict[str, dict], threads: int, rounds: int) -> dict:
+    sessions = {name: session(path, threads) for name, path in variants.items()}
+    for sess in sessions.values():  # warm-up: allocations and kernel selection outside the timings
+        for f in feeds.values():
+            timed(sess, f)
+    times: dict[str, dict[str, list[float]]] = {name: {k: [] for k in feeds} for name in variants}
+    order = list(variants)
+    for rnd in range(rounds):
+        for figure, f in feeds.items():
+            for name in order[rnd % len(order) :] + order[: rnd % len(order)]:
+                times[name][figure].append(timed(sessions[name], f))
+    return {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+
+
+def run(args: argparse.Namespace) -> str:
+    original = build(WORK / "llama_4x512_past_ts.onnx")
+    signature = Signature.of(original)
+    variants = {"original": original, "fuse_rotary": fuse(original)}
+    diff = check(original, variants["fuse_rotary"], signature)
+    feeds = {
+        f"decode@{args.past}": decoder_feeds(signature, 1, 1, args.past, seed=1),
+        f"prefill{args.prompt}": decoder_feeds(signature, 1, args.prompt, 0, seed=2),
+    }
+    rows = []
+    for threads in args.threads:
+        got = measure(variants, feeds, threads, args.rounds)
+        for figure in feeds:
+            base, fused = got["original"][figure], got["fuse_rotary"][figure]
+            rows.append(f"| {figure} | {threads} | {base:.2f} ms | {fused:.2f} ms | {base / fused:.3f}x |")
+            print(rows[-1], flush=True)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return "\n".join(
+        [
+            f"Llama-shaped, {LLAMA.layers} layers, hidden {LLAMA.hidden}, {LLAMA.heads}/{LLAMA.kv_heads} heads, "
+            f"vocabulary {LLAMA.vocab}, random weights, TorchScript export with cache; batch 1; ORT default level; "
+            f"medians of {args.rounds} interleaved rounds; ratio = original / fused (> 1: faster). "
+            f"fuse_rotary alone (8 RotaryEmbedding, one 4096-row cos/sin cache); max |diff| to the original "
+            f"(optimizations off) {diff:.1e}.",
+            "",
+            "| figure | threads | original | fuse_rotary | ratio |",
+            "| --- | --- | --- | --- | --- |",
+            *rows,
+            "",
+            machine_line(host_info(target="cpu", intra_op_threads=0), load=load),
+            "",
+            f"Reproduce: `python -m bench.rotary --threads {' '.join(map(str, args.threads))} --past {args.past} "
+            f"--prompt {args.prompt} --rounds {args.rounds}`.",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.rotary", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--past", type=int, default=128, help="cache length of the decode figure")
+    parser.add_argument("--prompt", type=int, default=128, help="new tokens of the prefill figure")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--quick", action="store_true", help="3 rounds")
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave bench/README.md alone")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 3
+    block = run(args)
+    print(unmarked(f"{START}\n{block}\n{END}", START, END))
+    if not args.no_write:
+        write_blocks({(START, END): block}, heading=HEADING)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
