@@ -303,9 +303,11 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
                 verification = verifier.check(final_path)  # the upload defines every position
 
         # decoder: prefill and decode of a KV-cache decoder, original vs the model handed back
+        progress("decoder", 0.0)  # its own stage in the job row's timings: seconds on a decoder
         with stages("decoder"):
             failed = decision["result"] == "failed"
             decoder = decoder_section(source, final_path, config, settings, failed=failed, input_sets=inputs.sets)
+        progress("reporting", 0.0)
 
         # report
         report_started = time.perf_counter()
