@@ -219,3 +219,13 @@ def test_benchmark_stops_early_and_says_so_when_the_time_budget_is_spent() -> No
     assert section["prefill"][0]["stopped_by"] != "max_runs"  # the floor of blocks, then the budget
     assert section["memory"]["original"] is None and "time budget" in section["memory"]["reason"]
     assert any("time budget" in note for note in section["notes"])
+
+
+def test_decode_reports_a_cache_that_stops_growing_when_the_model_keeps_a_sliding_window() -> None:
+    """Mistral's 64-position sliding window: the present holds 63 positions whatever the prompt, and the
+    series says so instead of pretending a growing cache."""
+    path = DECODERS / "mistral_past_ts.onnx"
+    section = run_decoder_benchmark(path, path, DecoderBenchmark(prompt_lengths=[80], new_tokens=4, time_budget_s=4))
+    assert section["status"] == "measured"
+    assert section["decode"]["original"]["past_lengths"] == [63] * 4
+    assert any("holds 63 positions, not 80" in note for note in section["notes"])
