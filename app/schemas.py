@@ -204,8 +204,19 @@ class Health(_Out):
 MULTIPART_JOB_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
-        "description": "Streamed to disk, never held in memory. Fields other than these three are refused.",
+        "description": "Streamed into the blob store, never held in memory. multipart/form-data: the fields "
+        "model, samples and config (others are refused). application/octet-stream (faster, no samples): the "
+        "model alone, with the config in the Onnxforge-Config header, the file name in Content-Disposition "
+        "and optionally its Content-Digest.",
         "content": {
+            "application/octet-stream": {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "The model: an .onnx file, or a .zip/.tar holding one .onnx and its "
+                    "external-data files.",
+                }
+            },
             "multipart/form-data": {
                 "schema": {
                     "type": "object",
@@ -232,7 +243,35 @@ MULTIPART_JOB_BODY: dict[str, Any] = {
                     "additionalProperties": False,
                 },
                 "encoding": {"config": {"contentType": "application/json"}},
-            }
+            },
         },
-    }
+    },
+    "parameters": [
+        {
+            "name": "Onnxforge-Config",
+            "in": "header",
+            "required": False,
+            "description": "application/octet-stream bodies only: the job configuration as JSON (ASCII); see "
+            "the JobConfig schema. The multipart form sends it in its config field.",
+            "schema": {"type": "string"},
+            "example": '{"preset": "safe", "target": "cpu"}',
+        },
+        {
+            "name": "Content-Digest",
+            "in": "header",
+            "required": False,
+            "description": "application/octet-stream bodies only: the model's SHA-256 as RFC 9530 "
+            "sha-256=:<base64>:. Other bytes answer 422 DIGEST_MISMATCH; with it the S3 store writes the "
+            "model to its final key without a copy.",
+            "schema": {"type": "string"},
+        },
+        {
+            "name": "Content-Disposition",
+            "in": "header",
+            "required": False,
+            "description": 'application/octet-stream bodies only: attachment; filename="model.onnx" names '
+            "the model (metadata only; default model).",
+            "schema": {"type": "string"},
+        },
+    ],
 }

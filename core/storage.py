@@ -27,6 +27,17 @@ _DIR_MODE = 0o750
 _BLOB_MODE = 0o440  # blobs are immutable; group-readable so workers under another uid can share a volume
 
 
+def check_digest(actual: str, expected: str | None) -> str:
+    """``actual``, or DIGEST_MISMATCH when the client declared another digest for the bytes it sent."""
+    if expected is not None and actual != expected:
+        raise InvalidInputError(
+            f"the body's SHA-256 is {actual}, not the {expected} its Content-Digest declared",
+            code="DIGEST_MISMATCH",
+            detail={"expected_sha256": expected, "actual_sha256": actual},
+        )
+    return actual
+
+
 def _check_sha(sha256: str) -> str:
     if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
         raise InvalidInputError(f"not a SHA-256 hex digest: {sha256!r:.80}", code="BLOB_ID_INVALID")
@@ -36,9 +47,10 @@ def _check_sha(sha256: str) -> str:
 class BlobWriter:
     """One blob being written. Use through ``BlobStore.writer()``, which deletes it unless committed."""
 
-    def __init__(self, store: BlobStore, max_bytes: int | None) -> None:
+    def __init__(self, store: BlobStore, max_bytes: int | None, expected_sha256: str | None = None) -> None:
         self._store = store
         self.max_bytes = max_bytes
+        self.expected_sha256 = expected_sha256
         self.size = 0
         self._hash = hashlib.sha256()
         self._committed: str | None = None
@@ -77,7 +89,7 @@ class BlobWriter:
             return self._committed
         if self._fd is None:
             raise ValueError("blob writer was aborted")
-        sha = self.sha256
+        sha = check_digest(self.sha256, self.expected_sha256)
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
@@ -117,14 +129,18 @@ class BlobStore:
         return self.root / sha256[:2] / sha256
 
     @contextlib.contextmanager
-    def writer(self, max_bytes: int | None = None, *, expected_size: int | None = None) -> Iterator[BlobWriter]:
+    def writer(
+        self, max_bytes: int | None = None, *, expected_size: int | None = None, expected_sha256: str | None = None
+    ) -> Iterator[BlobWriter]:
         """Stream a blob in; call ``commit()`` inside the block. Uncommitted bytes are deleted on exit.
 
         ``expected_size`` (e.g. from Content-Length) is checked against free disk space up front.
+        ``expected_sha256`` (a client's Content-Digest): ``commit`` refuses other bytes (DIGEST_MISMATCH),
+        and an object store writes straight to the blob's final key instead of copying it there.
         """
         if expected_size is not None:
             self.check_free_space(expected_size)
-        blob = BlobWriter(self, max_bytes)
+        blob = BlobWriter(self, max_bytes, None if expected_sha256 is None else _check_sha(expected_sha256))
         try:
             yield blob
         finally:

@@ -51,9 +51,10 @@ async def create_job(
         ),
     ] = None,
 ) -> JobOut:
-    """Upload an ONNX model (multipart field ``model``), optional ``samples`` (.npz) and ``config`` (JSON).
+    """Upload an ONNX model (multipart field ``model``), optional ``samples`` (.npz) and ``config`` (JSON);
+    or, faster, the model alone as ``application/octet-stream`` with the config in ``Onnxforge-Config``.
 
-    The body is streamed to disk and hashed; the job is queued and this answers 202 with the job and its
+    The body is streamed into the blob store and hashed; the job is queued and this answers 202 with the job and its
     ``Location``. Poll that URL until the job is ``succeeded``, ``failed`` or ``canceled``. A tenant with
     ``api.max_concurrent_uploads_per_tenant`` uploads in progress gets 429 TOO_MANY_UPLOADS; one at its
     quota of jobs in flight or bytes per day gets 429 QUOTA_CONCURRENT_JOBS or QUOTA_BYTES_PER_DAY, with
@@ -64,8 +65,7 @@ async def create_job(
     await anyio.to_thread.run_sync(service.admit, tenant)
     upload = await receive_upload(
         service.blobs,
-        content_type=request.headers.get("content-type"),
-        content_length=request.headers.get("content-length"),
+        headers=request.headers,
         chunks=request.stream(),
         limits=UploadLimits.from_settings(settings.api),
         slot=service.upload_slots.hold(tenant),

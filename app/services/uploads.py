@@ -1,15 +1,20 @@
-"""Receive ``POST /v1/jobs``: a multipart body streamed to disk, never held whole in memory.
+"""Receive ``POST /v1/jobs``: the body streamed into the blob store, never held whole in memory.
 
+Two forms. The fast one, ``application/octet-stream``, is the model alone: its bytes go straight into a
+size-capped ``BlobWriter`` (hashed as written), the config rides in the ``Onnxforge-Config`` header, the
+file name in ``Content-Disposition`` and, optionally, the digest in ``Content-Digest`` (RFC 9530), which
+an object store uses to write the model to its final key at once. The multipart form
+(``multipart/form-data``, fields ``model``, ``samples``, ``config``) is the one that carries samples.
 Starlette's ``request.form()`` spools parts itself; we feed ``request.stream()`` to python-multipart's
-streaming ``MultipartParser`` instead, so each part goes straight into a size-capped ``BlobWriter``
-(hashed as it is written) and a rejected upload leaves no file behind (security.md T12):
+streaming ``MultipartParser`` instead, so each part goes straight into a size-capped ``BlobWriter``.
+Either way a rejected upload leaves no file behind (security.md T12):
 
 * at most the fields ``model``, ``samples`` and ``config``, each once; anything else is refused at its
   headers, before its data is read (UNKNOWN_FIELD / DUPLICATE_FIELD);
 * per-field caps (``max_upload_bytes``, ``max_samples_bytes``, ``max_config_bytes``) counted while
   streaming, plus a cap on the whole body that a ``Content-Length`` is checked against up front;
-* parsing runs in a worker thread in batches of ``_FLUSH_BYTES`` so disk writes and hashing never block
-  the event loop;
+* parsing, hashing and writing run in a worker thread, a batch of ``_BATCH_BYTES`` at a time
+  (``_Batches``), so they never block the event loop;
 * at most ``api.max_concurrent_uploads_per_tenant`` uploads per tenant in flight (``UploadSlots``), else
   429 TOO_MANY_UPLOADS with Retry-After; the slot is taken before any byte of the body is read;
 * free disk space is checked up front against ``Content-Length``, and for a chunked body before each
@@ -21,10 +26,12 @@ The blobs stay uncommitted (temp files) until the job service has validated the 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import PurePosixPath
 from typing import Literal
 
@@ -34,14 +41,18 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from core.errors import ErrorKind, InvalidInputError, InvalidModelError, OnnxforgeError, TooLargeError
 from core.settings import ApiSettings
-from core.storage import BlobStore, BlobWriter
+from core.storage import BlobStore, BlobWriter, check_digest
 
 ModelFormat = Literal["onnx", "zip", "tar"]
 
 FIELDS = ("model", "samples", "config")
 # Boundaries, part headers and the like, on top of the three fields' caps.
 MULTIPART_OVERHEAD = 64 << 10
-_FLUSH_BYTES = 128 << 10
+MULTIPART_MEDIA = b"multipart/form-data"
+RAW_MEDIA = b"application/octet-stream"
+CONFIG_HEADER = "onnxforge-config"
+# Bytes handed to the worker thread at a time (uvicorn delivers the body in pieces of 64-256 KiB).
+_BATCH_BYTES = 1 << 20
 _HEAD_BYTES = 512
 _MAX_FILENAME = 255
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
@@ -282,15 +293,41 @@ class _Sink:
         self.ended = True
 
 
-def _boundary(content_type: str | None) -> bytes:
+def _media_type(content_type: str | None) -> tuple[bytes, dict[bytes, bytes]]:
     media, params = parse_options_header(content_type or "")
-    boundary = params.get(b"boundary")
-    if media != b"multipart/form-data" or not boundary:
-        raise InvalidInputError(
-            "the body must be multipart/form-data with a boundary (fields model, samples, config)",
-            code="MULTIPART_REQUIRED",
-        )
-    return boundary
+    if media == MULTIPART_MEDIA and params.get(b"boundary"):
+        return media, params
+    if media == RAW_MEDIA:
+        return media, params
+    raise InvalidInputError(
+        "the body must be multipart/form-data with a boundary (fields model, samples, config), or the model "
+        "alone as application/octet-stream (config in the Onnxforge-Config header)",
+        code="MULTIPART_REQUIRED",
+    )
+
+
+def parse_content_digest(value: str | None) -> str | None:
+    """The SHA-256 (hex) of an RFC 9530 ``Content-Digest: sha-256=:<base64>:``; None without one.
+
+    Other algorithms are ignored (the RFC lets a recipient ignore what it does not use)."""
+    if not value:
+        return None
+    for member in value.split(","):
+        name, _, raw = member.strip().partition("=")
+        if name.strip().lower() != "sha-256":
+            continue
+        raw = raw.strip()
+        try:
+            digest = base64.b64decode(raw[1:-1], validate=True) if raw[:1] == raw[-1:] == ":" else b""
+        except binascii.Error:
+            digest = b""
+        if len(digest) != 32:
+            raise InvalidInputError(
+                "Content-Digest's sha-256 must be the 32-byte digest in base64 between colons: sha-256=:...:",
+                code="DIGEST_INVALID",
+            )
+        return digest.hex()
+    return None
 
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
@@ -302,16 +339,102 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
                 break
 
 
+class _Batches:
+    """Hands the body to a worker thread in batches of ``_BATCH_BYTES``, one at a time, so hashing,
+    writing and parsing never block the event loop. One at a time, not overlapped with receiving: on a
+    machine whose CPUs are busy, a second busy thread in the API process fought the event loop for the GIL
+    and uploads got slower (bench/README.md); the socket's buffer holds what arrives meanwhile."""
+
+    def __init__(self, consume: Callable[[bytes], None]) -> None:
+        self._consume = consume
+        self._batch: list[bytes] = []
+        self.batch_bytes = 0
+        self._started = False
+
+    def add(self, chunk: bytes) -> bool:
+        """Queue a chunk; True when the batch should be flushed: full, or the body's first chunk (so a
+        multipart body's first part headers are judged before more of it is read)."""
+        self._batch.append(chunk)
+        self.batch_bytes += len(chunk)
+        if not self._started:
+            self._started = True
+            return True
+        return self.batch_bytes >= _BATCH_BYTES
+
+    async def flush(self) -> None:
+        if self._batch:
+            batch, self._batch, self.batch_bytes = self._batch, [], 0
+            # One call per batch: hashing and writing release the GIL per call, and each hand-over costs
+            # two thread switches, more than joining the chunks costs. Not cancellable midway
+            # (to_thread's default), so a writer is never closed under a write in progress.
+            await anyio.to_thread.run_sync(self._consume, batch[0] if len(batch) == 1 else b"".join(batch))
+
+
+class _RawSink:
+    """The consumer of a raw (``application/octet-stream``) body: all of it is the model."""
+
+    def __init__(self, writer: BlobWriter) -> None:
+        self.writer = writer
+        self.head = bytearray()
+
+    def __call__(self, chunk: bytes) -> None:
+        if len(self.head) < _HEAD_BYTES:
+            self.head.extend(chunk[: _HEAD_BYTES - len(self.head)])
+        try:
+            self.writer.write(chunk)
+        except TooLargeError as exc:
+            exc.detail = {"field": "model", **exc.detail}
+            exc.message = f"model {exc.message}"
+            raise
+
+
+def _raw_config(value: str | None, limits: UploadLimits) -> bytes | None:
+    if value is None:
+        return None
+    raw = value.encode("latin-1", errors="replace")
+    if len(raw) > limits.config_bytes:
+        raise TooLargeError(
+            f"config exceeds the limit of {limits.config_bytes} bytes",
+            code="PAYLOAD_TOO_LARGE",
+            detail={"field": "config", "limit_bytes": limits.config_bytes},
+        )
+    return raw or None
+
+
+async def _pump(
+    batches: _Batches, chunks: AsyncIterator[bytes], cap: int, expected: int | None, blobs: BlobStore
+) -> None:
+    received = 0
+    async for chunk in chunks:
+        received += len(chunk)
+        if received > cap:
+            raise TooLargeError(
+                f"request body exceeds the limit of {cap} bytes",
+                code="PAYLOAD_TOO_LARGE",
+                detail={"limit_bytes": cap},
+            )
+        if batches.add(chunk):
+            if expected is None:  # chunked: no up-front check was possible
+                blobs.check_free_space(batches.batch_bytes)
+            await batches.flush()
+    await batches.flush()
+
+
 async def receive_upload(
     blobs: BlobStore,
     *,
-    content_type: str | None,
-    content_length: str | None,
+    headers: Mapping[str, str],
     chunks: AsyncIterator[bytes],
     limits: UploadLimits,
     slot: contextlib.AbstractContextManager[object] | None = None,
 ) -> Upload:
     """Parse the body into uncommitted blobs and the raw config; raise OnnxforgeError when refused.
+
+    ``headers``: the request's (case-insensitive). ``multipart/form-data``: the fields ``model``,
+    ``samples`` and ``config``. ``application/octet-stream``: the body is the model, named by
+    ``Content-Disposition: attachment; filename="..."``, with the config in ``Onnxforge-Config`` and
+    optionally its digest in ``Content-Digest`` (a mismatch answers 422 DIGEST_MISMATCH, and lets an
+    object store write the model straight to its final key).
 
     ``slot`` (``UploadSlots.hold(tenant)``) is entered before anything else and held until the returned
     ``Upload`` is closed, or released at once when the upload is refused.
@@ -320,44 +443,30 @@ async def receive_upload(
     try:
         if slot is not None:
             stack.enter_context(slot)
-        boundary = _boundary(content_type)
+        media, params = _media_type(headers.get("content-type"))
+        raw = media == RAW_MEDIA
+        cap = limits.model_bytes if raw else limits.body_bytes
         expected: int | None = None
+        content_length = headers.get("content-length")
         if content_length is not None:
             try:
                 expected = int(content_length)
             except ValueError:
                 raise InvalidInputError("Content-Length is not a number", code="REQUEST_INVALID") from None
-            if expected > limits.body_bytes:
+            if expected > cap:
                 raise TooLargeError(
-                    f"request body of {expected} bytes exceeds the limit of {limits.body_bytes} bytes",
+                    f"request body of {expected} bytes exceeds the limit of {cap} bytes",
                     code="PAYLOAD_TOO_LARGE",
-                    detail={"limit_bytes": limits.body_bytes},
+                    detail={"limit_bytes": cap},
                 )
-        if expected is not None:
             blobs.check_free_space(expected)
+        if raw:
+            return await _receive_raw(
+                blobs, headers=headers, chunks=chunks, limits=limits, cap=cap, expected=expected, stack=stack
+            )
         sink = _Sink(blobs, limits, stack)
-        parser = MultipartParser(boundary, callbacks=sink.callbacks())  # type: ignore[arg-type]
-        received = 0
-        pending: list[bytes] = []
-        pending_bytes = 0
-        async for chunk in chunks:
-            received += len(chunk)
-            if received > limits.body_bytes:
-                raise TooLargeError(
-                    f"request body exceeds the limit of {limits.body_bytes} bytes",
-                    code="PAYLOAD_TOO_LARGE",
-                    detail={"limit_bytes": limits.body_bytes},
-                )
-            pending.append(chunk)
-            pending_bytes += len(chunk)
-            if pending_bytes >= _FLUSH_BYTES:
-                if expected is None:  # chunked: no up-front check was possible
-                    blobs.check_free_space(pending_bytes)
-                await anyio.to_thread.run_sync(parser.write, b"".join(pending))
-                pending.clear()
-                pending_bytes = 0
-        if pending:
-            await anyio.to_thread.run_sync(parser.write, b"".join(pending))
+        parser = MultipartParser(params[b"boundary"], callbacks=sink.callbacks())  # type: ignore[arg-type]
+        await _pump(_Batches(parser.write), chunks, cap, expected, blobs)
         parser.finalize()
         if not sink.ended:
             raise InvalidInputError("the multipart body ended before its closing boundary", code="MULTIPART_INVALID")
@@ -376,3 +485,28 @@ async def receive_upload(
         if isinstance(exc, OnnxforgeError):
             await _drain(chunks)
         raise
+
+
+async def _receive_raw(
+    blobs: BlobStore,
+    *,
+    headers: Mapping[str, str],
+    chunks: AsyncIterator[bytes],
+    limits: UploadLimits,
+    cap: int,
+    expected: int | None,
+    stack: contextlib.ExitStack,
+) -> Upload:
+    config = _raw_config(headers.get(CONFIG_HEADER), limits)
+    digest = parse_content_digest(headers.get("content-digest"))
+    _, params = parse_options_header(headers.get("content-disposition") or "")
+    filename = _client_filename(params.get(b"filename"), default="model")
+    writer = stack.enter_context(blobs.writer(limits.model_bytes, expected_sha256=digest))
+    sink = _RawSink(writer)
+    await _pump(_Batches(sink), chunks, cap, expected, blobs)
+    if writer.size == 0:
+        raise InvalidInputError("no model: the body is empty", code="MODEL_MISSING")
+    fmt = detect_model_format(filename, bytes(sink.head))
+    check_digest(writer.sha256, digest)  # refused here, before the job service sees it
+    model = ReceivedFile("model", filename, writer.size, writer.sha256, fmt, writer)
+    return Upload(model, None, config, stack)

@@ -3,8 +3,10 @@ submit however often it is retried (Idempotency-Key)."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,30 @@ def test_client_submit_returns_the_first_job_when_resent_with_same_idempotency_k
 
         assert again["id"] == first["id"]
         assert len(live.dispatcher.enqueued) == 1
+
+
+def test_client_submit_sends_the_model_as_the_body_with_its_digest_when_no_samples(
+    tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[str] = []
+    real_send = Client._send
+
+    def recording_send(self: Client, method: str, url: str, **kwargs: object) -> object:
+        headers = kwargs.get("headers") or {}
+        assert isinstance(headers, dict)
+        sent.append(headers.get("Content-Type", "multipart"))
+        return real_send(self, method, url, **kwargs)
+
+    monkeypatch.setattr(Client, "_send", recording_send)
+    samples = tmp_path / "s.npz"
+    with zipfile.ZipFile(samples, "w") as archive:
+        archive.writestr("x.npy", b"\x93NUMPY")
+    with serve(make_settings(tmp_path / "data")) as live, Client(live.base_url) as client:
+        raw = client.submit(model, config={"preset": "safe", "target": "cuda"})
+        form = client.submit(model, samples=samples)
+
+        assert sent == ["application/octet-stream", "multipart"]
+        assert raw["model"]["sha256"] == form["model"]["sha256"] == hashlib.sha256(MODEL_BYTES).hexdigest()
+        assert raw["model"]["filename"] == "m.onnx"
+        assert [queue for _, queue in live.dispatcher.enqueued] == ["gpu", "cpu"]
+        assert live.store.get(form["id"]).samples_sha256 is not None

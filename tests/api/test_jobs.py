@@ -211,8 +211,8 @@ def test_create_job_returns_422_when_samples_not_npz(api: Live) -> None:
     _assert_problem(response, 422, "SAMPLES_INVALID")
 
 
-def test_create_job_returns_422_when_body_not_multipart(api: Live) -> None:
-    response = api.client.post("/v1/jobs", content=_model(), headers={"content-type": "application/octet-stream"})
+def test_create_job_returns_422_when_body_neither_multipart_nor_raw(api: Live) -> None:
+    response = api.client.post("/v1/jobs", content=_model(), headers={"content-type": "text/plain"})
     _assert_problem(response, 422, "MULTIPART_REQUIRED")
 
 
