@@ -361,9 +361,11 @@ def decoder_section(
     *,
     failed: bool,
     input_sets: Sequence[InputSet] = (),
+    same_model: bool = False,
 ) -> dict[str, Any]:
     """The pipeline's stage: the section for the upload and the model the job hands back. ``input_sets``: the
-    job's, whose recorded roles tell an encoder apart without parsing a large model again."""
+    job's, whose recorded roles tell an encoder apart without parsing a large model again; ``same_model``: the
+    job hands the upload back, so both columns time the same bytes."""
     options = config.decoder_benchmark
     roles = [s.provenance.get("inputs") for s in input_sets]
     reason = (
@@ -380,9 +382,14 @@ def decoder_section(
         reason = "the uploaded model has no past key/value inputs: not a decoder with a KV cache"
     if reason is not None:
         return {**skipped(reason), "time_budget_s": options.time_budget_s, "duration_s": 0.0}
-    return run_decoder_benchmark(
+    section = run_decoder_benchmark(
         source, returned, options, target=config.target, intra_op_threads=settings.intra_op_threads, seed=config.seed
     )
+    if same_model and section["status"] == "measured":
+        section["notes"].insert(
+            0, "the job hands the upload back: both columns time the same model (their ratio is noise)"
+        )
+    return section
 
 
 def run_decoder_benchmark(

@@ -271,7 +271,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         else:
             ledger = Ledger(setup)
             with stages("passes"):
-                accepted = ledger.run(resolved.passes, work)
+                accepted = ledger.run(resolved.passes, work, gate_times_last=True)  # see gate.decide_or_retry
             progress("verifying", 0.0)
             with stages("finalize"):
                 outcome = ledger.finalize(work, accepted)
@@ -279,7 +279,9 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
 
         # gate
         with stages("gate"):
-            verdict = gate.decide(ledger, outcome, config, full=full, quick=quick, progress=progress)
+            ledger, outcome, verdict = gate.decide_or_retry(  # a slower group left to the gate: its passes alone
+                ledger, outcome, config, passes=resolved.passes, work=work, full=full, quick=quick, progress=progress
+            )
             artifact, verification = outcome.artifact, outcome.verification
             if verdict.fall_back_to_rebase:
                 artifact, verification = ledger.rebased_artifact(work)
@@ -305,8 +307,10 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         # decoder: prefill and decode of a KV-cache decoder, original vs the model handed back
         progress("decoder", 0.0)  # its own stage in the job row's timings: seconds on a decoder
         with stages("decoder"):
-            failed = decision["result"] == "failed"
-            decoder = decoder_section(source, final_path, config, settings, failed=failed, input_sets=inputs.sets)
+            failed, same = decision["result"] == "failed", decision["used_original"]
+            decoder = decoder_section(
+                source, final_path, config, settings, failed=failed, input_sets=inputs.sets, same_model=same
+            )
         progress("reporting", 0.0)
 
         # report

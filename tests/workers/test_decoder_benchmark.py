@@ -229,3 +229,17 @@ def test_decode_reports_a_cache_that_stops_growing_when_the_model_keeps_a_slidin
     assert section["status"] == "measured"
     assert section["decode"]["original"]["past_lengths"] == [63] * 4
     assert any("holds 63 positions, not 80" in note for note in section["notes"])
+
+
+def test_decoder_notes_that_both_columns_are_one_model_when_the_job_hands_the_upload_back(
+    tmp_path: Path, settings: PipelineSettings
+) -> None:
+    config = JobConfig.parse({"decoder_benchmark": {"prompt_lengths": [8], "new_tokens": 2, "time_budget_s": 4}})
+    request = PipelineRequest(
+        DECODERS / "qwen2_past_ts.onnx", tmp_path, config, settings, pass_resolver=resolver(Idle())
+    )
+    report = run_pipeline(request).report
+    assert report["decision"]["used_original"] is True
+    section = report["decoder"]
+    assert section["status"] == "measured" and "same model" in section["notes"][0]
+    assert section["weights"]["original"] == section["weights"]["optimized"]
