@@ -3,7 +3,7 @@ trained on Python's docs): the next-token gate under teacher forcing on the held
 trained on, 1,024 positions), every figure the pass notes recomputed here with ORT (graph optimizations off).
 
 Measured with the default options: full int4 flips 32 (block 16) to 49 (block 64) of the 1,024 greedy tokens
-although its perplexity moves by 0.2%; 44 positions have a top-2 margin under 0.05 logits, and one MatMul
+although its perplexity moves by less than 0.2%; 44 positions have a top-2 margin under 0.05 logits, and one MatMul
 alone in int4 flips 4 to 25. The search keeps 5 of the 14 MatMuls in int4 (29.5% of the MatMul weights, the
 float head included) and the other 9 in 8-bit: 9 flips (99.1%)."""
 
