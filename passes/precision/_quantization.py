@@ -499,8 +499,8 @@ def drive_next_token(
                 failure = f"accuracy budget missed even with all {len(candidates)} MatMul(s) in {kept_as}: "
                 failure += "; ".join(budget.misses(_first_trial(outcome, full)))
             elif not picked.int4:
-                failure = f"accuracy budget missed with any MatMul in int4 (the rest {kept_as}): "
-                failure += "; ".join(full.misses)
+                failure = f"no MatMul could stay int4 within the budget (the rest {kept_as}; {outcome.stopped}); "
+                failure += "full int4: " + "; ".join(full.misses)
             elif options.max_exclusions is not None and len(kept) > options.max_exclusions:
                 failure = (
                     f"accuracy budget missed even with the {options.max_exclusions} most sensitive MatMul(s) in "

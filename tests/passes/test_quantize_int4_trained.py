@@ -134,3 +134,11 @@ def test_quantize_int4_is_refused_with_the_figures_when_the_budget_needs_more_8b
     noted = result.notes["accuracy_all_quantized"][KEY]
     assert f"top-1 agreement {noted['top1_agreement']:.4f} < 0.99 ({noted['flipped']} of 1024 greedy tokens" in reason
     assert "max_exclusions=4" in reason and "it holds with 9" in reason
+
+
+def test_quantize_int4_is_refused_naming_the_time_budget_when_the_search_has_no_time_to_try_a_matmul():
+    _, result = quantize("trained_llama_past_ts", {"search_seconds": 1e-6}, samples=heldout_samples())
+    assert not result.modified
+    (reason,) = [m.reason for m in result.non_matches if "no MatMul could stay int4" in m.reason]
+    assert "time budget spent while ranking" in reason and "full int4: logits (teacher forcing): top-1" in reason
+    assert result.notes["search"]["ranking"] == [] and result.notes["search"]["trials"][0]["step"] == "no int4"
