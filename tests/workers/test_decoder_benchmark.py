@@ -8,6 +8,7 @@ positive and consistent, and that the decode loop fed each step a cache one posi
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -243,3 +244,18 @@ def test_decoder_notes_that_both_columns_are_one_model_when_the_job_hands_the_up
     section = report["decoder"]
     assert section["status"] == "measured" and "same model" in section["notes"][0]
     assert section["weights"]["original"] == section["weights"]["optimized"]
+
+
+def test_validate_report_names_problems_in_the_decoder_section_when_keys_drift(
+    tmp_path_factory: pytest.TempPathFactory, settings: PipelineSettings
+) -> None:
+    report = copy.deepcopy(_job("llama_past_dynamo.onnx", tmp_path_factory, settings).report)
+    del report["decoder"]["decode"]["optimized"]["tokens_per_s"]
+    report["decoder"]["memory"]["original"]["surprise_mb"] = 1.0
+    report["decoder"]["status"] = "maybe"
+    problems = validate_report(report)
+    assert "decoder.decode.optimized: missing key 'tokens_per_s'" in problems
+    assert "decoder.memory.original: undocumented key 'surprise_mb'" in problems
+    assert any("decoder: status 'maybe'" in p for p in problems)
+    older = {k: v for k, v in report.items() if k != "decoder"}
+    assert validate_report(older) == []  # a report from before the section is still valid
