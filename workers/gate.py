@@ -9,6 +9,10 @@
                                                    │    the job fails naming the guilty pass
                                                    └─ else: optimized
 
+When the ledger left its last group to the gate (``Ledger.left_to_gate``: a group whose A/B would have compared
+the same two models as the gate) and the gate finds the artifact slower, ``decide_or_retry`` runs the passes
+again on a fresh ledger pass by pass, as the ledger does with any slower group, and decides on that one.
+
 The decision is the report's ``decision`` section; ``failure`` turns a failed one into the error the job
 raises (VerificationError or RegressionError, carrying the report's path).
 """
@@ -23,6 +27,7 @@ from typing import Any
 from core.config import JobConfig
 from core.errors import OnnxforgeError, RegressionError, VerificationError
 from core.recipe import read_recipe
+from passes._infra import Pass
 from workers.benchmark import BenchmarkParams, compare
 from workers.ledger import Ledger, Outcome
 from workers.report import PassRecord
@@ -121,6 +126,28 @@ def decide(
         decision.update(result="failed", used_original=False)
         return GateResult(benchmark, decision)
     return GateResult(benchmark, decision, _fall_back(ledger, decision))
+
+
+def decide_or_retry(
+    ledger: Ledger,
+    outcome: Outcome,
+    config: JobConfig,
+    *,
+    passes: list[Pass],
+    work: Path,
+    full: BenchmarkParams,
+    quick: BenchmarkParams,
+    progress: Callable[[str, float], None],
+) -> tuple[Ledger, Outcome, GateResult]:
+    """``decide``; when the artifact is slower and the ledger left its last group's timing to the gate, the
+    passes run again pass by pass (each verified and timed alone) on a fresh ledger, whose artifact decides."""
+    verdict = decide(ledger, outcome, config, full=full, quick=quick, progress=progress)
+    slower = bool(verdict.decision["gate"].get("slower"))
+    if not (slower and ledger.left_to_gate and ledger.setup.rollback_slower):
+        return ledger, outcome, verdict
+    again = Ledger(dataclasses.replace(ledger.setup, group_passes=False))
+    outcome = again.finalize(work, again.run(passes, work))
+    return again, outcome, decide(again, outcome, config, full=full, quick=quick, progress=progress)
 
 
 def _fall_back(ledger: Ledger, decision: dict[str, Any]) -> bool:

@@ -52,10 +52,9 @@ import onnx_ir as ir
 
 from core.errors import PassError, VerificationError
 from core.inputs import InputSet
-from core.recipe import read_recipe
 from passes._infra import Pass, PassContext, PassResult, op_histogram
 from workers import artifacts
-from workers.benchmark import Comparison, compare, measure
+from workers.benchmark import Comparison, measure
 from workers.ledger_parts import (
     Member,
     Outcome,
@@ -70,6 +69,7 @@ from workers.ledger_parts import (
     histogram_delta,
     latency_summary,
     lost_axes,
+    quick_compare,
     remove_stage,
     speed,
     timed,
@@ -101,6 +101,8 @@ class Ledger:
         self.dynamic_axes = {k: set(v) for k, v in setup.dynamic_axes.items()}
         # After a rebase, verification and timing use the rebased stage and the raw inputs.
         self.rebase: Rebase | None = None
+        # The passes of a last group verified but left to the gate to time (``run(gate_times_last=True)``).
+        self.left_to_gate: list[str] = []
         self.input_sets = setup.input_sets
         self.verifier = setup.verifier
         # The run's state: the accepted stage (a file), its latency, the in-memory model (the accepted stage
@@ -136,8 +138,10 @@ class Ledger:
 
     # The passes -----------------------------------------------------------------------------------
 
-    def run(self, passes: Sequence[Pass], work: Path) -> Path:
-        """Run every pass; return the path of the last accepted stage (module docstring: groups, fallback)."""
+    def run(self, passes: Sequence[Pass], work: Path, *, gate_times_last: bool = False) -> Path:
+        """Run every pass; return the path of the last accepted stage (module docstring: groups, fallback).
+        ``gate_times_last``: the caller's gate times the artifact against the upload and runs the ledger again
+        pass by pass when it is slower, so a last group whose A would be the upload is verified, not timed."""
         self._accepted, self._accepted_p50 = self.setup.source, self.setup.baseline_p50
         self._model, self._print, self._pending = None, "", []
         for index, p in enumerate(passes):
@@ -169,7 +173,7 @@ class Ledger:
             if candidate is not None:
                 self._accept([(index, p)], candidate, record.latency_ms_p50_after)
             self.setup.pool.retain([*self._references(), self._accepted])  # a rolled-back candidate's goes
-        self._flush(work)
+        self._flush(work, gate_times=gate_times_last and self._accepted == self.setup.source and self.rebase is None)
         for record, timing in zip(self.records, self.timings, strict=True):
             record.duration_s = timing.total_s  # a group's checks were added to its last pass after its turn
         self.setup.progress("passes", 1.0)
@@ -254,7 +258,7 @@ class Ledger:
         finally:
             self._elsewhere_s += time.perf_counter() - started
 
-    def _flush(self, work: Path) -> bool:
+    def _flush(self, work: Path, *, gate_times: bool = False) -> bool:
         """Settle the pending group: written once, checked, verified once and timed once against the accepted
         stage. Applied together, or (two or more passes, any check failing) run again one by one as alone.
         Returns whether the accepted stage is now the in-memory model the group was run on."""
@@ -299,9 +303,9 @@ class Ledger:
                 verification = self.verifier.check(path, positions, adapter=self._adapter(path))
             if not verification.ok:
                 failure = f"broke tolerance: {verification.reason}"
-        if failure is None:
+        if failure is None and not gate_times:
             with timed(last.timing, "benchmark_s"):
-                comparison = self._compare(self._accepted, path)
+                comparison = quick_compare(self.setup, self.input_sets, self._accepted, path)
             if comparison.slower and self.setup.rollback_slower:
                 failure = f"slower beyond noise: {speed(comparison)}"
         last.timing.total_s += time.perf_counter() - started
@@ -311,12 +315,13 @@ class Ledger:
                 m.record.latency = latency_summary(comparison, names)
                 m.record.latency_ms_p50_before, m.record.latency_ms_p50_after = comparison.p50_a_ms, comparison.p50_b_ms
         if failure is None:
-            assert comparison is not None
             reason = applied_reason(comparison, names)
             for m in pending:
                 m.record.status, m.record.reason = "applied", reason
             self.valid_positions = positions
-            self._accept([(m.index, m.p) for m in pending], path, comparison.p50_b_ms, self._model)
+            self.left_to_gate = [] if comparison is not None else names
+            p50 = comparison.p50_b_ms if comparison is not None else None
+            self._accept([(m.index, m.p) for m in pending], path, p50, self._model)
             self.setup.pool.retain([*self._references(), self._accepted])
             return True
         remove_stage(path, self.side_files)
@@ -429,7 +434,7 @@ class Ledger:
             record.status, record.reason = "rolled_back", f"broke tolerance: {verification.reason}"
             return None
         with timed(timing, "benchmark_s"):
-            comparison = self._compare(accepted, path)
+            comparison = quick_compare(self.setup, self.input_sets, accepted, path)
         record.latency = latency_summary(comparison, [p.name])
         record.latency_ms_p50_before, record.latency_ms_p50_after = comparison.p50_a_ms, comparison.p50_b_ms
         if comparison.slower and self.setup.rollback_slower:
@@ -442,18 +447,6 @@ class Ledger:
             self.dynamic_axes = artifacts.dynamic_axes(path)
         record.reason = applied_reason(comparison, [p.name])
         return path
-
-    def _compare(self, accepted: Path, path: Path) -> Comparison:
-        """The quick interleaved A/B of a verified candidate against the accepted stage, on the pooled sessions."""
-        recipes = {"recipe_a": read_recipe(accepted), "recipe_b": read_recipe(path)}
-        pool = self.setup.pool
-        comparison = compare(accepted, path, self.input_sets, self.setup.quick, mode="quick", pool=pool, **recipes)
-        if comparison.slower:
-            # Confirm before blaming: a second, three times longer interleaved measurement decides.
-            comparison = compare(
-                accepted, path, self.input_sets, self.setup.confirm, mode="quick-confirm", pool=pool, **recipes
-            )
-        return comparison
 
     def _rebase_on(  # noqa: PLR0917  (private helper of _try)
         self,

@@ -21,9 +21,10 @@ import onnx_ir as ir
 
 from core.config import Tolerance
 from core.inputs import InputSet
+from core.recipe import read_recipe
 from passes._infra import Pass
 from workers import artifacts
-from workers.benchmark import BenchmarkParams, Comparison, SessionPool
+from workers.benchmark import BenchmarkParams, Comparison, SessionPool, compare
 from workers.report import PassRecord
 from workers.verify import VerificationResult, Verifier
 
@@ -77,6 +78,18 @@ class Outcome:
     bisection: dict[str, Any] | None
 
 
+def quick_compare(setup: Setup, input_sets: list[InputSet], accepted: Path, path: Path) -> Comparison:
+    """The quick interleaved A/B of a verified candidate against the accepted stage, on the pooled sessions."""
+    recipes = {"recipe_a": read_recipe(accepted), "recipe_b": read_recipe(path)}
+    comparison = compare(accepted, path, input_sets, setup.quick, mode="quick", pool=setup.pool, **recipes)
+    if comparison.slower:
+        # Confirm before blaming: a second, three times longer interleaved measurement decides.
+        comparison = compare(
+            accepted, path, input_sets, setup.confirm, mode="quick-confirm", pool=setup.pool, **recipes
+        )
+    return comparison
+
+
 @dataclasses.dataclass
 class Member:
     """A pass of the pending group: run in memory, not yet verified nor timed."""
@@ -103,8 +116,11 @@ def speed(comparison: Comparison) -> str:
     return speed + (f"; clearly slower on {', '.join(clearly)}" if clearly else "")
 
 
-def applied_reason(comparison: Comparison, names: Sequence[str]) -> str:
+def applied_reason(comparison: Comparison | None, names: Sequence[str]) -> str:
+    """``comparison`` None: the gate times this group (``Ledger.run(gate_times_last=True)``)."""
     group = f"; verified and timed as one group ({' + '.join(names)})" if len(names) > 1 else ""
+    if comparison is None:
+        return f"verified within tolerance; timed by the regression gate, against the upload{group}"
     kept = "; slower beyond noise but kept (rollback_slower is off)" if comparison.slower else ""
     return f"verified within tolerance; {speed(comparison)}{group}{kept}"
 

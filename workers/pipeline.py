@@ -271,7 +271,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         else:
             ledger = Ledger(setup)
             with stages("passes"):
-                accepted = ledger.run(resolved.passes, work)
+                accepted = ledger.run(resolved.passes, work, gate_times_last=True)  # see gate.decide_or_retry
             progress("verifying", 0.0)
             with stages("finalize"):
                 outcome = ledger.finalize(work, accepted)
@@ -279,7 +279,9 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
 
         # gate
         with stages("gate"):
-            verdict = gate.decide(ledger, outcome, config, full=full, quick=quick, progress=progress)
+            ledger, outcome, verdict = gate.decide_or_retry(  # a slower group left to the gate: its passes alone
+                ledger, outcome, config, passes=resolved.passes, work=work, full=full, quick=quick, progress=progress
+            )
             artifact, verification = outcome.artifact, outcome.verification
             if verdict.fall_back_to_rebase:
                 artifact, verification = ledger.rebased_artifact(work)
