@@ -1,15 +1,18 @@
 """Wall time of a ``fast`` job against its peer: ORT's transformers optimizer plus one benchmark of the original.
 
-Run ``python -m bench.job_time [--model bert_mlm_loss] [--before REV] [--no-write]``.
+Run ``python -m bench.job_time [--model bert_mlm_loss corpus:bert/dynamo ...] [--before REV] [--no-write]``.
 
 Issue 17 asks that a ``fast`` job take at most 3x the time of ORT's transformers optimizer plus one benchmark
-of the original. Each side runs as a fresh process, as a user would run it, on the bench-size model
-(``bench/models.py`` builds it on first use; building needs the ``dev`` extra):
+of the original. Each side runs as a fresh process, as a user would run it, on each bench-size model: a bench
+model (``bench/models.py``) or a corpus model ``corpus:ARCH/EXPORTER`` (``tests/models/corpus.py`` at bench
+size); either is built on first use (building needs the ``dev`` extra):
 
 =============  ==========================================================================================
-peer           ``onnxruntime.transformers.optimizer.optimize_model(model, model_type="bert", num_heads,
-               hidden_size)`` and ``save_model_to_file``, then one benchmark of the original: an
-               ORT_ENABLE_ALL session, 5 warm-up runs and 30 timed runs at batch 1 / sequence 128
+peer           ``onnxruntime.transformers.optimizer.optimize_model(model, model_type, num_heads,
+               hidden_size)`` and ``save_model_to_file`` (model type "bert" for the bench models, the corpus
+               architecture's otherwise; none where ORT has no type for it), then one benchmark of the
+               original: an ORT_ENABLE_ALL session, 5 warm-up runs and 30 timed runs at batch 1 / sequence
+               128 (vision and audio models at their fixed size)
 job (after)    ``python -m onnxforge.cli optimize MODEL -o OUT --preset fast --report R.json`` from this
                checkout, with the default pipeline settings
 job (before)   with ``--before REV``: the same command from revision REV's tree (``git archive``, extracted
@@ -24,6 +27,7 @@ the ``job-time-table`` markers (``--no-write`` to skip).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -35,12 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # bench scripts may run as files rather than with python -m
     sys.path.insert(0, str(REPO))
 
 from bench._report import machine_line, write_blocks  # noqa: E402
-from bench.models import ensure_bench_model, model_info  # noqa: E402
+from bench.models import ensure_bench_model, make_inputs, model_info  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
 
 START, END = "<!-- job-time-table:start -->", "<!-- job-time-table:end -->"
@@ -50,23 +56,22 @@ PEER_BATCH, PEER_SEQ, PEER_WARMUP, PEER_RUNS = 1, 128, 5, 30
 
 # The peer, in a process of its own: ORT's transformers optimizer, then one benchmark of the original.
 PEER = """
-import sys, time
+import time
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.transformers.optimizer import optimize_model
-sys.path.insert(0, {repo!r})
-from bench.models import make_inputs
 
 started = time.perf_counter()
-optimized = optimize_model({model!r}, model_type="bert", num_heads={heads}, hidden_size={hidden})
-optimized.save_model_to_file({out!r})
+if {model_type!r} is not None:
+    optimized = optimize_model({model!r}, model_type={model_type!r}, num_heads={heads}, hidden_size={hidden})
+    optimized.save_model_to_file({out!r})
 optimize_s = time.perf_counter() - started
 started = time.perf_counter()
 options = ort.SessionOptions()
 options.log_severity_level = 3
 session = ort.InferenceSession({model!r}, options, providers=["CPUExecutionProvider"])
 names = [i.name for i in session.get_inputs()]
-feeds = {{k: v for k, v in make_inputs({name!r}, {batch}, {seq}).items() if k in names}}
+feeds = {{k: v for k, v in np.load({feeds!r}).items() if k in names}}
 for _ in range({warmup}):
     session.run(None, feeds)
 times = []
@@ -82,17 +87,56 @@ def _load() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def run_peer(model: Path, name: str, info: dict[str, Any], out: Path) -> dict[str, float]:
-    dims = info["dims"]
+@dataclasses.dataclass
+class Subject:
+    """A model the jobs and the peer run on: its file, what the peer's optimizer is told, the peer's feeds."""
+
+    name: str
+    path: Path
+    model_type: str | None  # None: ORT's transformers optimizer has no type for it; the peer only benchmarks
+    heads: int
+    hidden: int
+    feeds: dict[str, np.ndarray]
+    size_mb: float
+    nodes: int
+
+
+def subject(name: str) -> Subject:
+    """A bench model by name, or ``corpus:ARCH/EXPORTER`` from the corpus at bench size (built on demand)."""
+    if not name.startswith("corpus:"):
+        path = ensure_bench_model(name)
+        info = model_info(name) or {}
+        feeds = make_inputs(name, PEER_BATCH, PEER_SEQ)
+        dims = info["dims"]
+        return Subject(name, path, "bert", dims["heads"], dims["hidden"], feeds, info["bytes"] / 1e6, info["nodes"])
+    from tests.models import corpus  # deferred: only corpus runs need it
+
+    arch, exporter = name.removeprefix("corpus:").split("/")
+    info = corpus.cached(arch, exporter, "bench")
+    if info is None:
+        cmd = [sys.executable, "-m", "tests.models.corpus", "--size", "bench", "--reuse", "--only", arch]
+        subprocess.run([*cmd, "--exporters", exporter], cwd=REPO, check=True)
+        info = corpus.cached(arch, exporter, "bench")
+    if info is None or not info.get("ok"):
+        raise RuntimeError(f"{name}: no bench-size build ({(info or {}).get('error')})")
+    dims = corpus.DIMS["bench"]
+    feeds = corpus.feeds(arch, "bench", PEER_BATCH, PEER_SEQ, seed=1)
+    model_type = corpus.ARCHS[arch].ort_model_type
+    return Subject(
+        name, Path(info["path"]), model_type, dims.heads, dims.hidden, feeds, info["bytes"] / 1e6, info["nodes"]
+    )
+
+
+def run_peer(model: Subject, out: Path) -> dict[str, float]:
+    feeds = out / "peer_feeds.npz"
+    np.savez(feeds, **model.feeds)
     code = PEER.format(
-        repo=str(REPO),
-        model=str(model),
+        model=str(model.path),
         out=str(out / "peer.onnx"),
-        name=name,
-        heads=dims["heads"],
-        hidden=dims["hidden"],
-        batch=PEER_BATCH,
-        seq=PEER_SEQ,
+        model_type=model.model_type,
+        heads=model.heads,
+        hidden=model.hidden,
+        feeds=str(feeds),
         warmup=PEER_WARMUP,
         runs=PEER_RUNS,
     )
@@ -163,20 +207,14 @@ def _stages(job: dict[str, Any]) -> str:
     )
 
 
-def render(
-    name: str,
-    *,
-    info: dict[str, Any],
-    peer: dict[str, float],
-    jobs: dict[str, dict[str, Any]],
-    loads: list[str],
-    cmd: str,
-) -> str:
+def render_model(model: Subject, *, peer: dict[str, float], jobs: dict[str, dict[str, Any]]) -> str:
     budget = peer["wall_s"]
+    shape = " x ".join("x".join(map(str, v.shape)) for v in model.feeds.values())
+    optimizer = f"ORT transformers optimizer ({model.model_type})" if model.model_type else "no ORT model type"
     rows = [
-        f"| peer: ORT transformers optimizer + one benchmark of the original | {peer['wall_s']:.1f} | 1.00x | "
+        f"| peer: {optimizer} + one benchmark of the original | {peer['wall_s']:.1f} | 1.00x | "
         f"optimize {peer['optimize_s']:.1f} s, benchmark {peer['benchmark_s']:.1f} s "
-        f"(p50 {peer['p50_ms']:.1f} ms at {PEER_BATCH}x{PEER_SEQ}) |"
+        f"(p50 {peer['p50_ms']:.1f} ms at {shape}) |"
     ]
     for label, job in jobs.items():
         ratio = job["wall_s"] / budget
@@ -185,7 +223,18 @@ def render(
             f"| `fast` job, {label} | {job['wall_s']:.1f} | **{ratio:.2f}x** ({mark} {TARGET_RATIO:g}x) | "
             f"{job['passes']} passes, {job['applied']} applied, speedup {job['speedup']:.3f}; {_stages(job)} |"
         )
-    size_mb = info["bytes"] / 1e6
+    return "\n".join(
+        [
+            f"Model: `{model.name}` bench size ({model.size_mb:.0f} MB, {model.nodes} nodes).",
+            "",
+            "| what | wall s | / peer | breakdown |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+def render(sections: list[str], *, loads: list[str], cmd: str) -> str:
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("ONNXFORGE_PIPELINE__"))
     settings = f"pipeline settings from the environment: {', '.join(env)}" if env else "default pipeline settings"
     return "\n".join(
@@ -195,45 +244,55 @@ def render(
             machine_line(host_info(target="cpu", intra_op_threads=0), load=loads[0]),
             f"Load average after the run: {loads[-1]}.",
             "",
-            f"Model: `{name}` bench size ({size_mb:.0f} MB, {info['nodes']} nodes), no samples, target cpu, "
-            f"{settings}. Wall time of each process, start-up and imports included. Issue 17's target: at most "
+            f"No samples, target cpu, {settings}. Wall time of each process, start-up and imports included; each "
+            f"model's peer, jobs in the order shown, one after the other. Issue 17's target: at most "
             f"{TARGET_RATIO:g}x the peer.",
             "",
-            "| what | wall s | / peer | breakdown |",
-            "|---|---|---|---|",
-            *rows,
+            "\n\n".join(sections),
         ]
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.job_time", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="bert_mlm_loss", help="a bench model (bench/models.py)")
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=["bert_mlm_loss"],
+        help="bench models (bench/models.py) or corpus:ARCH/EXPORTER (tests/models/corpus.py, bench size)",
+    )
     parser.add_argument("--before", metavar="REV", help="also time the job of this git revision (before figures)")
     parser.add_argument("--no-write", action="store_true", help="print the table, leave bench/README.md alone")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="copy each job's report.json here")
     args = parser.parse_args(argv)
     cmd = "python -m bench.job_time " + shlex.join(argv if argv is not None else sys.argv[1:])
-    model = ensure_bench_model(args.model)
-    info = model_info(args.model) or {}
+    models = [subject(name) for name in args.model]
     loads = [_load()]
+    sections = []
     with tempfile.TemporaryDirectory(prefix="job-time-") as tmp:
         root = Path(tmp)
-        print(f"load {loads[0]}; peer ...", flush=True)
-        peer = run_peer(model, args.model, info, root)
-        jobs: dict[str, dict[str, Any]] = {}
-        if args.before:
-            print(f"load {_load()}; job at {args.before} ...", flush=True)
-            tree = extract(args.before, root / "before")
-            jobs[f"before (`{args.before}`)"] = run_job(model, (root / "out-before"), tree)
-        print(f"load {_load()}; job at this checkout ...", flush=True)
-        jobs["after (this checkout)"] = run_job(model, root / "out-after", REPO)
+        tree = extract(args.before, root / "before") if args.before else None
+        for n, model in enumerate(models):
+            work = root / f"m{n}"
+            work.mkdir()
+            print(f"load {_load()}; {model.name}: peer ...", flush=True)
+            peer = run_peer(model, work)
+            jobs: dict[str, dict[str, Any]] = {}
+            if tree is not None:
+                print(f"load {_load()}; {model.name}: job at {args.before} ...", flush=True)
+                jobs[f"before (`{args.before}`)"] = run_job(model.path, work / "out-before", tree)
+            print(f"load {_load()}; {model.name}: job at this checkout ...", flush=True)
+            jobs["after (this checkout)"] = run_job(model.path, work / "out-after", REPO)
+            sections.append(render_model(model, peer=peer, jobs=jobs))
+            print(sections[-1], flush=True)
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                slug = model.name.replace(":", "_").replace("/", "_")
+                for out in work.glob("out-*"):
+                    target = args.keep / f"{slug}.{out.name.removeprefix('out-')}.report.json"
+                    shutil.copyfile(out / "report.json", target)
         loads.append(_load())
-        if args.keep:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            for out in root.glob("out-*"):
-                shutil.copyfile(out / "report.json", args.keep / f"{out.name.removeprefix('out-')}.report.json")
-    text = render(args.model, info=info, peer=peer, jobs=jobs, loads=loads, cmd=cmd.strip())
+    text = render(sections, loads=loads, cmd=cmd.strip())
     print(text)
     if not args.no_write:
         write_blocks({(START, END): text}, heading=HEADING)
