@@ -59,7 +59,7 @@ if str(REPO) not in sys.path:
 import onnx  # noqa: E402
 
 from bench._report import machine_line, unmarked, write_blocks  # noqa: E402
-from bench.decoders import contrib_ops, describe, preset_artifact, session  # noqa: E402
+from bench.decoders import PRESET_VARIANTS, contrib_ops, describe, preset_artifact, session  # noqa: E402
 from core.inputs.graph import analyze  # noqa: E402
 from passes.precision import _quantization as q  # noqa: E402
 from tests.models import build_decoders as bd  # noqa: E402
@@ -74,7 +74,6 @@ FAMILIES: dict[str, bd.Family] = {
 }
 # Mistral's window stays longer than every sequence here, so all variants compute full causal attention.
 FAMILIES["mistral"] = replace(FAMILIES["mistral"], extra=(("sliding_window", 4096),))
-PRESETS = ("fast", "int4")
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -228,7 +227,7 @@ def build_family(name: str, args: argparse.Namespace) -> tuple[list[Variant], li
     made: dict[str, Path] = {}
     for exporter, src in sources.items():
         made[f"{exporter}"] = src
-        for preset in PRESETS:
+        for preset in PRESET_VARIANTS:
             path, info = preset_artifact(src, preset, root, args.reuse_presets, job=args.job)
             made[f"{exporter}:{preset}"] = path
             notes.append(f"{exporter} export, {describe(preset, info)}")
@@ -240,7 +239,7 @@ def build_family(name: str, args: argparse.Namespace) -> tuple[list[Variant], li
     for key in ("genai:fp32", "genai:int4"):
         ops = ", ".join(f"{k} {v}" for k, v in sorted(contrib_ops(made[key]).items()))
         nodes = len(onnx.load(str(made[key]), load_external_data=False).graph.node)
-        notes.append(f"builder {key.split(':')[1]}: {nodes} nodes; contrib ops {ops}")
+        notes.append(f"builder {key.split(':')[1]}: {nodes} nodes; ORT ops {ops}")
     variants = [Variant(k, p, Roles.of(p, family.kv_heads, family.head_dim)) for k, p in made.items()]
     return variants, notes
 
@@ -292,7 +291,8 @@ def _label(key: str) -> str:
     source, what = key.split(":")
     if source == "genai":
         return f"**builder {what}**"
-    return f"onnxforge `{what}` of the {'TorchScript' if source == 'ts' else 'dynamo'} export"
+    what = "`int4` passes, greedy gate off," if what == "int4 gate off" else f"`{what}`"
+    return f"onnxforge {what} of the {'TorchScript' if source == 'ts' else 'dynamo'} export"
 
 
 def rows_for(
@@ -385,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON job config keys for the preset jobs, e.g. '{\"benchmark\": false}' (this script measures)",
     )
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--render-only", action="store_true", help="write the table from the saved results only")
     args = parser.parse_args(argv)
-    for name in args.families:
+    for name in [] if args.render_only else args.families:
         run_family(name, args)
     table = render()
     print(unmarked(table, START, END))
