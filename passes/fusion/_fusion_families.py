@@ -241,24 +241,23 @@ def _heads(softmax: ir.Node) -> int:
     where the exporter wrote it instead of -1) is a constant there, and heads = W / d."""
     producer = softmax.inputs[0].producer() if softmax.inputs[0] is not None else None
     while producer is not None and producer.op_type != "MatMul":
-        if producer.op_type not in _PASS_THROUGH:
+        if producer.op_type not in _PASS_THROUGH and producer.op_type != "Reshape":  # Reshape: bmm's unfold
             return 0
-        producer = _first_input_producer(producer)
+        producer = _scores_producer(producer)
     q = producer.inputs[0] if producer is not None else None
     if q is None:
         return 0
     if q.shape is not None and len(q.shape) == 4 and isinstance(q.shape[1], int):
         return q.shape[1]
     split = q.producer()
-    for _ in range(8):  # Transpose and the scaling of SDPA exports (q * sqrt(scale)) sit between
-        if split is None or split.op_type == "Reshape":
+    for _ in range(8):  # Transpose, SDPA's scaling (q * sqrt(scale)) and bmm's [B*h, S, d] fold sit between
+        if split is None or (split.op_type == "Reshape" and len(_shape_values(split.inputs[1]) or ()) == 4):
             break
-        split = _first_input_producer(split) if split.op_type in _PASS_THROUGH else None
-    if split is None or split.op_type != "Reshape" or split.inputs[0] is None:
+        split = _first_input_producer(split) if split.op_type in _PASS_THROUGH or split.op_type == "Reshape" else None
+    if split is None or split.inputs[0] is None:
         return 0
     dims = _shape_values(split.inputs[1])
-    if dims is None or len(dims) != 4:
-        return 0
+    assert dims is not None
     heads, size = dims[2], dims[3]
     if heads is not None and heads > 0:
         return heads
@@ -266,6 +265,15 @@ def _heads(softmax: ir.Node) -> int:
     if size and size > 0 and isinstance(width, int) and width % size == 0:
         return width // size
     return 0
+
+
+def _scores_producer(node: ir.Node) -> ir.Node | None:
+    """The producer of the scores ``node`` passes on: a mask's ``Where(cond, fill, scores)`` (or with the
+    two swapped) carries them in its computed branch, every other op in its first input."""
+    if node.op_type == "Where":
+        branch = next((v for v in node.inputs[1:] if v is not None and _constant(v) is None), None)
+        return branch.producer() if branch is not None else None
+    return _first_input_producer(node)
 
 
 def _first_input_producer(node: ir.Node) -> ir.Node | None:

@@ -70,6 +70,8 @@ from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
 from passes.fusion import _rms_norm as rms_norm
 from passes.fusion import _symbolic_shapes as symbolic_shapes
+from passes.fusion import _where_mask as where_mask
+from passes.fusion._batched_heads import fold_static_sizes, unfold_batched_heads
 from passes.fusion._qkv_packing import pack_qkv
 
 KnownFamily = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2"]
@@ -269,6 +271,9 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     model = ir.serde.deserialize_model(symbolic_shapes.infer(proto, report))
     common_passes.ShapeInferencePass()(model)
     report["norm_flattens_sunk"] = sink_flatten_below_norm(model)
+    report["bmm_unfolded"] = unfold_batched_heads(model)
+    report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
+    report["where_masks"] = where_mask.rules.apply_to_model(model)
     report["gemm"] = gemm_to_matmul(model)
     report["nan_guards"] = nan_guard.rules.apply_to_model(model)
     counts = onnxscript_adapter.fuse_for_ort(model, stop_before=attention)

@@ -111,3 +111,26 @@ def test_residual_norms_fuse_when_upstream_reshape_moved_gpt2_dynamo_flattens_ab
         feed = corpus.feeds("gpt2", "tiny", batch, seq, seed=seq, pad=True)
         for want, got in zip(reference.run(None, feed), candidate.run(None, feed), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"gpt2 dynamo {batch}x{seq}")
+
+
+@pytest.mark.parametrize("exporter", ["ts_eager", "dynamo"])  # transformers has no SDPA DeBERTa-v2
+def test_fuse_transformer_fuses_attention_when_deberta_bmm_heads_and_where_mask(tmp_path, exporter):
+    """DeBERTa-v2 folds heads into the batch (``torch.bmm`` on ``[B*h, S, d]``), scales k by a run-time
+    ``sqrt(q.size(-1))`` and masks with ``masked_fill`` (``Where``): onnxscript matched none of it. The folds
+    are dropped (``_batched_heads``), the scale folded, the mask made additive (``_where_mask``)."""
+    pytest.importorskip("torch")
+    info = corpus.build("deberta_v2", exporter, "tiny", tmp_path)
+    assert info["ok"], info["error"]
+    path = tmp_path / corpus.filename("deberta_v2", exporter)
+    result = FuseTransformer({"engines": ["onnxscript"]})(
+        ir.serde.deserialize_model(onnx.load(path)), PassContext(samples=[])
+    )
+    report = result.notes["candidates"]["onnxscript"]
+    assert report["bmm_unfolded"] == 2 * LAYERS and report["where_masks"] == LAYERS
+    ops = op_histogram(result.model)
+    assert result.counts["fused_attention"] == LAYERS and "Softmax" not in ops
+    reference, candidate = session(str(path)), session(result.model)
+    for batch, seq in ((1, 5), (3, 37)):  # the export's is 2 x 16
+        feed = corpus.feeds("deberta_v2", "tiny", batch, seq, seed=seq, pad=True)
+        for want, got in zip(reference.run(None, feed), candidate.run(None, feed), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"deberta {exporter} {batch}x{seq}")

@@ -1,0 +1,211 @@
+"""Attention written with the heads folded into the batch (``torch.bmm`` on ``[B*h, S, d]``) made 4-D.
+
+DeBERTa-v2 (and other models that call ``torch.bmm``) reshape q, k and v from ``[B, h, S, d]`` to
+``[B*h, S, d]``, multiply, and unfold the scores to ``[B, h, S, S]`` for the mask; the probabilities are
+folded again for the product with v. onnxscript's SDPA rule matches 4-D ``MatMul`` only, so none of these
+attentions fused. Folding the leading two dims, multiplying the last two and unfolding is the same as the
+4-D (batched) ``MatMul``, so the folds are dropped::
+
+    q4[B,h,S,d] --Reshape[B*h,S,d]--> MatMul --Reshape[B,h,S,S]--> scores
+    k4[B,h,S,d] --Reshape[B*h,S,d]--Transpose(0,2,1)--Div(c)--^
+    ==>  q4 --> MatMul --> scores;   k4 --Transpose(0,1,3,2)--Div(c)--^
+
+    p4[B,h,S,S] --Reshape[B*h,S,S]--> MatMul --Reshape[B,h,S,d]--> out
+    v4[B,h,S,d] --Reshape[B*h,S,d]--------^
+    ==>  p4, v4 --> MatMul --> out
+
+A site is rewritten only where the shapes prove each fold merges exactly the two leading dims of its 4-D
+source and the unfold restores them (dims compared as the same int or the same symbol; TorchScript's
+run-time shapes are resolved first by ``_symbolic_shapes``). The scalar scaling between the fold and the
+MatMul commutes with the transposition and is kept.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+_ONNX = ("", "ai.onnx")
+_SCALAR_OPS = ("Div", "Mul")
+
+
+def _dims(value: ir.Value | None) -> list | None:
+    return None if value is None or value.shape is None else list(value.shape)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and a == b
+
+
+def _unfolded(value: ir.Value | None) -> ir.Value | None:
+    """The 4-D source of a ``Reshape`` that folds ``[B, h, X, Y]`` into ``[B*h, X, Y]``, else None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Reshape" or node.domain not in _ONNX:
+        return None
+    source, folded = node.inputs[0], _dims(value)
+    dims = _dims(source)
+    if dims is None or folded is None or len(dims) != 4 or len(folded) != 3:
+        return None
+    return source if _same(dims[2], folded[1]) and _same(dims[3], folded[2]) else None
+
+
+def _scalar(value: ir.Value | None) -> bool:
+    return value is not None and value.shape is not None and all(d == 1 for d in value.shape)
+
+
+def _rhs(value: ir.Value | None) -> tuple[ir.Value, bool, list[ir.Node]] | None:
+    """The 4-D source of the MatMul's rhs, whether it was transposed (k^T), and the scalar ops after."""
+    scalars: list[ir.Node] = []
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type in _SCALAR_OPS and node.domain in _ONNX and _scalar(node.inputs[1]):
+        scalars.insert(0, node)
+        value = node.inputs[0]
+        node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Transpose" and node.domain in _ONNX:
+        if list(node.attributes.get_ints("perm", [])) != [0, 2, 1]:
+            return None
+        source = _unfolded(node.inputs[0])
+        return (source, True, scalars) if source is not None else None
+    source = _unfolded(value)
+    return (source, False, scalars) if source is not None else None
+
+
+def _reshape_readers(graph: ir.Graph, folded: ir.Value, product: ir.Node, before: ir.Node) -> None:
+    """``Shape`` readers of the folded product read ``[B*h, X, Y]`` computed from the 4-D product's shape,
+    so the 3-D MatMul is left without readers (it would otherwise run beside the 4-D one)."""
+    readers = [u.node for u in folded.uses() if u.node.op_type == "Shape"]
+    if not readers:
+        return
+    prefix = product.name
+
+    def const(name: str, values: list[int]) -> ir.Value:
+        node = ir.node("Constant", [], {"value": ir.tensor(np.array(values, np.int64))}, name=f"{prefix}/{name}")
+        nodes.append(node)
+        return node.outputs[0]
+
+    nodes: list[ir.Node] = []
+    shape = ir.node("Shape", [product.outputs[0]], name=f"{prefix}/shape")
+    nodes.append(shape)
+    starts, mids, ends = const("s0", [0]), const("s1", [1]), const("s2", [2])
+    lead_b = ir.node("Slice", [shape.outputs[0], starts, mids], name=f"{prefix}/batch")
+    lead_h = ir.node("Slice", [shape.outputs[0], mids, ends], name=f"{prefix}/heads")
+    rows = ir.node("Mul", [lead_b.outputs[0], lead_h.outputs[0]], name=f"{prefix}/rows")
+    rest = ir.node("Slice", [shape.outputs[0], ends, const("s4", [4])], name=f"{prefix}/rest")
+    folded_shape = ir.node("Concat", [rows.outputs[0], rest.outputs[0]], {"axis": 0}, name=f"{prefix}/folded_shape")
+    nodes += [lead_b, lead_h, rows, rest, folded_shape]
+    graph.insert_before(before, nodes)
+    for reader in readers:
+        start = reader.attributes.get_int("start", 0)
+        end = reader.attributes.get_int("end", 3)
+        value = folded_shape.outputs[0]
+        if (start, end) != (0, 3) and (start, end) != (0, 4):
+            begin = ir.node("Constant", [], {"value": ir.tensor(np.array([start], np.int64))})
+            stop = ir.node("Constant", [], {"value": ir.tensor(np.array([end], np.int64))})
+            part = ir.node("Slice", [value, begin.outputs[0], stop.outputs[0]], name=f"{reader.name}/folded")
+            graph.insert_before(reader, [begin, stop, part])
+            value = part.outputs[0]
+        ir.convenience.replace_all_uses_with(reader.outputs[0], value, replace_graph_outputs=False)
+
+
+def unfold_batched_heads(model: ir.Model) -> int:
+    """Rewrite every proven ``[B*h, S, d]`` attention product to its 4-D form; the number rewritten."""
+    sites = []
+    for matmul in model.graph:
+        if matmul.op_type != "MatMul" or matmul.domain not in _ONNX:
+            continue
+        out = matmul.outputs[0]
+        uses = [u for u in out.uses() if u.node.op_type != "Shape"]  # TorchScript reads the unfold's sizes
+        if len(uses) != 1 or out.is_graph_output():
+            continue
+        unfold = uses[0].node
+        if unfold.outputs[0].is_graph_output():
+            continue
+        lhs = _unfolded(matmul.inputs[0])
+        rhs = _rhs(matmul.inputs[1])
+        if unfold.op_type != "Reshape" or unfold.domain not in _ONNX or lhs is None or rhs is None:
+            continue
+        target, source, folded = _dims(unfold.outputs[0]), _dims(lhs), _dims(out)
+        other = _dims(rhs[0])
+        if target is None or folded is None or len(target) != 4 or len(folded) != 3 or other is None:
+            continue
+        lead_ok = all(_same(target[i], source[i]) and _same(other[i], source[i]) for i in (0, 1))
+        if lead_ok and _same(target[2], folded[1]) and _same(target[3], folded[2]):
+            sites.append((matmul, unfold, lhs, rhs))
+    for matmul, unfold, lhs, (source, transposed, scalars) in sites:
+        prefix = matmul.name or "bmm"
+        nodes: list[ir.Node] = []
+        value = source
+        if transposed:
+            flip = ir.node("Transpose", [value], {"perm": [0, 1, 3, 2]}, name=f"{prefix}/transpose_4d")
+            nodes.append(flip)
+            value = flip.outputs[0]
+        for op in scalars:
+            copy = ir.node(op.op_type, [value, op.inputs[1]], name=f"{prefix}/{op.op_type.lower()}_4d")
+            nodes.append(copy)
+            value = copy.outputs[0]
+        product = ir.node("MatMul", [lhs, value], name=f"{prefix}/4d")
+        nodes.append(product)
+        product.outputs[0].shape, product.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+        model.graph.insert_before(unfold, nodes)
+        _reshape_readers(model.graph, matmul.outputs[0], product, unfold)
+        ir.convenience.replace_all_uses_with(unfold.outputs[0], product.outputs[0])
+    if sites:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return len(sites)
+
+
+def _const_ints(value: ir.Value | None) -> list[int] | None:
+    tensor = value.const_value if value is not None else None
+    producer = value.producer() if value is not None else None
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        attr = producer.attributes.get("value")
+        tensor = attr.value if attr is not None else None
+    return None if tensor is None else [int(x) for x in tensor.numpy().reshape(-1)]
+
+
+def fold_static_sizes(model: ir.Model) -> int:
+    """Replace ``Slice``/``Gather`` of a ``Shape`` that select only known dims by constants.
+
+    TorchScript computes the attention scale from q's run-time size (``sqrt(q.size(-1))``: ``Shape ->
+    Slice -> Squeeze -> Cast -> Sqrt``); with the head size known after shape inference, this makes the scale
+    the constant onnxscript's SDPA rule requires ("key_scale is not a scalar"). onnxscript's optimizer then
+    folds the rest of the chain."""
+    folded = 0
+    for shape_node in list(model.graph):
+        if shape_node.op_type != "Shape" or shape_node.domain not in _ONNX or shape_node.inputs[0] is None:
+            continue
+        dims = _dims(shape_node.inputs[0])
+        if dims is None:
+            continue
+        rank = len(dims)
+        start = shape_node.attributes.get_int("start", 0)
+        end = shape_node.attributes.get_int("end", rank)
+        dims = dims[slice(start, end)]
+        for use in list(shape_node.outputs[0].uses()):
+            reader = use.node
+            picked: list | None = None
+            if reader.op_type == "Gather" and reader.attributes.get_int("axis", 0) == 0:
+                index = _const_ints(reader.inputs[1])
+                scalar = reader.inputs[1] is not None and reader.inputs[1].shape is not None
+                if index is not None and scalar:
+                    picked = [dims[i] for i in index]
+                    shape = list(reader.inputs[1].shape)
+            elif reader.op_type == "Slice" and len(reader.inputs) in (3, 4):
+                starts, ends = _const_ints(reader.inputs[1]), _const_ints(reader.inputs[2])
+                axes = _const_ints(reader.inputs[3]) if len(reader.inputs) == 4 else [0]
+                if starts and ends and len(starts) == 1 and axes in ([0], [-1]):
+                    picked = dims[slice(starts[0], max(min(ends[0], len(dims)), -len(dims) - 1))]
+                    shape = [len(picked)]
+            if picked is None or not all(isinstance(d, int) for d in picked):
+                continue
+            tensor = ir.tensor(np.array(picked, np.int64).reshape(shape))
+            constant = ir.node("Constant", [], {"value": tensor}, name=f"{reader.name}/static")
+            model.graph.insert_before(reader, constant)
+            ir.convenience.replace_all_uses_with(reader.outputs[0], constant.outputs[0])
+            folded += 1
+    if folded:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return folded

@@ -1,0 +1,78 @@
+"""A boolean attention mask applied with ``Where`` written as the additive mask onnxscript's SDPA rule reads.
+
+DeBERTa-v2 (``masked_fill``) and other eager implementations do not add ``(1 - mask) * min`` to the scores;
+they overwrite the masked positions with the dtype's minimum (or -inf). onnxscript's SDPA rule (0.7.2) takes
+``Softmax(Add(scores, mask))`` only, so none of these attentions fused. This rule builds the additive
+mask from the same condition and adds it::
+
+    Softmax(Where(masked, fill, s))             Softmax(Add(s, Where(masked, fill, 0)))
+    Softmax(Where(keep, s, fill))       ==>     Softmax(Add(s, Where(keep, 0, fill)))
+
+after which SDPA -> MultiHeadAttention takes the computed mask as its ``attention_bias``. The fill must be
+-inf or at most -1e30 (``torch.finfo(dtype).min`` in practice): ``s + fill`` then rounds to ``fill``
+wherever the scores are below 1e29 in magnitude, which they are by many orders in any model, and the
+Softmax gives every masked position an exact 0 (a fully masked row is uniform, or NaN for -inf, in both
+forms). ``s`` must come from a ``MatMul`` (possibly scaled), i.e. be attention scores. Built with
+onnxscript's exported pattern API (``RewriteRuleClassBase``, ``MatchResult.fail``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+_LARGE_NEGATIVE = -1e30
+_SCORE_OPS = ("MatMul", "Mul", "Div", "Add")
+
+
+def _fill(value: ir.Value) -> float | None:
+    tensor = value.const_value
+    if tensor is None or tensor.size != 1:
+        return None
+    return float(tensor.numpy().reshape(-1)[0])
+
+
+class _WhereMask(pattern.RewriteRuleClassBase):
+    fill_first: bool  # Where(cond, fill, scores) when True, Where(cond, scores, fill) otherwise
+
+    def check(self, context, scores: ir.Value, fill: ir.Value, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        number = _fill(fill)
+        if number is None:
+            return result.fail("the masked fill is not a one-element constant", fill)
+        if not (np.isneginf(number) or number <= _LARGE_NEGATIVE):
+            return result.fail(f"the masked fill {number} is not -inf or a large negative number", fill)
+        producer = scores.producer()
+        if producer is None or producer.op_type not in _SCORE_OPS or producer.domain not in ("", "ai.onnx"):
+            return result.fail("the unmasked branch is not attention scores (MatMul, scaled)", scores)
+        return result
+
+    def _bias(self, op, cond, fill):
+        zero = op.Constant(value=ir.tensor(np.array(0, fill.const_value.dtype.numpy())))
+        return op.Where(cond, fill, zero) if self.fill_first else op.Where(cond, zero, fill)
+
+
+class WhereFillFirst(_WhereMask):
+    fill_first = True
+
+    def pattern(self, op, cond, fill, scores):
+        return op.Softmax(op.Where(cond, fill, scores), _allow_other_attributes=True, _outputs=["probs"])
+
+    def rewrite(self, op, cond, fill, scores, probs, **_):
+        axis = probs.producer().attributes.get_int("axis", -1)
+        return op.Softmax(op.Add(scores, self._bias(op, cond, fill)), axis=axis)
+
+
+class WhereFillSecond(_WhereMask):
+    fill_first = False
+
+    def pattern(self, op, cond, scores, fill):
+        return op.Softmax(op.Where(cond, scores, fill), _allow_other_attributes=True, _outputs=["probs"])
+
+    def rewrite(self, op, cond, scores, fill, probs, **_):
+        axis = probs.producer().attributes.get_int("axis", -1)
+        return op.Softmax(op.Add(scores, self._bias(op, cond, fill)), axis=axis)
+
+
+rules = pattern.RewriteRuleSet([WhereFillFirst.rule(), WhereFillSecond.rule()])
