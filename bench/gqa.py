@@ -2,14 +2,15 @@
 it, against ``fuse_gqa``'s GroupQueryAttention and MultiHeadAttention outputs, on ORT's CPU EP at its default
 level (what users run).
 
-Run ``python -m bench.gqa [--threads 1 2] [--past 128] [--prompt 128] [--rounds 7] [--no-write]``.
+Run ``python -m bench.gqa [--threads 1 2] [--past 128 1024] [--prompt 128] [--rounds 7] [--no-write]``. Where the
+checkout has ``fuse_rotary``, a third column runs it before ``fuse_gqa`` (as the ``fast`` preset does).
 
 Model: 4 layers, hidden 512, 8 heads / 2 kv heads (head size 64), MLP 1408, vocabulary 32000, random
 weights, built here (transformers config, no hub) into ``bench/out/gqa/`` and never committed. Figures, per
 intra-op thread count, batch 1:
 
-* decode: latency of one call with 1 new token after a cache of ``--past`` positions (the cache is random: the
-  latency does not depend on its values);
+* decode: latency of one call with 1 new token after a cache of each ``--past`` length (128 and 1024; the cache
+  is random: the latency does not depend on its values);
 * prefill: latency of one call on an empty cache with ``--prompt`` new tokens.
 
 Variants are timed interleaved: every round runs each variant once per figure, in an order that rotates per
@@ -21,6 +22,7 @@ original (ORT, optimizations off) before it is timed. The table goes into bench/
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -45,6 +47,11 @@ from workers.benchmark import host_info  # noqa: E402
 START, END = "<!-- gqa-table:start -->", "<!-- gqa-table:end -->"
 HEADING = "## GroupQueryAttention (issue 19, fuse_gqa)"
 WORK = REPO / "bench" / "out" / "gqa"
+TITLES = {
+    "gqa": "fuse_gqa: GroupQueryAttention",
+    "mha": "fuse_gqa: MultiHeadAttention",
+    "rotary+gqa": "fuse_rotary + fuse_gqa",
+}
 LLAMA = Family(
     "bench_llama", "LlamaConfig", "LlamaForCausalLM", layers=4, hidden=512, heads=8, kv_heads=2, intermediate=1408,
     vocab=32000, max_positions=2048,
@@ -59,8 +66,12 @@ def build(path: Path) -> Path:
 
 
 def fuse(original: Path, attention: str) -> Path:
+    """fuse_gqa's ``attention`` form; ``rotary+gqa``: fuse_rotary first, where this checkout has it."""
     out = original.with_name(f"{original.stem}.{attention}.onnx")
     model = ir.load(original)
+    if attention == "rotary+gqa":
+        model = importlib.import_module("passes.fusion.fuse_rotary").FuseRotary()(model).model
+        attention = "gqa"
     result = FuseGqa({"attention": attention})(model, PassContext())
     ops = op_histogram(result.model)
     op = {"gqa": "GroupQueryAttention", "mha": "MultiHeadAttention"}[attention]
@@ -118,20 +129,19 @@ def run(args: argparse.Namespace) -> str:
     signature = Signature.of(original)
     variants = {"original": original}
     diffs = {}
-    for attention in ("gqa", "mha"):
+    forms = ["gqa", "mha"] + (["rotary+gqa"] if importlib.util.find_spec("passes.fusion.fuse_rotary") else [])
+    for attention in forms:
         variants[attention] = fuse(original, attention)
         diffs[attention] = check(original, variants[attention], signature)
-    feeds = {
-        f"decode@{args.past}": decoder_feeds(signature, 1, 1, args.past, seed=1),
-        f"prefill{args.prompt}": decoder_feeds(signature, 1, args.prompt, 0, seed=2),
-    }
+    feeds = {f"decode@{past}": decoder_feeds(signature, 1, 1, past, seed=1) for past in args.past}
+    feeds[f"prefill{args.prompt}"] = decoder_feeds(signature, 1, args.prompt, 0, seed=2)
     rows = []
     for threads in args.threads:
         got = measure(variants, feeds, threads, args.rounds)
         for figure in feeds:
             base = got["original"][figure]
-            cells = [f"{got[v][figure]:.2f} ms ({base / got[v][figure]:.2f}x)" for v in ("gqa", "mha")]
-            rows.append(f"| {figure} | {threads} | {base:.2f} ms | {cells[0]} | {cells[1]} |")
+            cells = [f"{got[v][figure]:.2f} ms ({base / got[v][figure]:.2f}x)" for v in forms]
+            rows.append(f"| {figure} | {threads} | {base:.2f} ms | {' | '.join(cells)} |")
             print(rows[-1], flush=True)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return "\n".join(
@@ -139,16 +149,16 @@ def run(args: argparse.Namespace) -> str:
             f"Llama-shaped, {LLAMA.layers} layers, hidden {LLAMA.hidden}, {LLAMA.heads}/{LLAMA.kv_heads} heads, "
             f"vocabulary {LLAMA.vocab}, random weights, TorchScript export with cache; batch 1; ORT default level; "
             f"medians of {args.rounds} interleaved rounds; ratio = original / fused. Max |diff| to the original "
-            f"(optimizations off): GQA {diffs['gqa']:.1e}, MHA {diffs['mha']:.1e}.",
+            f"(optimizations off): {', '.join(f'{TITLES[f]} {diffs[f]:.1e}' for f in forms)}.",
             "",
-            "| figure | threads | original | fuse_gqa: GroupQueryAttention | fuse_gqa: MultiHeadAttention |",
-            "| --- | --- | --- | --- | --- |",
+            f"| figure | threads | original | {' | '.join(TITLES[f] for f in forms)} |",
+            "| --- | --- | --- |" + " --- |" * len(forms),
             *rows,
             "",
             machine_line(host_info(target="cpu", intra_op_threads=0), load=load),
             "",
-            f"Reproduce: `python -m bench.gqa --threads {' '.join(map(str, args.threads))} --past {args.past} "
-            f"--prompt {args.prompt} --rounds {args.rounds}`.",
+            f"Reproduce: `python -m bench.gqa --threads {' '.join(map(str, args.threads))} "
+            f"--past {' '.join(map(str, args.past))} --prompt {args.prompt} --rounds {args.rounds}`.",
         ]
     )
 
@@ -156,7 +166,7 @@ def run(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gqa", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--past", type=int, default=128, help="cache length of the decode figure")
+    parser.add_argument("--past", type=int, nargs="+", default=[128, 1024], help="cache lengths of the decode figures")
     parser.add_argument("--prompt", type=int, default=128, help="new tokens of the prefill figure")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="3 rounds")
