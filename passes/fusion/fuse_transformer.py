@@ -21,7 +21,12 @@ output, so its graph fails at run time. This pass first rewrites those Gemms to 
     x[B,S,K] (or [B,S,h,d]) --Reshape[-1,K]--> Gemm(W, b) --Reshape[B,S,N]--> y
     ==>  x --(Reshape[0,0,K] if rank 4)--> MatMul(W) --> Add(b) --> y
 
-after which MultiHeadAttention, SkipLayerNormalization with bias and (via ORT) FastGelu all fuse.
+after which MultiHeadAttention, SkipLayerNormalization with bias and (via ORT) FastGelu all fuse. Three
+more exporter forms are rewritten, exactly, into those onnxscript reads: a leading-dims flatten that
+``upstream_reshape`` moved above a LayerNorm goes back below it (``sink_flatten_below_norm``); attention on
+heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); and a boolean
+mask applied with ``Where`` becomes an additive one (``_where_mask``). Audio encoders are recognized by their
+convolutional stem (``_fusion_families``).
 
 How far attention is fused is an option, because the fullest fusion is not the fastest everywhere:
 ``attention="attention"`` (default) packs Q/K/V into ``com.microsoft::Attention``; ``"mha"`` stops at
