@@ -12,7 +12,7 @@ intra-op thread count, batch 1:
 * prefill: latency of one call on an empty cache with ``--prompt`` new tokens.
 
 Variants are timed interleaved: every round runs each variant once per figure, in an order that rotates per
-round; medians over rounds, ratio = original / fused (> 1: faster). The fused model is checked against the
+round; medians over rounds, ratio = original / variant (> 1: faster). The fused model is checked against the
 original (ORT, optimizations off) before it is timed. The table goes into bench/README.md between the
 ``rotary-table`` markers.
 """
@@ -68,6 +68,22 @@ def fuse(original: Path) -> Path:
     return out
 
 
+def fast(original: Path, signature: Signature, *, rotary: bool) -> Path:
+    """The ``fast`` preset's passes in order, in-process and without the ledger (nothing rolled back), with or
+    without fuse_rotary: what fuse_rotary changes for the attention fusions after it."""
+    from passes import registry
+
+    out = original.with_name(f"{original.stem}.fast{'' if rotary else '_norotary'}.onnx")
+    if not out.exists():
+        model = ir.load(original)
+        ctx = PassContext(samples=[decoder_feeds(signature, 1, 16, 0, seed=5), decoder_feeds(signature, 1, 1, 32)])
+        for spec in registry.PRESETS["fast"].specs:
+            if rotary or spec.name != "fuse_rotary":
+                model = registry.build_passes([spec])[0](model, ctx).model
+        ir.save(model, out)
+    return out
+
+
 def check(original: Path, fused: Path, signature: Signature) -> float:
     """Max |diff| of every output at a prefill of 9 and a decode after 33, ORT optimizations off."""
     options = ort.SessionOptions()
@@ -81,6 +97,13 @@ def check(original: Path, fused: Path, signature: Signature) -> float:
     if worst > 1e-3:
         raise RuntimeError(f"{fused.name} differs from the original by {worst}")
     return worst
+
+
+def _attention_ops(path: Path) -> str:
+    ops = op_histogram(ir.load(path))
+    names = ("RotaryEmbedding", "GroupQueryAttention", "MultiHeadAttention")
+    found = [f"{ops[f'com.microsoft::{n}']} {n}" for n in names if ops[f"com.microsoft::{n}"]]
+    return ", ".join([*found, f"{ops['Sin'] + ops['Cos']} Sin/Cos"])
 
 
 def session(path: Path, threads: int) -> ort.InferenceSession:
@@ -115,7 +138,11 @@ def run(args: argparse.Namespace) -> str:
     original = build(WORK / "llama_4x512_past_ts.onnx")
     signature = Signature.of(original)
     variants = {"original": original, "fuse_rotary": fuse(original)}
-    diff = check(original, variants["fuse_rotary"], signature)
+    if args.fast:
+        variants |= {"fast without fuse_rotary": fast(original, signature, rotary=False)}
+        variants |= {"fast": fast(original, signature, rotary=True)}
+    diffs = {name: check(original, path, signature) for name, path in variants.items() if name != "original"}
+    fused_ops = {name: _attention_ops(path) for name, path in variants.items()}
     feeds = {
         f"decode@{args.past}": decoder_feeds(signature, 1, 1, args.past, seed=1),
         f"prefill{args.prompt}": decoder_feeds(signature, 1, args.prompt, 0, seed=2),
@@ -124,26 +151,28 @@ def run(args: argparse.Namespace) -> str:
     for threads in args.threads:
         got = measure(variants, feeds, threads, args.rounds)
         for figure in feeds:
-            base, fused = got["original"][figure], got["fuse_rotary"][figure]
-            rows.append(f"| {figure} | {threads} | {base:.2f} ms | {fused:.2f} ms | {base / fused:.3f}x |")
+            base = got["original"][figure]
+            cells = [f"{got[v][figure]:.2f} ms ({base / got[v][figure]:.3f}x)" for v in variants if v != "original"]
+            rows.append(f"| {figure} | {threads} | {base:.2f} ms | {' | '.join(cells)} |")
             print(rows[-1], flush=True)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return "\n".join(
         [
             f"Llama-shaped, {LLAMA.layers} layers, hidden {LLAMA.hidden}, {LLAMA.heads}/{LLAMA.kv_heads} heads, "
             f"vocabulary {LLAMA.vocab}, random weights, TorchScript export with cache; batch 1; ORT default level; "
-            f"medians of {args.rounds} interleaved rounds; ratio = original / fused (> 1: faster). "
-            f"fuse_rotary alone (8 RotaryEmbedding, one 4096-row cos/sin cache); max |diff| to the original "
-            f"(optimizations off) {diff:.1e}.",
+            f"medians of {args.rounds} interleaved rounds; ratio = original / variant (> 1: faster). "
+            f"fuse_rotary alone: 8 RotaryEmbedding, one 4096-row cos/sin cache. Max |diff| to the original "
+            f"(optimizations off): {', '.join(f'{k} {v:.1e}' for k, v in diffs.items())}. Fused ops: "
+            f"{'; '.join(f'{k}: {v}' for k, v in fused_ops.items())}.",
             "",
-            "| figure | threads | original | fuse_rotary | ratio |",
-            "| --- | --- | --- | --- | --- |",
+            f"| figure | threads | original | {' | '.join(v for v in variants if v != 'original')} |",
+            f"| --- | --- | --- |{' --- |' * (len(variants) - 1)}",
             *rows,
             "",
             machine_line(host_info(target="cpu", intra_op_threads=0), load=load),
             "",
             f"Reproduce: `python -m bench.rotary --threads {' '.join(map(str, args.threads))} --past {args.past} "
-            f"--prompt {args.prompt} --rounds {args.rounds}`.",
+            f"--prompt {args.prompt} --rounds {args.rounds}{' --fast' if args.fast else ''}`.",
         ]
     )
 
@@ -154,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=128, help="cache length of the decode figure")
     parser.add_argument("--prompt", type=int, default=128, help="new tokens of the prefill figure")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--fast", action="store_true", help="also the fast preset with and without fuse_rotary")
     parser.add_argument("--quick", action="store_true", help="3 rounds")
     parser.add_argument("--no-write", action="store_true", help="print the table, leave bench/README.md alone")
     args = parser.parse_args(argv)
