@@ -7,7 +7,9 @@ here, before the server starts, so a bad keys file or a production server withou
 
 from __future__ import annotations
 
+import importlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -29,6 +31,7 @@ from core.errors import InvalidConfigError
 from core.objectstore import open_blob_store
 from core.settings import Settings, get_settings
 from core.store import JobStore
+from core.tracing import configure_tracing, tracer_provider
 
 log = logging.getLogger("onnxforge.api")
 
@@ -66,6 +69,9 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
             app.state.store = store
             app.state.blobs = blobs
             app.state.jobs = JobService(store, blobs, active, settings, metrics=metrics)
+            # The pass registry (onnx-ir, onnxscript: seconds of imports) is needed by the first job's config
+            # check; loading it now, beside start-up, keeps that time out of the first upload.
+            threading.Thread(target=importlib.import_module, args=("passes.registry",), daemon=True).start()
             metrics.bind(store)
             log.info(
                 "onnxforge API ready (database %s, data %s)",
@@ -94,6 +100,13 @@ def create_app(settings: Settings | None = None, dispatcher: Dispatcher | None =
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware)  # X-Request-ID, and request_id/team on every log line
+    if configure_tracing(settings, process="api"):
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor  # deferred: the otel extra
+
+        # A server span per request; the job's Celery message carries its context to the worker.
+        FastAPIInstrumentor.instrument_app(
+            app, tracer_provider=tracer_provider(), excluded_urls="healthz,readyz,metrics"
+        )
     app.include_router(router)
     app.include_router(console.router)  # GET / -> /console/: the web console (app/static)
     if settings.metrics.enabled:

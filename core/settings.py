@@ -355,6 +355,32 @@ class MetricsSettings(_Section):
         return entries
 
 
+class TracingSettings(_Section):
+    enabled: bool = Field(
+        False,
+        description="OpenTelemetry traces across API -> queue -> worker (needs the otel extra); off: nothing of "
+        "OpenTelemetry is imported.",
+    )
+    exporter: Literal["otlp", "file"] = Field(
+        "otlp", description="otlp: OTLP over HTTP to otlp_endpoint; file: one JSON line per span appended to file."
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; unset: the exporter's default "
+        "and OTEL_EXPORTER_OTLP_* variables.",
+    )
+    file: Path | None = Field(None, description="exporter=file: the file every process appends its spans to.")
+    service_name: str = Field(
+        "onnxforge", description="service.name of the spans, suffixed -api or -worker by the process."
+    )
+
+    @model_validator(mode="after")
+    def _file_named(self) -> TracingSettings:
+        if self.enabled and self.exporter == "file" and self.file is None:
+            raise ValueError("tracing.exporter=file needs tracing.file")
+        return self
+
+
 class WebhooksSettings(_Section):
     allowed_hosts: list[str] = Field(
         default_factory=list,
@@ -446,6 +472,7 @@ class Settings(BaseSettings):
     webhooks: WebhooksSettings = WebhooksSettings()
     quotas: QuotasSettings = QuotasSettings()
     retention: RetentionSettings = RetentionSettings()
+    tracing: TracingSettings = TracingSettings()
 
     @field_validator("storage")
     @classmethod

@@ -24,7 +24,20 @@ def create_celery(settings: Settings) -> Celery:
     """The Celery app for ``settings`` with the optimize task registered."""
     app = broker.create_celery(settings)
     register_tasks(app, settings)
+    if settings.tracing.enabled:
+        _trace_pool_children(settings)
     return app
+
+
+def _trace_pool_children(settings: Settings) -> None:
+    """Tasks run in prefork pool children: each sets up its own exporter (its thread does not survive the
+    fork) and flushes it on exit (core/tracing.py)."""
+    from celery import signals
+
+    from core.tracing import configure_tracing, shutdown_tracing
+
+    signals.worker_process_init.connect(lambda **_: configure_tracing(settings, process="worker"), weak=False)
+    signals.worker_process_shutdown.connect(lambda **_: shutdown_tracing(), weak=False)
 
 
 def __getattr__(name: str) -> Any:

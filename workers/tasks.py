@@ -24,6 +24,7 @@ from celery import signals
 
 from core.broker import TASK_NAME
 from core.logs import log_context
+from core.tracing import set_attributes
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -95,6 +96,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             log.error("dropping %s message with an invalid job id %r", TASK_NAME, job_id[:64])
             return
         with log_context(job_id=job_id):  # every line of this job, Celery's included, names it
+            set_attributes(job_id=job_id)  # on the task's span, when tracing is on
             log.info("job %s delivered (Celery task %s)", job_id, self.request.id)
             optimize(job_id, settings, worker_name=self.request.hostname)
 

@@ -27,6 +27,7 @@ from core.settings import Settings
 from core.storage import BlobStore
 from core.store import STATES, Intake, Job, JobStore
 from core.store_retention import job_blobs
+from core.tracing import set_attributes
 from core.webhooks import check_destination
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ class JobService:
                 ) from exc
             raise
         bind(job_id=job.id)  # the request's later lines, its access line included, name the job
+        set_attributes(job_id=job.id)  # and so does its span, when tracing is on
         log.info("job %s queued on %s (tenant %s, model %s)", job.id, queue, tenant, job.model_sha256[:12])
         return job
 
