@@ -189,8 +189,8 @@ def fold_static_sizes(model: ir.Model) -> int:
             picked: list | None = None
             if reader.op_type == "Gather" and reader.attributes.get_int("axis", 0) == 0:
                 index = _const_ints(reader.inputs[1])
-                scalar = reader.inputs[1] is not None and reader.inputs[1].shape is not None
-                if index is not None and scalar:
+                known = reader.inputs[1] is not None and reader.inputs[1].shape is not None
+                if index is not None and known:
                     picked = [dims[i] for i in index]
                     shape = list(reader.inputs[1].shape)
             elif reader.op_type == "Slice" and len(reader.inputs) in (3, 4):
