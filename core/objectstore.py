@@ -4,14 +4,20 @@ Same contract as core/storage.py's local store (content-addressed, a blob is vis
 anything not committed is deleted), so the API, the workers and retention use either through one
 interface. Keys: ``<prefix>blobs/ab/abcdef...``; uploads in progress live under ``<prefix>tmp/``.
 
-Writing a blob whose digest is known only at the end (an upload streamed from a client):
+Writing a blob streamed from a client:
 
-* the bytes are hashed as they arrive and sent as a multipart upload to a temp key, one part
-  (``storage.s3_part_bytes``) held in memory at a time, so memory stays flat whatever the size;
-* ``commit`` completes the upload and copies the temp object to its final key on the server (a multipart
-  copy above 5 GiB; nothing travels through this process), then deletes the temp object. The copy is made
-  even when the blob exists already: it refreshes the object's LastModified, which retention reads as
-  "written now" (core/retention.py's grace period protects a blob a new job is about to name);
+* the bytes are hashed as they arrive and sent as a multipart upload, part by part
+  (``storage.s3_part_bytes``): a full part goes to a sender thread while the next one fills, at most
+  ``_PARTS_IN_FLIGHT`` at once, so memory stays flat whatever the size;
+* when the client declared the digest (``expected_sha256``, from its ``Content-Digest``), the parts go
+  to the blob's final key and ``commit`` completes the upload there once the digest is checked (a
+  mismatch aborts it: nothing appears);
+* otherwise the digest is known only at the end: the parts go to a temp key, and ``commit`` completes
+  the upload and copies the temp object to its final key on the server (a multipart copy above 5 GiB;
+  nothing travels through this process), then deletes the temp object;
+* either way the final object is written even when the blob exists already: that refreshes its
+  LastModified, which retention reads as "written now" (core/retention.py's grace period protects a blob
+  a new job is about to name);
 * a blob smaller than one part goes up in one PUT straight to its final key.
 
 Reading: workers download a blob into their job's local scratch directory (``copy_to``, one streamed GET);
@@ -24,7 +30,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import secrets
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +43,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from core.errors import NotFoundError, TooLargeError, UnavailableError
-from core.storage import _SHA256, BlobStore, _check_sha
+from core.storage import _SHA256, BlobStore, _check_sha, check_digest
 
 if TYPE_CHECKING:
     from core.settings import StorageSettings
@@ -44,6 +52,12 @@ _READ_CHUNK = 1 << 20
 # Managed transfers (put_file, copy_to, commit's copy): a few parts in flight, each s3_part_bytes.
 _TRANSFER_THREADS = 2
 _MAX_COPY_BYTES = 5 << 30  # S3's limit of a single-request CopyObject
+# Parts of one streamed upload being sent at once: the next part fills while this one goes, so receiving
+# and hashing overlap sending; each holds s3_part_bytes of memory (2 x 16 MiB by default, with the one
+# filling: the 2 GiB test's RSS bound is 64 MiB).
+_PARTS_IN_FLIGHT = 1
+# Part senders shared by all uploads of a process (each upload is bounded by _PARTS_IN_FLIGHT).
+_PART_SENDERS = 8
 
 
 def _missing(exc: ClientError) -> bool:
@@ -55,17 +69,26 @@ def _unavailable(action: str, exc: Exception) -> UnavailableError:
 
 
 class S3BlobWriter:
-    """One blob being streamed in. Use through ``S3BlobStore.writer()``, which aborts it unless committed."""
+    """One blob being streamed in. Use through ``S3BlobStore.writer()``, which aborts it unless committed.
 
-    def __init__(self, store: S3BlobStore, max_bytes: int | None) -> None:
+    A full part is sent by the store's transfer threads while the caller goes on writing the next one; at
+    most ``_PARTS_IN_FLIGHT`` parts are being sent at once, and the caller waits for a free slot, so memory
+    stays at most (``_PARTS_IN_FLIGHT`` + 1) parts whatever the blob's size."""
+
+    def __init__(self, store: S3BlobStore, max_bytes: int | None, expected_sha256: str | None = None) -> None:
         self._store = store
         self.max_bytes = max_bytes
+        self.expected_sha256 = expected_sha256
         self.size = 0
         self._hash = hashlib.sha256()
         self._buffer = bytearray()
-        self._tmp_key = f"{store.prefix}tmp/upload-{secrets.token_hex(16)}"
+        # Declared digest: the parts go to the final key, where completing the upload makes the blob
+        # appear at once (S3 shows no part of a multipart upload before it is completed); no copy.
+        temp = f"{store.prefix}tmp/upload-{secrets.token_hex(16)}"
+        self._key = store.key(expected_sha256) if expected_sha256 else temp
         self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._slots = threading.BoundedSemaphore(_PARTS_IN_FLIGHT)
         self._committed: str | None = None
         self._closed = False
 
@@ -90,21 +113,41 @@ class S3BlobWriter:
         self.size += len(data)
         self._buffer += data
         if len(self._buffer) >= self._store.part_bytes:
-            self._flush_part()
+            self._send_part()
 
-    def _flush_part(self) -> None:
+    def _send_part(self) -> None:
         client, bucket = self._store.client, self._store.bucket
+        if self._upload_id is None:
+            try:
+                self._upload_id = client.create_multipart_upload(Bucket=bucket, Key=self._key)["UploadId"]
+            except (BotoCoreError, ClientError) as exc:
+                raise _unavailable("upload", exc) from exc
+        # A part that failed fails the upload now, rather than after the rest of the body was sent.
+        failed = next((exc for p in self._parts if p.done() and (exc := p.exception()) is not None), None)
+        if failed is not None:
+            raise _unavailable("upload", failed) from failed
+        self._slots.acquire()
+        body, self._buffer = self._buffer, bytearray()
+        number = len(self._parts) + 1
+
+        def send() -> dict[str, Any]:
+            try:
+                response = client.upload_part(
+                    Bucket=bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=body
+                )
+                return {"ETag": response["ETag"], "PartNumber": number}
+            finally:
+                self._slots.release()
+
         try:
-            if self._upload_id is None:
-                self._upload_id = client.create_multipart_upload(Bucket=bucket, Key=self._tmp_key)["UploadId"]
-            number = len(self._parts) + 1
-            etag = client.upload_part(
-                Bucket=bucket, Key=self._tmp_key, UploadId=self._upload_id, PartNumber=number, Body=self._buffer
-            )["ETag"]
-        except (BotoCoreError, ClientError) as exc:
-            raise _unavailable("upload", exc) from exc
-        self._parts.append({"ETag": etag, "PartNumber": number})
-        self._buffer = bytearray()  # the part is sent: release it rather than keep a second one in memory
+            self._parts.append(self._store.part_senders.submit(send))
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _sent_parts(self) -> list[dict[str, Any]]:
+        """Wait for every part; the first failure raises."""
+        return [part.result() for part in self._parts]
 
     def commit(self) -> str:
         """Make the blob visible under its digest and return the digest. Idempotent."""
@@ -112,28 +155,32 @@ class S3BlobWriter:
             return self._committed
         if self._closed:
             raise ValueError("blob writer was aborted")
-        sha = self.sha256
+        sha = check_digest(self.sha256, self.expected_sha256)
         store, final = self._store, self._store.key(sha)
         try:
             if self._upload_id is None:  # smaller than one part: one PUT, no temp object
                 store.client.put_object(Bucket=store.bucket, Key=final, Body=self._buffer)
             else:
                 if self._buffer:
-                    self._flush_part()
+                    self._send_part()
                 store.client.complete_multipart_upload(
                     Bucket=store.bucket,
-                    Key=self._tmp_key,
+                    Key=self._key,
                     UploadId=self._upload_id,
-                    MultipartUpload={"Parts": self._parts},
+                    MultipartUpload={"Parts": self._sent_parts()},
                 )
                 self._upload_id = None
-                try:
-                    store.server_copy(self._tmp_key, final, self.size)
-                finally:
-                    store.client.delete_object(Bucket=store.bucket, Key=self._tmp_key)
+                if self._key != final:
+                    try:
+                        store.server_copy(self._key, final, self.size)
+                    finally:
+                        store.client.delete_object(Bucket=store.bucket, Key=self._key)
         except (BotoCoreError, ClientError) as exc:
             self.abort()
             raise _unavailable("commit", exc) from exc
+        except BaseException:
+            self.abort()
+            raise
         self._buffer = bytearray()
         self._committed = sha
         self._closed = True
@@ -144,9 +191,10 @@ class S3BlobWriter:
         self._closed = True
         self._buffer = bytearray()
         if self._committed is None and self._upload_id is not None:
+            wait(self._parts)  # a part still being sent would otherwise outlive the abort and linger
             with contextlib.suppress(BotoCoreError, ClientError):
                 self._store.client.abort_multipart_upload(
-                    Bucket=self._store.bucket, Key=self._tmp_key, UploadId=self._upload_id
+                    Bucket=self._store.bucket, Key=self._key, UploadId=self._upload_id
                 )
             self._upload_id = None
 
@@ -176,6 +224,7 @@ class S3BlobStore(BlobStore):
             max_concurrency=_TRANSFER_THREADS,
             max_io_queue=4,
         )
+        self.part_senders = ThreadPoolExecutor(_PART_SENDERS, thread_name_prefix="s3-part")
 
     @classmethod
     def from_settings(cls, storage: StorageSettings) -> S3BlobStore:
@@ -223,8 +272,10 @@ class S3BlobStore(BlobStore):
     # ------------------------------------------------------------------------------------------ writing
 
     @contextlib.contextmanager
-    def writer(self, max_bytes: int | None = None, *, expected_size: int | None = None) -> Iterator[Any]:
-        blob = S3BlobWriter(self, max_bytes)
+    def writer(
+        self, max_bytes: int | None = None, *, expected_size: int | None = None, expected_sha256: str | None = None
+    ) -> Iterator[Any]:
+        blob = S3BlobWriter(self, max_bytes, None if expected_sha256 is None else _check_sha(expected_sha256))
         try:
             yield blob
         finally:

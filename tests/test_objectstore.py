@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from core.errors import NotFoundError, TooLargeError
+from core.errors import InvalidInputError, NotFoundError, TooLargeError
 from core.objectstore import S3BlobStore, open_blob_store
 from core.retention import purge
 from core.settings import RetentionSettings
@@ -70,6 +70,36 @@ def test_s3_writer_leaves_nothing_when_upload_fails_or_exceeds_cap(s3: S3BlobSto
         capped.write(os.urandom(PART))
         capped.write(b"x")
 
+    assert _keys(s3) == []
+    assert _uploads_in_progress(s3) == []
+
+
+@pytest.mark.integration
+def test_s3_writer_sends_parts_to_the_final_key_when_digest_declared(s3: S3BlobStore) -> None:
+    data = os.urandom(3 * PART + 5)
+    sha = hashlib.sha256(data).hexdigest()
+    with s3.writer(expected_sha256=sha) as blob:
+        for start in range(0, len(data), 1 << 20):
+            blob.write(data[start : start + (1 << 20)])
+            # Parts go to the blob's own key: nothing under tmp/, nothing visible before commit.
+            assert {u["Key"] for u in _uploads_in_progress(s3)} <= {s3.key(sha)}
+            assert _keys(s3) == []
+        assert blob.commit() == sha
+
+    assert _read(s3, sha) == data
+    assert _keys(s3) == [s3.key(sha)]
+    assert _uploads_in_progress(s3) == []
+
+
+@pytest.mark.integration
+def test_s3_writer_leaves_nothing_when_declared_digest_differs(s3: S3BlobStore) -> None:
+    data = os.urandom(2 * PART + 1)
+    declared = hashlib.sha256(b"something else").hexdigest()
+    with pytest.raises(InvalidInputError) as refused, s3.writer(expected_sha256=declared) as blob:
+        blob.write(data)
+        blob.commit()
+
+    assert refused.value.code == "DIGEST_MISMATCH"
     assert _keys(s3) == []
     assert _uploads_in_progress(s3) == []
 
