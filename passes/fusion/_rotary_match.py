@@ -50,10 +50,11 @@ class CosSin:
     """Where one cos or sin factor comes from."""
 
     kind: Literal["inv_freq", "table"]
-    positions: ir.Value  # int64 [batch, sequence]
+    positions: ir.Value  # int64 [batch, sequence], or [sequence] where shared
     values: np.ndarray  # inv_freq [rotary_dim/2], or the folded table's first half [max_positions, rotary_dim/2]
     scale: float  # attention_scaling (1 for default rope)
     nodes: tuple[ir.Node, ...]
+    shared: bool = False  # 1-D positions the whole batch shares (the model's own arange)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +111,17 @@ def _slice(node: ir.Node | None, hints: Hints) -> tuple[ir.Value, int | None, in
     return data, one_int(node.inputs[1], hints), one_int(node.inputs[2], hints)
 
 
-def _positions(value: ir.Value | None, axis: tuple[int, ...], nodes: list[ir.Node]) -> ir.Value:
-    """position_ids behind ``Cast(Unsqueeze(p, axis))`` (either order)."""
+def _positions(value: ir.Value | None, axis: tuple[int, ...], nodes: list[ir.Node]) -> tuple[ir.Value, bool]:
+    """position_ids behind ``Cast(Unsqueeze(p, axis))`` (either order), and whether p is 1-D ``[sequence]``
+    (a model computing ``arange(S)`` itself, unsqueezed on ``[0, axis]``), shared by the whole batch."""
     cast = _producer(value, "Cast")
     unsqueeze = _producer(cast.inputs[0] if cast else value, "Unsqueeze")
     if unsqueeze is None:
         raise Declined("the angle's positions are not Cast(Unsqueeze(position_ids))")
-    if axes_of(unsqueeze) not in [[a] for a in axis]:
-        raise Declined(f"position_ids unsqueezed on axes {axes_of(unsqueeze)}, not {list(axis)}")
+    axes = axes_of(unsqueeze)
+    shared = axes in [[0, a] for a in axis]
+    if axes not in [[a] for a in axis] and not shared:
+        raise Declined(f"position_ids unsqueezed on axes {axes}, not {list(axis)}")
     nodes += [n for n in (cast, unsqueeze) if n is not None]
     inner = unsqueeze.inputs[0]
     if cast is None:
@@ -129,12 +133,13 @@ def _positions(value: ir.Value | None, axis: tuple[int, ...], nodes: list[ir.Nod
     assert inner is not None
     if inner.dtype not in (None, ir.DataType.INT64, ir.DataType.INT32):
         raise Declined(f"positions {inner.name} are {inner.dtype}, not integers")
-    if inner.shape is not None and len(inner.shape) != 2:
-        raise Declined(f"positions {inner.name} have rank {len(inner.shape)}, not [batch, sequence]")
-    return inner
+    rank = 1 if shared else 2
+    if inner.shape is not None and len(inner.shape) != rank:
+        raise Declined(f"positions {inner.name} have rank {len(inner.shape)}, not {rank}")
+    return inner, shared
 
 
-def _angles(emb: ir.Value | None, nodes: list[ir.Node]) -> tuple[ir.Value, np.ndarray]:
+def _angles(emb: ir.Value | None, nodes: list[ir.Node]) -> tuple[tuple[ir.Value, bool], np.ndarray]:
     """(position_ids, inv_freq) of ``emb = Concat(f, f)``, ``f = positions * inv_freq``."""
     concat = _producer(emb, "Concat")
     if concat is None or len(concat.inputs) != 2 or concat.inputs[0] is not concat.inputs[1]:
@@ -187,8 +192,8 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
     trig = _producer(v, op)
     if trig is not None:
         nodes.append(trig)
-        positions, inv_freq = _angles(trig.inputs[0], nodes)
-        return CosSin("inv_freq", positions, inv_freq, scale, tuple(nodes))
+        (positions, shared), inv_freq = _angles(trig.inputs[0], nodes)
+        return CosSin("inv_freq", positions, inv_freq, scale, tuple(nodes), shared)
     gather = _producer(v, "Gather")
     if gather is None or int_attr(gather, "axis", 0) != 0:
         raise Declined(f"{op.lower()} comes from neither {op}(angles) nor Gather(table, position_ids)")

@@ -142,7 +142,13 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         cast = ir.node("Cast", [positions], {"to": ir.DataType.INT64}, name=f"{anchor.name}/rotary_positions")
         graph.insert_before(anchor, cast)
         feeds[1] = cast.outputs[0]
-    if not _batched(positions, graph):
+    if found.cos.shared:  # [sequence] -> [1, sequence], then one row per batch entry below
+        zero = ir.tensor(np.array([0], np.int64))
+        axis = ir.node("Constant", [], {"value": zero}, name=f"{anchor.name}/rotary_axis")
+        row = ir.node("Unsqueeze", [feeds[1], axis.outputs[0]], name=f"{anchor.name}/rotary_positions_2d")
+        graph.insert_before(anchor, [axis, row])
+        feeds[1] = row.outputs[0]
+    if found.cos.shared or not _batched(positions, graph):
         # Positions a model computes itself (arange(S)[None]) broadcast over the batch in the original; the
         # kernel wants one row per batch entry.
         name = f"{anchor.name}/rotary_positions"

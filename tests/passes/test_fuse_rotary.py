@@ -280,3 +280,22 @@ def test_fuse_rotary_rotates_only_the_rotary_dims_when_phi3_has_partial_rotary_f
         feeds = decoder_feeds(signature, batch, prompt, past, seed=i)
         for want, got in zip(reference.run(None, feeds), candidate.run(None, feeds), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dynamo_llama", "ts_llama_eager", "ts_llama_sdpa"])
+def test_fuse_rotary_gives_each_sequence_the_positions_when_the_model_computes_them_itself(name):
+    """tests/models' Llama exports take no position_ids: the graph builds ``arange(S)`` ([1, S], or [S]
+    unsqueezed on [0, 2] by dynamo) and broadcasts it over the batch; RotaryEmbedding wants [batch, S]."""
+    from tests.models.build_torchscript import inputs
+
+    path = OUT.parent / f"{name}.onnx"
+    model = ir.load(path)
+    result = FuseRotary()(model)
+    assert result.counts["rotary_embeddings"] == 4 and result.non_matches == []
+    assert op_histogram(model)["Sin"] == op_histogram(model)["Cos"] == 0
+    reference, candidate = session(str(path)), session(model)
+    for batch, seq in ((1, 5), (3, 37), (2, 64)):
+        ids, mask = inputs(batch, seq, seed=seq)
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        for want, got in zip(reference.run(None, feeds), candidate.run(None, feeds), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name} at {batch}x{seq}")
