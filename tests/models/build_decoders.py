@@ -352,7 +352,10 @@ def export(module: Any, family: Family, cache: str, exporter: str, path: Path) -
 
 
 def _check_graph(model: onnx.ModelProto, names_in: Sequence[str], names_out: Sequence[str]) -> None:
-    onnx.checker.check_model(model, full_check=True)
+    # Over protobuf's 2 GB (qwen05: its tied embedding is exported twice) the checker cannot serialize the
+    # proto; verify() still runs that model in ORT against torch.
+    if sum(len(t.raw_data) for t in model.graph.initializer) < 1_800_000_000:
+        onnx.checker.check_model(model, full_check=True)
     opsets = {o.domain: o.version for o in model.opset_import}
     if opsets.get("", 0) < 17:
         raise AssertionError(f"opset {opsets} < 17")
