@@ -76,6 +76,7 @@ class FuseRotary(Pass[FuseRotaryOptions]):
         if not matches:
             structure["rotary"] = "unmatched" if declined or trig else "no rotary"
             counts = {"rms_norms_divided": norms} if norms else {}
+            declined += [] if declined else _unexplained_trig(graph)
             return PassResult(model, bool(norms), counts, declined, notes={"decoder": structure})
         layers = sorted({layer for m in matches if (layer := layer_of(m.anchor)) is not None})
         max_positions = self.options.max_positions or metadata_max_positions(model) or DEFAULT_MAX_POSITIONS
@@ -86,6 +87,7 @@ class FuseRotary(Pass[FuseRotaryOptions]):
         removed = _remove_dead(graph, [*matched, *_downstream(matched)], set(graph.outputs))
         model.opset_imports.setdefault(_MS, 1)
         left = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
+        declined += _unexplained_trig(graph) if left and not declined else []
         notes: dict[str, Any] = {
             "decoder": structure,
             "max_positions": {
@@ -102,6 +104,16 @@ class FuseRotary(Pass[FuseRotaryOptions]):
             "rms_norms_divided": norms,
         }
         return PassResult(model, True, counts=counts, non_matches=declined, notes=notes)
+
+
+def _unexplained_trig(graph: ir.Graph) -> list[NonMatch]:
+    """Sin/Cos no rotate-half candidate explained: a rotary form this pass does not match (GPT-J's interleaved
+    ``rotate_every_two``, a scaled rope choosing inv_freq at run time), named so the report says what blocked it."""
+    return [
+        _non_match(n, f"{n.op_type} feeds no q*cos + rotate_half(q)*sin this pass matches (interleaved or other form)")
+        for n in graph
+        if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx")
+    ]
 
 
 def _non_match(node: ir.Node, reason: str) -> NonMatch:

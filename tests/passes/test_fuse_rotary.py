@@ -299,3 +299,34 @@ def test_fuse_rotary_gives_each_sequence_the_positions_when_the_model_computes_t
         feeds = {"input_ids": ids, "attention_mask": mask}
         for want, got in zip(reference.run(None, feeds), candidate.run(None, feeds), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name} at {batch}x{seq}")
+
+
+def test_fuse_rotary_names_the_trigonometry_it_leaves_when_the_rotation_is_another_form():
+    """No rotate_half (here x * cos(angle) alone, as an interleaved or otherwise unmatched rope would leave
+    it): nothing changes and the report names the Cos, not silence."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["position_ids", "paxis"], ["p3"]),
+        helper.make_node("Cast", ["p3"], ["pf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["pf", "inv_freq"], ["angle"]),
+        helper.make_node("Cos", ["angle"], ["c"], name="the_cos"),
+        helper.make_node("Mul", ["x", "c"], ["y"]),
+    ]
+    inits = [
+        helper.make_tensor("paxis", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor("inv_freq", TensorProto.FLOAT, [4], [1.0, 0.1, 0.01, 0.001]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cos_only",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 4]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "S"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", 4])],
+        inits,
+    )
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    result = FuseRotary()(model)
+    assert not result.modified
+    assert [(m.node, m.op_type) for m in result.non_matches] == [("the_cos", "Cos")]
+    assert result.notes["decoder"]["rotary"] == "unmatched"
