@@ -53,6 +53,17 @@ def _cache_layout(keys: dict[int, ir.Value]) -> dict[str, Any] | None:
     return {"layout": layout, "names": pattern, "kv_heads": kv_heads, "head_size": head_size}
 
 
+def _through_elementwise(value: ir.Value | None) -> ir.Node | None:
+    """The producer of ``value``, looking through a per-head norm between the head split's Reshape and its
+    Transpose (Qwen3's and Gemma 3's q_norm/k_norm) along its non-constant operand."""
+    for _ in range(10):
+        node = value.producer() if value is not None else None
+        if node is None or node.op_type not in ("Mul", "Div", "Add", "Sub", "Cast", "Identity"):
+            return node
+        value = next((v for v in node.inputs if v is not None and const(v) is None), None)
+    return None
+
+
 def _head_splits(graph: ir.Graph) -> list[tuple[int, int]]:
     """(heads, head_size) of every ``[B, S, N, H] -> [B, N, S, H]`` transpose whose dims are known."""
     found: list[tuple[int, int]] = []
@@ -63,7 +74,7 @@ def _head_splits(graph: ir.Graph) -> list[tuple[int, int]]:
         if shape is not None and len(shape) == 4 and _static(shape[1]) and _static(shape[3]):
             found.append((int(shape[1]), int(shape[3])))
             continue
-        source = node.inputs[0].producer() if node.inputs[0] is not None else None
+        source = _through_elementwise(node.inputs[0])
         if source is not None and source.op_type == "Reshape":
             split = heads_of_split(source.inputs[1], source.inputs[0])
             if split is not None:
