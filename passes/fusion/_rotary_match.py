@@ -8,6 +8,7 @@ transformers' ``apply_rotary_pos_emb`` (Llama, Qwen2, Mistral, Phi-3, Gemma...) 
         f = Mul(Cast(Unsqueeze(position_ids, -1)), inv_freq)                                 (transformers >= 4.5x)
           | Transpose(MatMul([Expand] inv_freq[None, :, None], Cast(Unsqueeze(position_ids, 1))), [0, 2, 1])
     or  c = Gather(cos_cached, position_ids)        (older models: a folded cos/sin table, [max_pos, rotary_dim])
+        position_ids: a [batch, sequence] input, or the model's own 1-D arange unsqueezed on [0, -1] (shared)
 
     rotated = Add(Mul(x, cos), Mul(Concat(Neg(Slice(x, h:)), Slice(x, :h), axis=-1), sin))     h = rotary_dim / 2
 
