@@ -113,27 +113,44 @@ def _match(layer: int, softmax: ir.Node) -> Site:
 
 
 def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:
+    """The node of one of ``ops`` computing ``value``, through Identity copies (CSE leaves them)."""
     node = value.producer() if value is not None else None
+    while node is not None and node.op_type == "Identity" and node.domain in _ONNX and "Identity" not in ops:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
     if node is None or node.domain not in _ONNX or node.op_type not in ops:
         return None
     return node
 
 
+def _live(node: ir.Node, depth: int = 8) -> bool:
+    """Whether anything the graph returns reads ``node``'s outputs: the passes before this one (CSE's Identity
+    copies) leave dead consumers behind until dead_node_elimination runs last."""
+    if depth == 0:
+        return True
+    return any(o.is_graph_output() or any(_live(u.node, depth - 1) for u in o.uses()) for o in node.outputs)
+
+
+def _live_uses(value: ir.Value) -> list:
+    return [u for u in value.uses() if _live(u.node)]
+
+
 def _through_casts(value: ir.Value) -> ir.Value:
-    """Follow single-use Casts to the value's own element type (TorchScript casts probabilities to float)."""
+    """Follow single-use Identities and Casts to the value's own element type (TorchScript casts the
+    probabilities to float, twice)."""
     while True:
-        uses = list(value.uses())
-        if len(uses) != 1 or uses[0].node.op_type != "Cast" or uses[0].node.domain not in _ONNX:
+        uses = _live_uses(value)
+        if len(uses) != 1 or uses[0].node.op_type not in ("Cast", "Identity") or uses[0].node.domain not in _ONNX:
             return value
+        node = uses[0].node
         # An untyped value (TorchScript writes no value_info) is taken as float32, the exporters' default.
         own = value.dtype.value if value.dtype is not None else ir.DataType.FLOAT.value
-        if uses[0].node.attributes.get_int("to", 0) != own:
+        if node.op_type == "Cast" and node.attributes.get_int("to", 0) != own:
             return value
-        value = uses[0].node.outputs[0]
+        value = node.outputs[0]
 
 
 def _single_use(value: ir.Value, op: str, what: str) -> ir.Node:
-    uses = list(value.uses())
+    uses = _live_uses(value)
     if len(uses) != 1 or uses[0].node.op_type != op or uses[0].node.domain not in _ONNX:
         found = ", ".join(u.node.op_type for u in uses) or "no consumer"
         raise Declined(f"expected {what} to feed one {op}; found {found}")

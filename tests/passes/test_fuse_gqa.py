@@ -18,6 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from core.inputs import generate_input_sets
+from passes import registry
 from passes._infra import PassContext, op_histogram
 from passes.fusion.fuse_gqa import FuseGqa
 from tests.models.build_decoders import OUT, Signature, decoder_feeds, presents_as_past
@@ -195,3 +196,24 @@ def test_fuse_gqa_names_the_blocking_pattern_when_a_layer_differs():
     (reason,) = [m.reason for m in result.non_matches]
     assert reason.startswith("attention layer 0") and "to feed one Transpose; found Identity" in reason
     assert "left-padded" in result.notes["padding"]
+
+
+@pytest.mark.parametrize("name", ["llama_past_ts", "qwen2_past_dynamo", "mistral_past_ts", "gpt2_past_ts"])
+def test_fuse_gqa_fuses_every_layer_when_run_after_the_fast_presets_earlier_passes(name):
+    # setup: the passes `fast` runs before fuse_gqa (CSE leaves dead Identity copies on the probabilities)
+    model = ir.load(OUT / f"{name}.onnx")
+    specs = registry.PRESETS["fast"].specs
+    for p in registry.build_passes(specs[: [s.name for s in specs].index("fuse_gqa")]):
+        model = p(model, PassContext()).model
+    # execute
+    result = FuseGqa()(model, PassContext())
+    # assert
+    ops = op_histogram(result.model)
+    assert ops["com.microsoft::GroupQueryAttention"] == family(name)["layers"] and "Softmax" not in ops
+    signature = Signature.of(OUT / f"{name}.onnx")
+    reference, candidate = session(str(OUT / f"{name}.onnx")), session(result.model)
+    for index, (batch, seq, past) in enumerate(((2, 5, 0), (1, 1, 17))):
+        feeds = decoder_feeds(signature, batch, seq, past, seed=index)
+        want, got = run(reference, feeds), run(candidate, feeds)
+        for key, expected in want.items():
+            np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=key)
