@@ -113,6 +113,8 @@ def decide(
     # The suspect: the kept pass whose own ledger measurement slowed the model most, if any did.
     suspects = sorted((ledger.records[i] for i, _ in ledger.kept), key=_ledger_ratio, reverse=True)
     failed = suspects[0].name if suspects and _ledger_ratio(suspects[0]) > 1.0 else None
+    if failed is None and len(ledger.kept) == 1:  # untimed by the ledger (left to the gate), yet the only one
+        failed = ledger.kept[0][1].name
     clearly = [sh.input_set for sh in comparison.shapes if sh.clearly_slower]
     where = f"on {', '.join(clearly)}" if clearly else f"overall (paired ratio {comparison.pooled.ratio:.3f})"
     decision.update(
