@@ -148,6 +148,8 @@ class InputSynthesis:
                 dim = spec.dims[role.past_axis]
                 past_len = bound.get(dim, past) if isinstance(dim, str) else int(dim or 0)
                 break
+        if self.facts.has_past:
+            seq = self._bound_new_tokens(bound, seq)
         shapes: dict[str, tuple[int, ...]] = {}
         pending: list[tuple[str, int, str]] = []
         for spec in self.specs:
@@ -178,6 +180,15 @@ class InputSynthesis:
             fixed[axis] = value
             shapes[name] = tuple(fixed)
         return shapes
+
+    def _bound_new_tokens(self, bound: Mapping[str, int], default: int) -> int:
+        """The new tokens' length where the caller bound the ids' sequence dim: a mask that spans past + new
+        tokens under a name of its own (TorchScript's ``total_sequence``) must follow it, not the guess."""
+        for spec in self.specs:
+            dim = spec.dims[-1] if spec.dims else None
+            if self._role(spec.name).role == "token_ids" and isinstance(dim, str) and dim in bound:
+                return bound[dim]
+        return default
 
     def _size(
         self, role: InputRole, spec: InputSpec, axis: int, dim: str | None, *, batch: int, seq: int, past: int

@@ -144,3 +144,15 @@ def test_feeds_at_keeps_previous_roles_when_the_model_is_a_plain_encoder() -> No
     )
     assert feeds["input_ids"].max() < 256 and set(np.unique(feeds["token_type_ids"])) <= {0, 1}
     assert feeds["attention_mask"][0].all()
+
+
+@pytest.mark.parametrize(
+    "name", ["decoders/llama_past_ts.onnx", "decoders/llama_past_dynamo.onnx", "roles_gpt2_past.onnx"]
+)
+def test_feeds_for_sizes_spans_the_mask_over_past_and_the_bound_new_tokens(name: str) -> None:
+    """A mask with a dim name of its own follows the sequence the caller binds, not the first guess's."""
+    synthesis = InputSynthesis(onnx.load(str(MODELS / name), load_external_data=False))
+    sizes = {dim: {"batch": 2, "sequence": 37, "past": 5}[plan["role"]] for dim, plan in synthesis.free_dims().items()}
+    feeds = synthesis.feeds_for_sizes(sizes, np.random.default_rng(0))
+    assert feeds["input_ids"].shape == (2, 37)
+    assert feeds["attention_mask"].shape == (2, 5 + 37)
