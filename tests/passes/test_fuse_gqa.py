@@ -166,17 +166,18 @@ def test_fuse_gqa_leaves_the_window_to_multiheadattention_when_local_window_is_o
 
 
 def test_fuse_gqa_declines_every_layer_with_its_reason_when_attention_is_not_causal():
-    # setup: a BERT encoder: bidirectional attention under a padding mask
-    model = ir.load(MODELS / "hf_bert_encoder.onnx")
+    # setup: a DistilBERT encoder: bidirectional attention under a padding mask, left to fuse_transformer
+    model = ir.load(MODELS / "dynamo_distilbert.onnx")
     before = op_histogram(model)
     # execute
     result = FuseGqa()(model)
     # assert
     assert not result.modified and op_histogram(result.model) == before
-    assert result.non_matches
-    assert all(m.op_type is None or m.op_type == "Softmax" for m in result.non_matches)
-    text = " ".join(m.reason for m in result.non_matches)
-    assert "not causal" in text or "role token_type_ids" in text
+    assert len(result.non_matches) == before["Softmax"]
+    for layer, declined in enumerate(result.non_matches):
+        assert declined.op_type == "Softmax"
+        assert declined.reason.startswith(f"attention layer {layer} ")
+        assert "not causal self-attention: mask probe: the mask is not causal plus key padding" in declined.reason
 
 
 def test_fuse_gqa_names_the_blocking_pattern_when_a_layer_differs():
