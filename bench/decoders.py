@@ -104,7 +104,8 @@ def decode_ms(sess: ort.InferenceSession, signature: Signature, prompt: int, tok
 
 def make_int4(path: Path, signature: Signature, prompts: list[int], work: Path) -> tuple[Path, dict[str, Any]]:
     samples = [decoder_feeds(signature, 1, prompts[0], 0, seed=3), decoder_feeds(signature, 1, 1, prompts[0], seed=4)]
-    model = ir.load(path)
+    # In memory: the pass hands tensors to ORT's quantizer, which resolves external-data paths from the cwd.
+    model = ir.external_data.load_to_model(ir.load(path))
     t0 = time.perf_counter()
     # Random weights and random tokens: near-tied logits make the greedy-token gate meaningless here (it is
     # tested on the trained decoder); the loop keeps float, as the "float_kept" column says.
@@ -232,7 +233,8 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """Table rows and one run note per model."""
     rows: list[str] = []
     notes: list[str] = []
-    command = "python -m bench.decoders " + shlex.join(sys.argv[1:])
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ONNXFORGE_PIPELINE__")]
+    command = " ".join([*env, "python -m bench.decoders", shlex.join(sys.argv[1:])])
     QWEN_DIR.parent.mkdir(parents=True, exist_ok=True)  # the 2 GB qwen05 artifacts: on the repo's disk, not /tmp
     with tempfile.TemporaryDirectory(prefix="onnxforge-bench-decoders-", dir=QWEN_DIR.parent) as tmp:
         work = Path(tmp)
@@ -283,7 +285,10 @@ def merge(rows: list[str], notes: list[str], models: list[str], old_block: str) 
         return line.split("|")[1].strip() if line.startswith("|") else line[2:].split(":", maxsplit=1)[0]
 
     old = old_block.splitlines()
-    kept_rows = [r for r in old if r.startswith("| ") and model_of(r) not in ("model", "---", *models)]
+    # Rows of another column layout (an older version of this script) are stale: dropped.
+    kept_rows = [
+        r for r in old if r.startswith("| ") and r.count("|") == 10 and model_of(r) not in ("model", "---", *models)
+    ]
     kept_notes = [n for n in old if n.startswith("* ") and model_of(n) not in models]
     header = [
         HEADING,
