@@ -25,7 +25,9 @@ distilbert    word and position embeddings only, LayerNorm right after their sum
 unknown       no Softmax or no normalization: not a transformer we know how to fuse
 ============  ==========================================================================================
 
-``layers`` is the number of ``Softmax`` nodes (one per attention block in every family above).
+``layers`` is the number of ``Softmax`` nodes (one per attention block in every family above), plus the
+attention ops an earlier pass already fused (``fuse_gqa`` runs before ``fuse_transformer`` in the presets, so a
+decoder reaches it with GroupQueryAttention or MultiHeadAttention and no Softmax).
 """
 
 from __future__ import annotations
@@ -101,7 +103,13 @@ def achieved_fusions(model: ir.Model) -> dict[str, int]:
 
 
 def count_layers(model: ir.Model) -> int:
-    return sum(1 for node in model.graph if node.op_type == "Softmax" and node.domain in ("", "ai.onnx"))
+    """Attention blocks: each ``Softmax`` left, plus each attention an earlier pass (``fuse_gqa``) fused."""
+    return sum(
+        1
+        for node in model.graph
+        if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx"))
+        or (node.domain == "com.microsoft" and node.op_type in GROUPS["attention"])
+    )
 
 
 def _derives_from(value: ir.Value | None, op_type: str, depth: int = 6) -> bool:
@@ -133,13 +141,15 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
     graph = model.graph
     ops = Counter(node.op_type for node in graph)
     input_names = {v.name for v in graph.inputs}
-    if not ops["Softmax"]:
+    if not ops["Softmax"] and not any(ops[op] for op in GROUPS["attention"]):
         return "unknown", "no Softmax: no attention block"
     if "decoder_input_ids" in input_names:
         if ops["LayerNormalization"]:
             return "bart", "encoder-decoder (graph input decoder_input_ids) with LayerNorms"
         return "t5", "encoder-decoder (graph input decoder_input_ids) with RMS norms"
     causal = _causal_mask(model)
+    if not causal and ops["GroupQueryAttention"]:
+        causal = "GroupQueryAttention (causal by construction; fused by an earlier pass)"
     if not ops["LayerNormalization"]:
         if ops["Sqrt"] and ops["ReduceMean"] and ops["Pow"]:
             if causal:
