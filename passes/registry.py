@@ -186,8 +186,9 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "int4",
-            "Weight-only int4 MatMulNBits (block 32, symmetric, accuracy_level measured), the lm_head float or "
-            "8-bit, the most sensitive MatMuls float, accuracy-checked per output (CPU decoders).",
+            "Decoder fusions (RotaryEmbedding, GroupQueryAttention), then weight-only int4 MatMulNBits (block size "
+            "and accuracy_level measured), the lm_head float or 8-bit, the int4/8-bit mix chosen by the greedy "
+            "tokens each MatMul flips (CPU decoders).",
             _INT4,
             INT4_TOLERANCE,
         ),
