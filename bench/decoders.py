@@ -102,14 +102,16 @@ def decode_ms(sess: ort.InferenceSession, signature: Signature, prompt: int, tok
     return (time.perf_counter() - t0) * 1e3 / tokens
 
 
-def make_int4(path: Path, signature: Signature, prompts: list[int], work: Path) -> tuple[Path, dict[str, Any]]:
+def make_int4(
+    path: Path, signature: Signature, prompts: list[int], work: Path, extra: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
     samples = [decoder_feeds(signature, 1, prompts[0], 0, seed=3), decoder_feeds(signature, 1, 1, prompts[0], seed=4)]
     # In memory: the pass hands tensors to ORT's quantizer, which resolves external-data paths from the cwd.
     model = ir.external_data.load_to_model(ir.load(path))
     t0 = time.perf_counter()
     # Random weights and random tokens: near-tied logits make the greedy-token gate meaningless here (it is
     # tested on the trained decoder); the loop keeps float, as the "float_kept" column says.
-    options = {"max_samples": 2, "min_top1_agreement": None, "sensitive_as": "float"}
+    options = {"max_samples": 2, "min_top1_agreement": None, "sensitive_as": "float", **(extra or {})}
     result = QuantizeInt4(options)(model, PassContext(samples=samples))
     seconds = time.perf_counter() - t0
     if not result.modified:
@@ -244,10 +246,11 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             variants = {"fp32": path}
             details = []
             if not args.no_int4_pass:
-                int4, info = make_int4(path, signature, args.prompts, work)
+                int4, info = make_int4(path, signature, args.prompts, work, args.int4_options)
                 variants["int4 pass"] = int4
+                given = f" {json.dumps(args.int4_options)}" if args.int4_options else ""
                 details.append(
-                    f"int4 pass: accuracy_level {info['level']}, lm_head {info['head']}, {info['float_kept']} "
+                    f"int4 pass{given}: accuracy_level {info['level']}, lm_head {info['head']}, {info['float_kept']} "
                     f"MatMul(s) kept float, {info['seconds']:.1f}s"
                 )
             if name in args.presets:
@@ -327,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--preset-variants", nargs="+", default=list(PRESET_VARIANTS), choices=PRESET_VARIANTS)
     parser.add_argument("--no-int4-pass", action="store_true", help="leave out the quantize_int4 pass alone")
+    parser.add_argument(
+        "--int4-options",
+        type=json.loads,
+        default={},
+        help="JSON options of the int4 pass over the script's own; qwen05: its 'auto' block size, accuracy level "
+        "and lm_head copy the model through one serialized proto, which fails over protobuf's 2 GB",
+    )
     parser.add_argument(
         "--job",
         type=json.loads,
