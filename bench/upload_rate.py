@@ -34,6 +34,7 @@ from pathlib import Path
 
 import boto3
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
@@ -141,7 +142,7 @@ def _moto(env: dict[str, str]) -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def _server(root: Path, data: Path, size: int, extra: dict[str, str]) -> Iterator[str]:
+def _server(root: Path, data: Path, size: int, extra: dict[str, str]) -> Iterator[tuple[str, psutil.Process]]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONNXFORGE_")}
     env |= {
@@ -165,15 +166,19 @@ def _server(root: Path, data: Path, size: int, extra: dict[str, str]) -> Iterato
         _wait(f"{url}/healthz", proc)
         # The first job loads the pass registry; a tiny upload does it before anything is timed.
         _upload(url, "multipart", CHUNK, seed=1 << 64)
-        yield url
+        yield url, psutil.Process(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def measure(backend: str, size: int, runs: int, variants: list[tuple[str, Path, str]]) -> dict[str, list[float]]:
-    """MB/s per variant (label, checkout, form), the variants taking turns within each round."""
-    rates: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+def measure(
+    backend: str, size: int, runs: int, variants: list[tuple[str, Path, str]]
+) -> dict[str, list[tuple[float, float]]]:
+    """Per variant (label, checkout, form): (MB/s, the server's CPU seconds per GiB) of each upload, the
+    variants taking turns within each round. CPU time is user + system of the API process, which load
+    moves far less than the rate on a shared machine."""
+    rates: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in variants}
     with tempfile.TemporaryDirectory(prefix="onnxforge-upload-") as tmp, contextlib.ExitStack() as stack:
         extra = stack.enter_context(_moto(dict(os.environ))) if backend == "s3" else {}
         urls = {
@@ -185,7 +190,12 @@ def measure(backend: str, size: int, runs: int, variants: list[tuple[str, Path, 
             order = variants if round_ % 2 == 0 else variants[::-1]
             for label, root, form in order:
                 seed += 1
-                rates[label].append(_upload(urls[root], form, size, seed))
+                url, server = urls[root]
+                before = server.cpu_times()
+                rate = _upload(url, form, size, seed)
+                after = server.cpu_times()
+                cpu = (after.user - before.user) + (after.system - before.system)
+                rates[label].append((rate, cpu / (size / (1 << 30))))
     return rates
 
 
@@ -204,9 +214,11 @@ def main() -> None:
         rates = measure(backend, args.mib << 20, args.runs, variants)
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         for label, values in rates.items():
+            mbs, cpus = [r for r, _ in values], [c for _, c in values]
             print(
-                f"{backend} {label}: {args.mib} MiB x {args.runs}: median {statistics.median(values):.0f} MB/s "
-                f"(runs {', '.join(f'{r:.0f}' for r in values)}; {os.cpu_count()} CPUs; load {load})",
+                f"{backend} {label}: {args.mib} MiB x {args.runs}: median {statistics.median(mbs):.0f} MB/s "
+                f"(runs {', '.join(f'{r:.0f}' for r in mbs)}); API CPU median {statistics.median(cpus):.2f} s/GiB "
+                f"(runs {', '.join(f'{c:.2f}' for c in cpus)}); {os.cpu_count()} CPUs; load {load}",
                 flush=True,
             )
 
