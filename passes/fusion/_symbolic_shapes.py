@@ -19,6 +19,8 @@ floats float32, strings string), so the rewritten model computes the same functi
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,11 @@ def infer(proto: onnx.ModelProto, report: dict[str, Any]) -> onnx.ModelProto:
     readable.CopyFrom(proto)
     rewritten = constants_as_tensors(readable.graph)
     try:
-        inferred = SymbolicShapeInference.infer_shapes(readable, auto_merge=True)
+        # On an incomplete inference ORT saves the whole model (weights as external data) into the working
+        # directory for debugging: a read-only directory in a container would turn the refusal into another
+        # error, and a shared one would collect a copy of every upload. Passes run one at a time per process.
+        with tempfile.TemporaryDirectory(prefix="onnxforge-symshapes-") as scratch, contextlib.chdir(scratch):
+            inferred = SymbolicShapeInference.infer_shapes(readable, auto_merge=True)
     except Exception as exc:  # any refusal only costs the fusions that need it
         report["symbolic_shapes"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
         return proto
