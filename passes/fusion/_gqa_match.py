@@ -89,7 +89,7 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     rank = len(softmax.inputs[0].shape) if softmax.inputs[0].shape is not None else 4
     if axis not in (-1, rank - 1):
         raise Declined(f"found Softmax over axis {axis}, not the keys (-1)")
-    probs = _through_casts(softmax.outputs[0])
+    probs = _through_nan_guard(_through_casts(softmax.outputs[0]))
     context = _single_use(probs, "MatMul", "the Softmax's output")
     if context.inputs[0] is not probs:
         raise Declined("found the probabilities as the MatMul's second input, not its first")
@@ -149,6 +149,23 @@ def _through_casts(value: ir.Value) -> ir.Value:
         value = node.outputs[0]
 
 
+def _through_nan_guard(probs: ir.Value) -> ir.Value:
+    """The guarded probabilities of ``Where(IsNaN(p), 0, p)``, which the exporters' SDPA decomposition writes
+    to zero fully-masked rows; ``probs`` itself when no such guard reads it. Dropping the guard is exact where
+    no row is fully masked (a causal mask with right padding always leaves a query its own key); the pass's
+    verification runs such masks, and left padding is refused for GQA anyway (``fuse_gqa.LEFT_PADDING``)."""
+    uses = _live_uses(probs)
+    where = next((u.node for u in uses if u.node.op_type == "Where" and u.node.domain in _ONNX), None)
+    isnan = next((u.node for u in uses if u.node.op_type == "IsNaN" and u.node.domain in _ONNX), None)
+    if len(uses) != 2 or where is None or isnan is None:  # IsNaN reads p once, Where once (as "else")
+        return probs
+    condition, fill, other = where.inputs
+    constant = ir.convenience.get_const_tensor(fill) if fill is not None else None  # TorchScript: a Constant
+    if condition is not isnan.outputs[0] or other is not probs or constant is None or constant.numpy().any():
+        return probs
+    return _through_casts(where.outputs[0])
+
+
 def _single_use(value: ir.Value, op: str, what: str) -> ir.Node:
     uses = _live_uses(value)
     if len(uses) != 1 or uses[0].node.op_type != op or uses[0].node.domain not in _ONNX:
@@ -202,14 +219,34 @@ def _strip_scale(value: ir.Value) -> tuple[ir.Value, ir.Value, float]:
 
 
 def _transposed_keys(kt: ir.Value) -> tuple[ir.Value, bool]:
-    """(k, whether k is [B,S,N,D]): ``Transpose(0,1,3,2)`` of heads-first keys, or ``Transpose(0,2,3,1)``
-    of the projection split into heads (dynamo's GPT-2 without a cache transposes once)."""
+    """(k, whether k is [B,S,N,D]): ``Transpose(0,1,3,2)`` of heads-first keys (or its batched form, see
+    ``_folded_transpose``), or ``Transpose(0,2,3,1)`` of the projection split into heads (dynamo's GPT-2
+    without a cache transposes once)."""
+    folded = _folded_transpose(kt)
+    if folded is not None:
+        return folded, False
     node = _producer(kt, "Transpose")
     perm = list(node.attributes.get_ints("perm", [])) if node is not None else None
     if node is None or perm not in ([0, 1, 3, 2], [0, 2, 3, 1]):
         found = f"Transpose{perm}" if node is not None else (kt.producer().op_type if kt.producer() else "input")
         raise Declined(f"expected k^T = Transpose(0,1,3,2)(k); found {found}")
     return node.inputs[0], perm == [0, 2, 3, 1]
+
+
+def _folded_transpose(kt: ir.Value) -> ir.Value | None:
+    """k under dynamo's batched k^T, ``Reshape(Transpose(0,2,1)(Reshape(k, [B*H, S, D])), [B, H, D, S])``
+    (the SDPA decomposition's bmm form), else None. The ranks are read from the graph; that the outer
+    Reshape restores [B, H, D, S] is what the pass's verification then proves on every input set."""
+    outer = _producer(kt, "Reshape")
+    swap = _producer(outer.inputs[0], "Transpose") if outer is not None else None
+    inner = _producer(swap.inputs[0], "Reshape") if swap is not None else None
+    if inner is None or list(swap.attributes.get_ints("perm", [])) != [0, 2, 1]:
+        return None
+    k = inner.inputs[0]
+    ranks = (k.shape, inner.outputs[0].shape, kt.shape)
+    if any(shape is None for shape in ranks) or [len(shape) for shape in ranks] != [4, 3, 4]:
+        return None
+    return k
 
 
 def _unrepeat(value: ir.Value, which: str) -> ir.Value:

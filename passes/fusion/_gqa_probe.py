@@ -51,6 +51,9 @@ def _session(proto: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
+_FED = frozenset({"attention_mask", "position_ids", "token_ids", "int", "past_key_values"})
+
+
 class Feeder:
     """Decoder feeds for the roles ``core.inputs`` reads off the graph: ids, an attention mask spanning the
     past and the new tokens, positions after the past, and a cache of ``past`` positions."""
@@ -62,6 +65,15 @@ class Feeder:
         self.mask_name = masks[0] if len(masks) == 1 else None
         self.has_past = any(r.role == "past_key_values" for r in self.roles.values())
         self.sequence_inputs = [r.name for r in self.roles.values() if r.role in ("token_ids", "position_ids")]
+
+    def unfeedable(self) -> str | None:
+        """Why the probe cannot feed this graph (an input a decoder LLM does not take), checked before any
+        run: building a session of a large encoder only to find its token types cost seconds per job."""
+        for value in self.inputs:
+            role = self.roles[value.name or ""]
+            if role.role not in _FED:
+                return f"input {value.name!r} has role {role.role}, which a decoder probe cannot feed"
+        return None
 
     def feeds(self, batch: int, seq: int, past: int, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(0)

@@ -89,9 +89,12 @@ class FuseGqa(Pass[FuseGqaOptions]):
         if ctx.target == "tensorrt":
             reason = "TensorRT parses standard ONNX only: contrib attention ops would fall back"
             return PassResult(model, False, {}, [NonMatch(reason)], notes)
+        sites = [site for site in sites if not _declined_without_causal_structure(site, declined)]
         if not sites:
             return PassResult(model, False, {}, declined, notes)
         feeder = Feeder(model)
+        if (why := feeder.unfeedable()) is not None:
+            return PassResult(model, False, {}, [*declined, NonMatch(f"shape probe: {why}")], notes)
         try:
             probed = [v for site in sites for v in site.probed()]
             shapes = measure_shapes(model, feeder, probed + [s.mask for s in sites if s.mask is not None])
@@ -171,6 +174,44 @@ class FuseGqa(Pass[FuseGqaOptions]):
         if kind.window is not None and not self.options.local_window:
             return f"the mask has a sliding window of {kind.window} keys and local_window is off"
         return unfit
+
+
+_CAUSAL_OPS = frozenset({"Range", "Trilu"})
+
+
+def _declined_without_causal_structure(site: Site, declined: list[NonMatch]) -> bool:
+    """Decline, before any run, a layer whose mask cannot be causal: none at all, or one computed from no
+    ``Range``/``Trilu`` and no triangular table (an encoder's padding mask). Running the mask probe on every
+    encoder layer cost seconds per job; the probe still proves the layers this lets through."""
+    head = f"attention layer {site.layer} (node {site.softmax.name})"
+    if site.mask is None:
+        why = "found no mask added to the scores: attention over every key is not causal"
+    elif _has_causal_source(site.mask):
+        return False
+    else:
+        why = "its mask derives from no Range, Trilu or 2-D table: a padding mask, not a causal one"
+    declined.append(NonMatch(f"{head}: not causal self-attention: {why}", node=site.softmax.name, op_type="Softmax"))
+    return True
+
+
+def _has_causal_source(mask: ir.Value, budget: int = 400) -> bool:
+    seen: set[int] = set()
+    stack = [mask]
+    while stack and len(seen) < budget:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is not None and len(tensor.shape) >= 2 and min(tensor.shape[-2:]) >= 2:
+            return True  # a lower-triangular buffer (GPT-2's `bias`), sliced at run time
+        node = value.producer()
+        if node is None:
+            continue
+        if node.op_type in _CAUSAL_OPS:
+            return True
+        stack.extend(v for v in node.inputs if v is not None)
+    return len(seen) >= budget  # too deep to tell: let the probe decide
 
 
 def _samples_unfit(samples: list[dict[str, np.ndarray]], feeder: Feeder) -> str | None:
