@@ -385,7 +385,7 @@ def replaced_nodes(original: onnx.ModelProto, quantized: onnx.ModelProto, candid
     return [name for name in candidates if name not in remaining]
 
 
-def _latency_ms(proto: onnx.ModelProto, feeds: Sequence[dict[str, np.ndarray]], repeats: int = 5) -> float:
+def _latency_ms(path: Path, feeds: Sequence[dict[str, np.ndarray]], repeats: int = 5) -> float:
     """Median latency over the feeds at ORT's default optimizations and 1 thread (how it will run)."""
     import onnxruntime as ort
 
@@ -393,7 +393,8 @@ def _latency_ms(proto: onnx.ModelProto, feeds: Sequence[dict[str, np.ndarray]], 
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    # From the file: a model over 2 GB (a 0.5B-parameter decoder in fp32) cannot pass through one proto's bytes.
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     for feed in feeds:
         sess.run(None, feed)
     times = []
@@ -433,7 +434,7 @@ def _measure(
             q.save_proto(proto, path, large)
             accuracy[key] = q.measure(path, feeds, outputs, reference, probe)
             if timed:
-                latency[key] = _latency_ms(onnx.load(str(path), load_external_data=True), feeds)
+                latency[key] = _latency_ms(path, feeds)
         return accuracy, latency
 
 
@@ -452,12 +453,14 @@ def _choose_block_size(
         notes["block_size"] = {"chosen": options.block_size, "by": "option"}
         return options
     original = ir.serde.serialize_model(model)
+    # Each candidate quantizes its own proto, serialized from the IR again: a bytes round trip of one copy
+    # would fail over protobuf's 2 GB.
     # A block longer than every weight's K only pads: it stores as many scales as the next smaller one.
     longest = max((n.inputs[1].const_value.shape[0] for n in model.graph if n.name in candidates), default=16)
     sizes = tuple(size for size in (64, 32, 16) if size <= max(longest, 16))
     protos = {
         str(size): quantize_proto(
-            onnx.ModelProto.FromString(original.SerializeToString()),
+            ir.serde.serialize_model(model),
             options.model_copy(update={"block_size": size}),
             0,
             budget_options.nodes_to_exclude,
@@ -525,9 +528,7 @@ def _choose_level(
         notes["accuracy_level"] = {"chosen": options.accuracy_level, "by": "option"}
         return int(options.accuracy_level)
     original = ir.serde.serialize_model(model)
-    full = quantize_proto(
-        onnx.ModelProto.FromString(original.SerializeToString()), options, 4, budget_options.nodes_to_exclude
-    )
+    full = quantize_proto(ir.serde.serialize_model(model), options, 4, budget_options.nodes_to_exclude)
     fp32 = onnx.ModelProto()
     fp32.CopyFrom(full)
     set_accuracy_level(fp32, 0)
@@ -564,9 +565,7 @@ def _head_int8(
     proto = ir.serde.serialize_model(quantized)
     level = notes.get("accuracy_level", {}).get("chosen", 0)
     others = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in heads]
-    head8 = quantize_proto(
-        onnx.ModelProto.FromString(proto.SerializeToString()), options, level, others, bits=8, include=heads
-    )
+    head8 = quantize_proto(ir.serde.serialize_model(quantized), options, level, others, bits=8, include=heads)
     if options.lm_head == "int8":
         notes["lm_head_decision"] = "int8 (option); the accuracy figures are the float head's, before it"
         return ir.serde.deserialize_model(head8)
