@@ -410,6 +410,9 @@ async def _pump(
     async for chunk in chunks:
         received += len(chunk)
         if received > cap:
+            # What was received within the cap is parsed first: a body refused for what its first fields
+            # hold (a repeated or unknown field) says so, whether or not its batch had filled.
+            await batches.flush()
             raise TooLargeError(
                 f"request body exceeds the limit of {cap} bytes",
                 code="PAYLOAD_TOO_LARGE",
