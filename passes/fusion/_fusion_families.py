@@ -50,7 +50,7 @@ FAMILIES: tuple[str, ...] = typing.get_args(Family)[:-1]
 GROUPS: dict[str, frozenset[str]] = {
     "attention": frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention"}),
     "skip_layer_norm": frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}),
-    "gelu": frozenset({"BiasGelu", "FastGelu", "Gelu", "GemmFastGelu"}),
+    "gelu": frozenset({"BiasGelu", "FastGelu", "Gelu", "GemmFastGelu", "QuickGelu"}),
     "embed_layer_norm": frozenset({"EmbedLayerNormalization"}),
 }
 
@@ -237,6 +237,9 @@ def detect_sizes(model: ir.Model) -> tuple[int, int]:
             break
     for node in model.graph:
         if node.op_type == "Softmax" and (heads := _heads(node)):
+            return heads, hidden
+        fused = node.domain == "com.microsoft" and node.op_type in GROUPS["attention"]  # by fuse_gqa
+        if fused and (heads := node.attributes.get_int("num_heads", 0)):
             return heads, hidden
     return 0, hidden
 
