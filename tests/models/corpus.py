@@ -64,7 +64,7 @@ AUDIO_HOP = 320  # wav2vec2's feature encoder emits one frame per 320 samples
 # types, ViT, CLIP's text tower with its causal mask and EOS pooling, a pre-norm GPT decoder, a GQA/RMSNorm
 # decoder, an encoder-decoder), each under the three exporters; six, so that tests/test_coverage.py runs its
 # 18 jobs in about three minutes on two cores.
-COMMITTED = ("bert", "vit", "clip_text", "gpt2", "llama", "bart")
+COMMITTED = ("bert", "vit", "clip_text", "gpt2", "llama", "bart", "deberta_v2", "whisper_encoder", "wav2vec2")
 
 
 def filename(arch: str, exporter: str) -> str:

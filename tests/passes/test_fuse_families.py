@@ -3,7 +3,7 @@
 Audio encoders (Whisper's, wav2vec2) were "family unknown" (no embedding table of a known family), so
 their attention was never tried although onnxscript's rules match it. TorchScript exports split heads with
 a run-time shape, so the head count read from q's shape was 0, and ORT's optimizer asserts on it for ViT.
-The audio exports are built here with the corpus builder (transformers configs, the exporter users run);
+The audio and DeBERTa exports are the committed corpus's (transformers configs, the exporter users run);
 numerics are checked against the export at batch sizes other than its 2.
 """
 
@@ -52,15 +52,14 @@ def test_ort_candidate_is_verified_when_vit_torchscript_export():
 
 
 @pytest.fixture(scope="module")
-def audio_exports(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    pytest.importorskip("torch")
-    out = tmp_path_factory.mktemp("audio")
+def audio_exports() -> dict[tuple[str, str], Path]:
+    """The committed corpus exports (tests/models/corpus: no torch needed)."""
     built = {}
     for arch in ("whisper_encoder", "wav2vec2"):
         for exporter in ("ts_eager", "ts_sdpa"):
-            info = corpus.build(arch, exporter, "tiny", out)
-            assert info["ok"], info["error"]
-            built[arch, exporter] = out / corpus.filename(arch, exporter)
+            path = corpus.committed_path(arch, exporter)
+            assert path.exists(), f"{path.name} is committed: python -m tests.models.corpus --size tiny"
+            built[arch, exporter] = path
     return built
 
 
@@ -114,14 +113,11 @@ def test_residual_norms_fuse_when_upstream_reshape_moved_gpt2_dynamo_flattens_ab
 
 
 @pytest.mark.parametrize("exporter", ["ts_eager", "dynamo"])  # transformers has no SDPA DeBERTa-v2
-def test_fuse_transformer_fuses_attention_when_deberta_bmm_heads_and_where_mask(tmp_path, exporter):
+def test_fuse_transformer_fuses_attention_when_deberta_bmm_heads_and_where_mask(exporter):
     """DeBERTa-v2 folds heads into the batch (``torch.bmm`` on ``[B*h, S, d]``), scales k by a run-time
     ``sqrt(q.size(-1))`` and masks with ``masked_fill`` (``Where``): onnxscript matched none of it. The folds
     are dropped (``_batched_heads``), the scale folded, the mask made additive (``_where_mask``)."""
-    pytest.importorskip("torch")
-    info = corpus.build("deberta_v2", exporter, "tiny", tmp_path)
-    assert info["ok"], info["error"]
-    path = tmp_path / corpus.filename("deberta_v2", exporter)
+    path = corpus.committed_path("deberta_v2", exporter)
     result = FuseTransformer({"engines": ["onnxscript"]})(
         ir.serde.deserialize_model(onnx.load(path)), PassContext(samples=[])
     )
