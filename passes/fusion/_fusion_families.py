@@ -216,14 +216,8 @@ def _causal_mask(model: ir.Model) -> str:
 
 
 def _is_const(value: ir.Value | None, number: float) -> bool:
-    if value is None:
-        return False
-    tensor = value.const_value
-    producer = value.producer()
-    if tensor is None and producer is not None and producer.op_type == "Constant":
-        attr = producer.attributes.get("value")
-        tensor = attr.value if attr is not None else None
-    return tensor is not None and tensor.size == 1 and float(tensor.numpy().reshape(-1)[0]) == number
+    array = _constant(value)
+    return array is not None and array.size == 1 and float(array.reshape(-1)[0]) == number
 
 
 def detect_sizes(model: ir.Model) -> tuple[int, int]:
