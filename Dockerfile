@@ -7,7 +7,8 @@
 #                                                        so the tensorrt target is not served by this image
 # Both run Ubuntu's Python (one version, PYTHON_VERSION), install deploy/requirements/<flavour>.lock (exact
 # pins with hashes, `make lock`) and then the project's wheel without dependencies; the locks carry the
-# prepost extra, which GET /v1/passes advertises. Both run the same CLI: `onnxforge serve` or
+# prepost extra, which GET /v1/passes advertises, and the otel extra, so ONNXFORGE_TRACING__ENABLED works
+# without a derived image. Both run the same CLI: `onnxforge serve` or
 # `onnxforge worker --queues cpu|gpu`.
 
 ARG UBUNTU_VERSION=24.04

@@ -76,9 +76,9 @@ IMAGE_PYTHON := $(shell sed -n 's/^ARG PYTHON_VERSION=//p' Dockerfile)
 LOCK_FLAGS := --python-version $(IMAGE_PYTHON) --python-platform x86_64-manylinux_2_28 --generate-hashes --quiet
 lock: $(STAMP) ## Re-pin deploy/requirements/{cpu,gpu}.lock from pyproject.toml (uv; for the images)
 	$(BIN)/python -m pip install --quiet uv
-	$(BIN)/uv pip compile pyproject.toml --extra gpu --extra prepost $(LOCK_FLAGS) -o deploy/requirements/gpu.lock
+	$(BIN)/uv pip compile pyproject.toml --extra gpu --extra prepost --extra otel $(LOCK_FLAGS) -o deploy/requirements/gpu.lock
 	sed -n 's/^onnxruntime-gpu==\([^ ]*\).*/onnxruntime==\1/p' deploy/requirements/gpu.lock > $(VENV)/ort-pin.txt
-	$(BIN)/uv pip compile pyproject.toml --extra cpu --extra prepost -c $(VENV)/ort-pin.txt $(LOCK_FLAGS) \
+	$(BIN)/uv pip compile pyproject.toml --extra cpu --extra prepost --extra otel -c $(VENV)/ort-pin.txt $(LOCK_FLAGS) \
 		-o deploy/requirements/cpu.lock
 
 lint: $(STAMP) ## Lint with ruff and check the floors (import-linter contracts in pyproject.toml)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCKS = ROOT / "deploy" / "requirements"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # What each image installs besides the base dependencies.
-FLAVOURS = {"cpu": ["cpu", "prepost"], "gpu": ["gpu", "prepost"]}
+FLAVOURS = {"cpu": ["cpu", "prepost", "otel"], "gpu": ["gpu", "prepost", "otel"]}
 RUNTIMES = {"onnxruntime", "onnxruntime-gpu"}
 
 
