@@ -97,6 +97,9 @@ class ModelFacts:
     roles: dict[str, InputRole]
     max_positions: int | None  # rows of the position table, when one is found
     has_past: bool
+    # A decoder-only language model (token ids, a mask, positions, a cache; a causal mask in the graph or a
+    # cache): its generated sets are the calls generation makes, unpadded (``core.inputs.synthesize``).
+    causal_lm: bool = False
 
     def describe(self) -> dict[str, dict[str, Any]]:
         return {name: {"role": r.role, "why": r.why} for name, r in self.roles.items()}
@@ -285,7 +288,83 @@ def analyze(model: onnx.ModelProto | ir.Model) -> ModelFacts:
     has_past = any(_PAST_NAME.search(v.name or "") and v.dtype is not None and v.dtype.is_floating_point()
                    for v in inputs)  # fmt: skip
     roles = {v.name or "": _role(v, ranges, compared, has_past, model) for v in inputs}
-    return ModelFacts(roles, _max_positions(graph, aliases), has_past)
+    causal_lm = _causal_lm(graph, roles, has_past, model)
+    if causal_lm:
+        for role in roles.values():
+            if role.role == "attention_mask":
+                role.why = CAUSAL_LM_MASK + ("; spans the past and the new tokens" if has_past else "")
+    return ModelFacts(roles, _max_positions(graph, aliases), has_past, causal_lm)
+
+
+CAUSAL_LM_MASK = (
+    "name says mask; a decoder-only language model: all ones (generation pads nothing; a right-padded row "
+    "gives its pad positions values no caller reads, which a fused attention need not reproduce)"
+)
+_LM_ROLES = frozenset({"token_ids", "attention_mask", "position_ids", "past_key_values"})
+_ENCODER_NAME = re.compile(r"encoder", re.IGNORECASE)
+_ORDER_OPS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
+
+
+def _causal_lm(graph: ir.Graph, roles: dict[str, InputRole], has_past: bool, model: ir.Model) -> bool:
+    """One token-id input, and nothing but a mask, positions and a cache beside it (no encoder states or
+    decoder ids, token types, pixels), no id the graph selects positions by (a classifier's ``</s>``), an
+    output over the vocabulary (logits, not a pooled text embedding such as CLIP's causal text tower), and
+    either a cache or a causal mask computed in the graph."""
+    ids = [r for r in roles.values() if r.role == "token_ids"]
+    if len(ids) != 1 or ids[0].markers or ids[0].decoder:
+        return False
+    if any(r.role not in _LM_ROLES or r.decoder or _ENCODER_NAME.search(n) for n, r in roles.items()):
+        return False
+    if not any(_over_vocabulary(out, ids[0].high) for out in model.graph.outputs):
+        return False
+    return has_past or _has_causal_mask(graph)
+
+
+def _over_vocabulary(value: ir.Value, vocab: int | None) -> bool:
+    last = value.shape[-1] if value.shape is not None and len(value.shape) else None
+    if isinstance(last, int):
+        return vocab is not None and last == vocab
+    return (value.name or "") == "logits"
+
+
+def _has_causal_mask(graph: ir.Graph) -> bool:
+    """A ``Trilu``, an order comparison of two position ranges (``kv_idx <= q_idx``: both sides computed from
+    a ``Range``), or a constant square table, one value on and below its diagonal and another above (GPT-2's
+    ``bias`` buffer, a baked additive mask)."""
+    for node in graph:
+        if node.op_type == "Trilu":
+            return True
+        ordered = node.op_type in _ORDER_OPS and len(node.inputs) == 2
+        if ordered and all(v is not None and _from_range(v) for v in node.inputs):
+            return True
+    return any(_triangular(v) for v in graph.initializers.values())
+
+
+def _from_range(value: ir.Value, depth: int = 8) -> bool:
+    stack, seen = [(value, 0)], set()
+    while stack:
+        current, hops = stack.pop()
+        node = current.producer()
+        if node is None or id(node) in seen or hops > depth:
+            continue
+        seen.add(id(node))
+        if node.op_type == "Range":
+            return True
+        stack.extend((v, hops + 1) for v in node.inputs if v is not None)
+    return False
+
+
+def _triangular(value: ir.Value) -> bool:
+    shape = value.shape
+    if shape is None or len(shape) < 2 or shape[-1] != shape[-2] or not isinstance(shape[-1], int):
+        return False
+    if shape[-1] < 2 or value.const_value is None or not all(isinstance(d, int) for d in shape):
+        return False
+    if int(np.prod([int(d) for d in shape])) > 1 << 22:
+        return False
+    table = value.const_value.numpy().reshape(-1, shape[-1], shape[-1])[0]
+    lower, upper = table[np.tril_indices(shape[-1])], table[np.triu_indices(shape[-1], 1)]
+    return bool((lower == lower[0]).all() and (upper == upper[0]).all() and lower[0] != upper[0])
 
 
 def _role(

@@ -88,7 +88,9 @@ class InputSynthesis:
         return self.facts.roles[name]
 
     def _lengths(self, index: int, guess: Guess) -> tuple[int, int]:
-        """(sequence, past) lengths of set ``index`` under ``guess``, within the position table."""
+        """(sequence, past) lengths of set ``index`` under ``guess``, within the position table. A language
+        model's batch of several rows after a past decodes one token each: generation never sends a batch of
+        prompts after a cache (ORT's GroupQueryAttention refuses one)."""
         seq = (8 << index) * guess.seq_scale
         past = 0 if (index == 1 and guess.empty_past) or not self.facts.has_past else seq
         cap = self.facts.max_positions
@@ -96,6 +98,8 @@ class InputSynthesis:
             cap = cap - 2 if cap > 4 else cap  # RoBERTa-style tables start 2 rows in (padding offset)
             seq = min(seq, cap // 2 if self.facts.has_past else cap)
             past = min(past, cap - seq)
+        if self.facts.causal_lm and past > 0 and index > 0:  # batch 1 << index > 1
+            seq = 1
         return max(seq, 1), past
 
     def bind(
@@ -237,8 +241,8 @@ class InputSynthesis:
     ) -> np.ndarray:
         role, dtype = self._role(spec.name), spec.dtype
         kind = role.role
-        if kind == "attention_mask":
-            return _mask(shape, rng, past, guess.padding).astype(dtype)
+        if kind == "attention_mask":  # a language model's generation pads nothing (InputSynthesis.why)
+            return _mask(shape, rng, past, guess.padding and not self.facts.causal_lm).astype(dtype)
         if kind == "bool":
             return rng.integers(0, 2, size=shape).astype(bool)
         if kind == "token_type_ids":
@@ -300,6 +304,8 @@ class InputSynthesis:
             "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
             "attempts": [],
         }
+        if (why := self.why(shapes)) is not None:
+            provenance["why"] = why
         following = guess_index + 1
         retry = None
         if override is None and following < len(GUESSES):
@@ -308,6 +314,27 @@ class InputSynthesis:
                 return self.input_set(index, following)
 
         return InputSet(_set_name(shapes), feeds, provenance, retry)
+
+    def why(self, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+        """For a decoder-only language model, why its set is shaped as it is (the report shows it); None for
+        other models, whose sets follow the module's rules alone."""
+        if not self.facts.causal_lm:
+            return None
+        batch = next((s[0] for n, s in shapes.items() if self._role(n).role == "token_ids" and s), 1)
+        seq = next((s[-1] for n, s in shapes.items() if self._role(n).role == "token_ids" and s), 0)
+        past = self._past_length(shapes)
+        if past and seq == 1:
+            call = f"decode: {batch} row(s) of 1 new token on a past of {past}"
+        elif past:
+            call = f"a prompt of {seq} tokens after a past of {past} (batch {batch})"
+        else:
+            call = f"prefill: {batch} row(s) of {seq} tokens on an empty past"
+        return (
+            f"decoder-only language model, {call}; unpadded attention mask, positions counting on from the "
+            "past: the calls generation makes. A padded row's pad positions hold values no caller reads, "
+            "which a fused attention (GroupQueryAttention) need not reproduce; padded batches are verified "
+            "on samples.npz when uploaded"
+        )
 
     def generate(self, count: int, shapes: Sequence[Mapping[str, Sequence[int]]] | None = None) -> list[InputSet]:
         overrides: list[Mapping[str, Sequence[int]] | None] = list(shapes) if shapes else [None] * count

@@ -29,7 +29,10 @@ Fallback: ``com.microsoft::MultiHeadAttention`` on the repeated keys and values 
 ``attention_bias`` (the cache Concat stays), exact for any mask, padding and batch, where GQA does not fit:
 a mask that is not causal + key padding, a head size ORT's CPU GQA refuses (not a multiple of 8), or sample
 inputs GQA cannot compute like the graph (a padded mask; a batch of prompts after a cache, which ORT's GQA
-refuses). ``attention`` chooses: ``auto`` (GQA where it fits, else MHA), ``gqa`` only, ``mha`` only.
+refuses). ``attention`` chooses: ``auto`` (GQA where it fits, else MHA), ``gqa`` only, ``mha`` only. A job
+without samples verifies on ``core.inputs``' sets for a decoder-only language model, the calls generation
+makes (unpadded; prefill with batch 2; one token per row on a past with batch 4; a batch-1 prompt after a
+past), which GQA fits; samples a user uploads with padding or several prompts after a cache get MHA.
 
 Masks: GQA assumes right padding: row b holds ``seqlens_k[b] + 1`` valid positions, all at the start. With
 an all-ones mask (and with right padding on the valid positions of a prompt) it computes what the graph

@@ -156,3 +156,51 @@ def test_feeds_for_sizes_spans_the_mask_over_past_and_the_bound_new_tokens(name:
     feeds = synthesis.feeds_for_sizes(sizes, np.random.default_rng(0))
     assert feeds["input_ids"].shape == (2, 37)
     assert feeds["attention_mask"].shape == (2, 5 + 37)
+
+
+@pytest.mark.parametrize(
+    ("name", "causal_lm"),
+    [
+        ("decoders/llama_past_ts.onnx", True),
+        ("decoders/qwen2_past_dynamo.onnx", True),
+        ("decoders/phi3_nopast_ts.onnx", True),  # no cache: the causal mask computed in the graph decides
+        ("decoders/gpt2_nopast_dynamo.onnx", True),
+        ("roles_gpt2_past.onnx", True),
+        ("hf_bert_encoder.onnx", False),  # token types, no causal mask
+        ("hf_xlnet.onnx", False),
+        ("corpus/clip_text_dynamo.onnx", False),  # a causal mask, but a text embedding out, not logits
+        ("roles_bart_cls.onnx", False),  # selects positions by </s>: a classifier
+        ("corpus/bart_dynamo.onnx", False),  # encoder and decoder ids: a seq2seq model
+    ],
+)
+def test_analyze_tells_a_decoder_only_language_model_from_encoders_when_reading_the_graph(name, causal_lm) -> None:
+    facts = analyze(onnx.load(str(MODELS / name), load_external_data=False))
+    assert facts.causal_lm is causal_lm
+
+
+@pytest.mark.parametrize("name", ["decoders/llama_past_ts.onnx", "decoders/mistral_past_dynamo.onnx"])
+def test_generated_sets_are_unpadded_generation_calls_when_decoder_with_a_cache(name: str) -> None:
+    """Sets GroupQueryAttention can be verified on: a batch-1 prompt after a past, a batch-2 prefill on an
+    empty past, batch 4 decoding one token on a past; masks all ones, positions counting on from the past."""
+    sets = verified_sets(MODELS / name)
+    calls = []
+    for input_set in sets:
+        feeds = input_set.feeds
+        batch, seq = feeds["input_ids"].shape
+        past = feeds["past_key_values.0.key"].shape[2]
+        assert feeds["attention_mask"].shape == (batch, past + seq) and feeds["attention_mask"].all()
+        np.testing.assert_array_equal(feeds["position_ids"], np.broadcast_to(np.arange(past, past + seq), (batch, seq)))
+        assert "decoder-only language model" in input_set.provenance["why"]
+        calls.append((batch, seq, past))
+    assert calls == [(1, 8, 8), (2, 16, 0), (4, 1, 32)]
+    assert "decode: 4 row(s) of 1 new token on a past of 32" in sets[2].provenance["why"]
+
+
+def test_generated_sets_keep_padded_masks_when_encoder_or_causal_text_tower() -> None:
+    for name in ("hf_bert_encoder.onnx", "corpus/clip_text_dynamo.onnx"):
+        sets = generate_input_sets(onnx.load(str(MODELS / name)), 3)
+        assert any((s.feeds["attention_mask"] == 0).any() for s in sets), name
+        assert all("why" not in s.provenance for s in sets)
+    nopast = generate_input_sets(onnx.load(str(MODELS / "decoders/llama_nopast_ts.onnx")), 3)
+    assert [s.feeds["input_ids"].shape for s in nopast] == [(1, 8), (2, 16), (4, 32)]
+    assert all(s.feeds["attention_mask"].all() for s in nopast)

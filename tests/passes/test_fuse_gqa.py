@@ -4,9 +4,10 @@ Softmax left, the graph's present outputs produced by GQA under their own names,
 local_window_size) and numerics against the original under ORT with graph optimizations off, at prompt
 lengths and cache lengths other than the export's (2 x 3 after 4): prefill on an empty cache, decode after
 caches of 3 and 17, a prompt after a cache, a prompt past Mistral's window, and a greedy decode loop on the
-fused model's own presents. The MultiHeadAttention fallback is checked on the pipeline's own input sets
-(padded masks, a batch of prompts after a cache), where it must be exact everywhere; an encoder is left
-alone with its reason."""
+fused model's own presents. The MultiHeadAttention fallback is checked on uploaded samples GQA cannot be
+verified on (left-padded masks, a batch of prompts after a cache), where it must be exact everywhere, and
+the pipeline's own generated sets (unpadded generation calls) are checked to leave GQA in place; an
+encoder is left alone with its reason."""
 
 from __future__ import annotations
 
@@ -132,10 +133,18 @@ def test_fuse_gqa_decodes_greedily_like_the_original_when_fed_its_own_presents(f
 
 @pytest.mark.parametrize("name", ["llama_past_ts", "qwen2_past_dynamo", "gpt2_past_ts", "gpt2_nopast_dynamo"])
 def test_fuse_gqa_falls_back_to_multiheadattention_exactly_when_samples_are_padded(name):
-    # setup: the pipeline's own input sets: right-padded masks, 4 rows of 32 new tokens after a cache of 32
+    # setup: samples a user uploads: a left-padded batch of prompts (and, with a cache, a batch of prompts
+    # after it, row 1 left-padded there too), which GroupQueryAttention cannot compute like the graph
     model = ir.load(OUT / f"{name}.onnx")
-    sets = [s.feeds for s in generate_input_sets(model, 3)]
-    assert any((s["attention_mask"] == 0).any() for s in sets)
+    signature = Signature.of(OUT / f"{name}.onnx")
+    prompt = decoder_feeds(signature, 3, 7, 0, seed=1)
+    prompt["attention_mask"][1, :3] = 0
+    prompt["attention_mask"][2, :1] = 0
+    sets = [prompt]
+    if signature.layers:
+        after = decoder_feeds(signature, 2, 4, 6, seed=2)
+        after["attention_mask"][1, :2] = 0
+        sets.append(after)
     reference = session(str(OUT / f"{name}.onnx"))
     # execute
     result = FuseGqa()(model, PassContext(samples=sets))
@@ -144,6 +153,25 @@ def test_fuse_gqa_falls_back_to_multiheadattention_exactly_when_samples_are_padd
     assert ops["com.microsoft::MultiHeadAttention"] == result.counts["fused_mha"] == family(name)["layers"]
     assert "Softmax" not in ops and "com.microsoft::GroupQueryAttention" not in ops
     assert all("MultiHeadAttention" in m.reason and "padded" in m.reason for m in result.non_matches)
+    candidate = session(result.model)
+    for feeds in sets:
+        want, got = run(reference, feeds), run(candidate, feeds)
+        for key, expected in want.items():
+            np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["llama_past_ts", "mistral_past_dynamo", "phi3_nopast_ts"])
+def test_fuse_gqa_keeps_groupqueryattention_exact_when_samples_are_the_generated_decoder_sets(name):
+    # setup: the pipeline's own sets for a decoder: a batch-1 prompt after a past, a batch-2 prefill on an
+    # empty past, batch 4 decoding one token on a past of 32 (prefills only without a cache); all unpadded
+    model = ir.load(OUT / f"{name}.onnx")
+    sets = [s.feeds for s in generate_input_sets(model, 3)]
+    assert not any((s["attention_mask"] == 0).any() for s in sets)
+    reference = session(str(OUT / f"{name}.onnx"))
+    # execute
+    result = FuseGqa()(model, PassContext(samples=sets))
+    # assert
+    assert result.counts["fused_gqa"] == family(name)["layers"] and result.counts["fused_mha"] == 0
     candidate = session(result.model)
     for feeds in sets:
         want, got = run(reference, feeds), run(candidate, feeds)
