@@ -23,6 +23,7 @@ upgrade. Timestamps are stored as naive UTC and returned timezone-aware.
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -51,6 +52,8 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _SCHEMA_LOCK_KEY = 0x6F6E6E78
 # pg_advisory_xact_lock(space, hashtext(tenant)) serialising one tenant's quota check and insert.
 _TENANT_LOCK_SPACE = 0x6F6E6E
+
+log = logging.getLogger(__name__)
 
 
 class JobStore(ResultQueries, RetentionQueries):
@@ -115,6 +118,12 @@ class JobStore(ResultQueries, RetentionQueries):
         """Create or upgrade the table to the newest revision (core/migrations). Safe to run concurrently."""
         with self._tx() as conn:
             self._lock_schema(conn)
+            found = migrations.current(conn, self.schema)
+            if found is not None and not migrations.is_known(found):
+                # A newer version migrated first (a rollout under way): run on its schema if it allows us,
+                # never "upgrade" it back to our head.
+                self._accept_newer(found, migrations.floor(conn, self.schema))
+                return
             migrations.upgrade(conn, self.schema)
 
     def downgrade(self, revision: str) -> None:
@@ -124,7 +133,8 @@ class JobStore(ResultQueries, RetentionQueries):
             migrations.downgrade(conn, self.schema, revision)
 
     def prepare(self, *, auto_migrate: bool) -> None:
-        """At process start: upgrade the schema (auto_migrate), or refuse an old one."""
+        """At process start: upgrade the schema (auto_migrate), or refuse an old one; run on a newer one only
+        where it records that this version's code runs on it (a rolling upgrade)."""
         if auto_migrate:
             self.create_schema()
         else:
@@ -137,13 +147,37 @@ class JobStore(ResultQueries, RetentionQueries):
 
     def check_schema(self) -> None:
         """Raise InvalidConfigError unless the database is at the revision this version needs."""
-        found, needed = self.schema_revision(), migrations.head()
-        if found != needed:
+        with self._tx(write=False) as conn:
+            found, floor = migrations.current(conn, self.schema), migrations.floor(conn, self.schema)
+        needed = migrations.head()
+        if found is not None and found != needed and not migrations.is_known(found):
+            self._accept_newer(found, floor)
+        elif found != needed:
             raise InvalidConfigError(
                 f"the job database is at schema revision {found or 'none'}, this version needs {needed}: "
                 "run `onnxforge migrate` (or set database.auto_migrate=true)",
                 code="SCHEMA_OUT_OF_DATE",
             )
+
+    def _accept_newer(self, found: str, floor: str | None) -> None:
+        """Return when this version runs on the newer schema ``found`` (its recorded floor is at or below our
+        head), else raise SCHEMA_NEWER."""
+        needed = migrations.head()
+        if floor is not None and migrations.runs_on(floor):
+            log.warning(
+                "the job database is at schema revision %s, newer than this version's %s; it records that code "
+                "from revision %s on runs on it, so this process starts without migrating",
+                found,
+                needed,
+                floor,
+            )
+            return
+        raise InvalidConfigError(
+            f"the job database is at schema revision {found}, newer than this version's {needed}, and code older "
+            f"than revision {floor or found} does not run on it: finish the rollout to the newer version, or roll "
+            f"the schema back with the newer version's `onnxforge migrate --revision {needed}`",
+            code="SCHEMA_NEWER",
+        )
 
     def _lock_schema(self, conn: Connection) -> None:
         # SQLite: the write transaction (BEGIN IMMEDIATE) already excludes every other writer.

@@ -185,6 +185,59 @@ def test_check_schema_refuses_database_when_behind_head_and_create_schema_upgrad
     assert create_job(store).idempotency_key is None
 
 
+def _pretend_newer_version_migrated(store: JobStore, revision: str, oldest_compatible: str) -> None:
+    """Leave the database as a newer onnxforge would: its revision in alembic_version, its floor recorded."""
+    with store._engine.begin() as conn:
+        table = f'"{store.schema}".' if store.schema else ""
+        conn.execute(text(f"UPDATE {table}alembic_version SET version_num = :r"), {"r": revision})
+        conn.execute(
+            text(f"UPDATE {table}{migrations.FLOOR_TABLE} SET revision = :r, oldest_compatible = :o"),
+            {"r": revision, "o": oldest_compatible},
+        )
+
+
+def test_head_records_the_oldest_revision_whose_code_runs_on_it(store: JobStore) -> None:
+    with store._engine.connect() as conn:
+        assert migrations.floor(conn, store.schema) == migrations.oldest_compatible(migrations.head())
+    assert migrations.oldest_compatible("0003") == "0002"  # a new table: code at 0002 runs on it
+    assert migrations.oldest_compatible("0002") == "0002"  # no floor declared: only its own code
+    assert migrations.runs_on("0002") and migrations.runs_on(migrations.head())
+    assert not migrations.runs_on("9999") and not migrations.is_known("9999")
+
+
+def test_prepare_runs_on_newer_schema_that_allows_this_version_and_leaves_it_as_is(store: JobStore) -> None:
+    """A rolling upgrade: the new version migrated first, an old replica restarts (auto_migrate on or off)."""
+    _pretend_newer_version_migrated(store, "9999", oldest_compatible=migrations.head())
+
+    store.prepare(auto_migrate=True)
+    store.prepare(auto_migrate=False)
+    store.check_schema()
+
+    assert store.schema_revision() == "9999"  # never "upgraded" back to this version's head
+    job = create_job(store)
+    assert store.get(job.id).id == job.id
+
+
+def test_prepare_refuses_newer_schema_whose_floor_is_above_this_version(store: JobStore) -> None:
+    _pretend_newer_version_migrated(store, "9999", oldest_compatible="9998")
+
+    for start in (lambda: store.prepare(auto_migrate=True), lambda: store.prepare(auto_migrate=False)):
+        with pytest.raises(InvalidConfigError, match="newer than this version's") as caught:
+            start()
+        assert caught.value.code == "SCHEMA_NEWER"
+        assert "9998" in str(caught.value)
+    assert store.schema_revision() == "9999"
+
+
+def test_downgrade_below_the_floor_table_drops_it_and_upgrade_records_it_again(store: JobStore) -> None:
+    with store._engine.begin() as conn:
+        migrations.downgrade(conn, store.schema, "0002")
+        assert migrations.floor(conn, store.schema) is None
+    store.create_schema()
+    with store._engine.connect() as conn:
+        assert migrations.floor(conn, store.schema) == "0002"
+
+
 def test_remove_deletes_queued_job_at_once_and_flags_running_one(store: JobStore) -> None:
     queued = create_job(store, tenant="t")
     running = create_job(store, tenant="t")
