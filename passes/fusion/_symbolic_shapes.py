@@ -41,8 +41,11 @@ _FORMS: dict[str, tuple[type, int]] = {
 def infer(proto: onnx.ModelProto, report: dict[str, Any]) -> onnx.ModelProto:
     """``proto`` with ORT's symbolic shapes, its Constants in tensor form; ``proto`` itself (and the reason
     in ``report["symbolic_shapes"]``) when the inference refuses it, which only costs the fusions needing it."""
-    # Deferred for start-up cost: the module imports sympy, which only this pass needs.
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    # Deferred for start-up cost: the module imports sympy, which only this pass needs. Imported the way ORT's
+    # transformers optimizer imports it (a top-level module on its path), not as ``onnxruntime.tools.*``: that
+    # package's __init__ imports torch wherever torch is installed (seconds per job, for nothing), and the
+    # optimizer in ``_ort`` would load a second copy of the module anyway.
+    from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInference
 
     readable = onnx.ModelProto()
     readable.CopyFrom(proto)

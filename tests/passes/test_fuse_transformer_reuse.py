@@ -1,0 +1,80 @@
+"""fuse_transformer's job-time savings: ORT's optimizer alone is not run once a verified candidate has every
+expected fusion, and a second run on the same model bytes, options, target and samples (the gate's pass-by-pass
+retry, a group's fallback) replays the first run's outcome instead of building the candidates again."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from passes._infra import PassContext, op_histogram
+from passes.fusion import fuse_transformer as ft
+from passes.fusion.fuse_transformer import FuseTransformer
+from tests.passes._util import MODELS, assert_same_outputs
+from workers import artifacts
+
+
+def load(name: str) -> ir.Model:
+    return ir.load(MODELS / f"hf_{name}.onnx")
+
+
+def test_fuse_transformer_skips_ort_alone_when_a_candidate_has_every_expected_fusion():
+    ft._LAST.clear()
+    result = FuseTransformer()(load("gpt2"))
+    candidates = result.notes["candidates"]
+    assert result.notes["missing"] == {}
+    assert list(candidates) == ["onnxscript", "ort", "onnxscript+ort"]  # reported in the order of the option
+    assert "skipped" in candidates["ort"] and "error" not in candidates["ort"]
+    assert "ort" not in candidates["ort"]["skipped"] and "onnxscript" in candidates["ort"]["skipped"]
+    assert result.notes["chosen"] == "onnxscript+ort"
+    assert not [m for m in result.non_matches if "candidate ort" in m.reason]  # a skip is not a rejection
+    assert_same_outputs("gpt2", result.model)
+
+
+def test_fuse_transformer_builds_ort_alone_when_an_expected_fusion_is_missing():
+    """BERT's position Slice defeats EmbedLayerNormalization in both engines: nothing is complete, so every
+    candidate is built and checked, as before."""
+    ft._LAST.clear()
+    result = FuseTransformer()(load("bert_encoder"))
+    assert "embed_layer_norm" in result.notes["missing"]
+    assert result.notes["candidates"]["ort"]["verified"] is True
+    assert "skipped" not in result.notes["candidates"]["ort"]
+
+
+def test_fuse_transformer_builds_ort_alone_when_pack_qkv():
+    """With pack_qkv the score counts packed projections too: no candidate is known to be unbeatable."""
+    ft._LAST.clear()
+    result = FuseTransformer({"pack_qkv": True})(load("gpt2"))
+    assert "skipped" not in result.notes["candidates"]["ort"]
+
+
+def test_fuse_transformer_replays_its_result_when_run_again_on_the_same_model_read_back(tmp_path, monkeypatch):
+    ft._LAST.clear()
+    first = FuseTransformer()(load("gpt2"))
+    assert "reused" not in first.notes
+    # The gate's retry reads each stage back from its file: the same bytes, so the same key.
+    path = tmp_path / "stage.onnx"
+    artifacts.save_ir(load("gpt2"), path)
+    calls = []
+    monkeypatch.setattr(ft, "_onnxscript", lambda *a, **k: calls.append(a))  # would fail the run if reached
+    second = FuseTransformer()(artifacts.load_ir(path))
+    assert not calls
+    assert "reused" in second.notes
+    assert second.modified and second.counts == first.counts
+    assert op_histogram(second.model) == op_histogram(first.model)
+    assert ir.serde.serialize_model(second.model) == ir.serde.serialize_model(first.model)
+    assert second.model is not first.model  # a fresh model: later passes may change it in place
+    assert_same_outputs("gpt2", second.model)
+
+
+def test_fuse_transformer_runs_again_when_options_or_samples_differ(monkeypatch):
+    ft._LAST.clear()
+    FuseTransformer()(load("gpt2"))
+    other_options = FuseTransformer({"attention": "mha"})(load("gpt2"))
+    assert "reused" not in other_options.notes
+    ids = np.arange(16, dtype=np.int64).reshape(2, 8) % 50
+    sample = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    other_samples = FuseTransformer({"attention": "mha"})(load("gpt2"), PassContext(samples=[sample]))
+    assert "reused" not in other_samples.notes
+    again = FuseTransformer({"attention": "mha"})(load("gpt2"), PassContext(samples=[sample]))
+    assert "reused" in again.notes
