@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from core import migrations
 from onnxforge.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,8 +106,27 @@ def test_cli_migrate_creates_schema_and_check_passes_when_database_new(tmp_path)
     assert before.returncode == 2
     assert "SCHEMA_OUT_OF_DATE" in before.stderr
     assert created.returncode == 0, created.stderr
-    assert "revision none -> 0002" in created.stdout
+    assert f"revision none -> {migrations.head()}" in created.stdout
     assert after.returncode == 0, after.stderr
+
+
+def test_cli_migrate_leaves_newer_schema_alone_and_check_names_its_floor(tmp_path):
+    """A rollout in progress: a newer version migrated the database this older CLI points at."""
+    import sqlite3
+
+    env = {"ONNXFORGE_STORAGE__DATA_DIR": str(tmp_path / "data")}
+    assert _cli("migrate", env=env).returncode == 0
+    with sqlite3.connect(tmp_path / "data" / "onnxforge.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = '9999'")
+        db.execute(f"UPDATE {migrations.FLOOR_TABLE} SET revision = '9999', oldest_compatible = '9998'")
+
+    check = _cli("migrate", "--check", env=env)
+    upgrade = _cli("migrate", env=env)
+
+    assert check.returncode == 2 and "SCHEMA_NEWER" in check.stderr and "9998" in check.stderr
+    assert upgrade.returncode == 2 and "SCHEMA_NEWER" in upgrade.stderr
+    with sqlite3.connect(tmp_path / "data" / "onnxforge.db") as db:
+        assert db.execute("SELECT version_num FROM alembic_version").fetchall() == [("9999",)]
 
 
 def test_cli_serve_refuses_old_schema_when_auto_migrate_is_off(tmp_path):
@@ -117,4 +137,4 @@ def test_cli_serve_refuses_old_schema_when_auto_migrate_is_off(tmp_path):
     refused = _cli("serve", "--port", "0", env=env)
 
     assert refused.returncode == 2
-    assert "schema revision 0001, this version needs 0002" in refused.stderr
+    assert f"schema revision 0001, this version needs {migrations.head()}" in refused.stderr
