@@ -22,8 +22,11 @@ built, and a pooled session that has already run a set ``warmup`` times is not w
 only while the answer is still open: the run stops as soon as the 95% bootstrap interval of the median paired
 ratio (core/verdict.py) is narrower than the decision needs (``settled``: wholly below 1 - 3%, clearly
 faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise; wholly below 1 + 3%, not
-slower, which is all a rollback or the gate asks), else when the time budget
-``max_seconds`` is spent or at ``max_runs``. Each set records what stopped it (``stopped_by``).
+slower, which is all a rollback or the gate asks), or as soon as the runs the budget still allows could turn
+the decision only by a long chance (``futile``: below 5%, on a noisy host whose interval will not clear the
+floor in time), else when the time budget ``max_seconds`` is spent or at ``max_runs``. Neither stop is taken
+on fewer than ``MIN_SETTLE_PAIRS`` pairs: the bootstrap interval of one pair has no width. Each set records
+what stopped it (``stopped_by``).
 
 Sessions: a ``SessionPool`` keeps each model's warm benchmark session for the job, so the original is built
 once (baseline, every A/B against it, the gate) and the model a pass was accepted as is the next pass's A
@@ -38,6 +41,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -59,6 +63,12 @@ CLEAR_SLOWDOWN = 0.10  # one input set alone makes a model slower beyond this
 # per block would cost more than the runs of a small model.
 SETTLE_CHECK_BLOCKS = 5
 QUICK_MIN_BLOCKS = 5  # the per-pass ledger's floor (BenchmarkParams.from_settings)
+# The fewest paired ratios an early stop rests on: five pairs that all agree are a sign test at 1/32 (a bootstrap
+# interval over fewer is narrow by construction: over one pair it has no width at all).
+MIN_SETTLE_PAIRS = 5
+# An early stop for futility: the runs left in the budget would turn the decision with at most this chance.
+FUTILITY_RISK = 0.05
+_Z95 = 1.959964
 
 
 @dataclasses.dataclass
@@ -102,13 +112,16 @@ class BenchmarkParams:
         )
 
 
-def settled(verdict: Verdict) -> str | None:
-    """What the paired ratio's 95% interval already decides, or None while more runs could change the answer.
+def settled(verdict: Verdict, *, pairs: int) -> str | None:
+    """What the paired ratio's 95% interval already decides, or None while more runs could change the answer
+    (always None on fewer than ``MIN_SETTLE_PAIRS`` pairs: ``pairs`` is how many the verdict was computed on).
 
     The floor of the "slower beyond noise" rule (3%) is the resolution the decision needs: an interval wholly
     on one side of 1 +- 3%, or wholly inside it, cannot be turned by further runs other than by chance. Every
     decision taken on a comparison (roll a pass back, refuse an artifact) asks "slower beyond noise?" only, so
     an interval wholly below 1 + 3% settles it too ("not slower": faster, or within noise, either way kept)."""
+    if pairs < MIN_SETTLE_PAIRS:
+        return None
     lo, hi = verdict.ci95
     if lo > 1.0 + MIN_MARGIN:
         return "clearly slower"
@@ -121,6 +134,41 @@ def settled(verdict: Verdict) -> str | None:
     return None
 
 
+def futile(verdict: Verdict, *, pairs: int, remaining: int) -> bool:
+    """True when the ``remaining`` blocks the budget still allows would change the decision taken now (slower
+    beyond noise or not, ``verdict.slower``) with a probability below ``FUTILITY_RISK``.
+
+    The spread of one paired ratio is read off the interval (its half-width is 1.96 standard errors of the
+    median, which shrink as 1/sqrt(pairs)). After ``remaining`` more pairs the estimate moves from today's by a
+    normal amount of standard deviation ``sigma * sqrt(1/n - 1/N)`` (the predictive spread, which counts the
+    uncertainty of today's estimate too), and the decision then compares it with ``1 + max(3%, half-width at
+    N)``. A noisy host whose interval straddles the floor with the estimate far from it stops here instead of
+    spending the budget; an estimate near the threshold keeps running."""
+    if pairs < MIN_SETTLE_PAIRS or remaining <= 0:
+        return False
+    lo, hi = verdict.ci95
+    sigma = (hi - lo) / (2 * _Z95) * math.sqrt(pairs)
+    if not sigma > 0:  # identical pairs: the interval says nothing about the spread; let settled() decide
+        return False
+    total = pairs + remaining
+    threshold = 1.0 + max(MIN_MARGIN, _Z95 * sigma / math.sqrt(total))
+    z = (threshold - verdict.ratio) / (sigma * math.sqrt(1.0 / pairs - 1.0 / total))
+    below = 0.5 * math.erfc(-z / math.sqrt(2))  # P(the final estimate stays at or under the threshold)
+    return (1.0 - below if not verdict.slower else below) < FUTILITY_RISK
+
+
+def stop_reason(a_ms: Sequence[float], b_ms: Sequence[float], *, remaining: int, seed: int = 0) -> str | None:
+    """Why the interleaved runs of one input set can stop now (``settled``, ``futile``), or None."""
+    verdict = slower_beyond_noise(a_ms, b_ms, seed=seed)
+    pairs = min(len(a_ms), len(b_ms))
+    answer = settled(verdict, pairs=pairs)
+    if answer is not None:
+        return f"settled: {answer}"
+    if futile(verdict, pairs=pairs, remaining=remaining):
+        return f"futile: {'slower' if verdict.slower else 'not slower'} whatever the budget left"
+    return None
+
+
 @dataclasses.dataclass
 class ShapeComparison:
     input_set: str
@@ -128,7 +176,7 @@ class ShapeComparison:
     b: LatencyStats
     verdict: Verdict
     pairs: np.ndarray = dataclasses.field(default_factory=lambda: np.ones(1), repr=False)  # b_i / a_i
-    # "settled: clearly faster|clearly slower|within noise", "time budget" or "max_runs"
+    # "settled: clearly faster|clearly slower|within noise|not slower", "futile: ...", "time budget", "max_runs"
     stopped_by: str | None = None
 
     @property
@@ -476,12 +524,15 @@ def _timed_blocks(
             return a_ms, b_ms, "max_runs"
         if block < params.min_runs:
             continue
+        elapsed = time.perf_counter() - start
         if block >= check_at:
-            answer = settled(slower_beyond_noise(a_ms, b_ms, seed=index))
+            # The blocks the budget still allows at the pace so far (each block times one A and one B run).
+            by_time = (params.max_seconds - elapsed) / (elapsed / block) if elapsed > 0 else params.max_runs
+            answer = stop_reason(a_ms, b_ms, remaining=int(min(params.max_runs - block, by_time)), seed=index)
             if answer is not None:
-                return a_ms, b_ms, f"settled: {answer}"
+                return a_ms, b_ms, answer
             check_at = block + max(SETTLE_CHECK_BLOCKS, block // 4)
-        if time.perf_counter() - start >= params.max_seconds:
+        if elapsed >= params.max_seconds:
             return a_ms, b_ms, "time budget"
 
 

@@ -11,7 +11,18 @@ import onnx
 from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
 from core.verdict import MIN_MARGIN, LatencyStats, Verdict, slower_beyond_noise
-from workers.benchmark import QUICK_MIN_BLOCKS, BenchmarkParams, SessionPool, compare, host_info, measure, settled
+from workers.benchmark import (
+    MIN_SETTLE_PAIRS,
+    QUICK_MIN_BLOCKS,
+    BenchmarkParams,
+    SessionPool,
+    compare,
+    futile,
+    host_info,
+    measure,
+    settled,
+    stop_reason,
+)
 
 
 def _noisy(n: int, center: float, spread: float, seed: int) -> np.ndarray:
@@ -125,14 +136,63 @@ def _verdict_with_interval(lo: float, hi: float) -> Verdict:
 
 
 def test_settled_names_the_decision_only_when_the_interval_clears_the_floor() -> None:
-    assert settled(_verdict_with_interval(0.80, 0.90)) == "clearly faster"
-    assert settled(_verdict_with_interval(1.05, 1.30)) == "clearly slower"
-    assert settled(_verdict_with_interval(0.985, 1.02)) == "within noise"
+    assert settled(_verdict_with_interval(0.80, 0.90), pairs=30) == "clearly faster"
+    assert settled(_verdict_with_interval(1.05, 1.30), pairs=30) == "clearly slower"
+    assert settled(_verdict_with_interval(0.985, 1.02), pairs=30) == "within noise"
     # Below the slowdown threshold, straddling the faster one: kept either way, so nothing is left to decide.
-    assert settled(_verdict_with_interval(0.95, 0.99)) == "not slower"
+    assert settled(_verdict_with_interval(0.95, 0.99), pairs=30) == "not slower"
     # Straddling the slowdown threshold: more runs could still change the answer.
-    assert settled(_verdict_with_interval(1.01, 1.06)) is None
-    assert settled(_verdict_with_interval(0.90, 1.10)) is None
+    assert settled(_verdict_with_interval(1.01, 1.06), pairs=30) is None
+    assert settled(_verdict_with_interval(0.90, 1.10), pairs=30) is None
+
+
+def test_settled_needs_enough_pairs_when_the_interval_would_clear_the_floor() -> None:
+    # One pair's bootstrap interval has no width: it used to "settle" after a single block.
+    assert slower_beyond_noise([10.0], [5.0]).ci95 == (0.5, 0.5)
+    assert stop_reason([10.0], [5.0], remaining=100) is None
+    assert stop_reason([10.0] * (MIN_SETTLE_PAIRS - 1), [5.0] * (MIN_SETTLE_PAIRS - 1), remaining=100) is None
+    assert stop_reason([10.0] * MIN_SETTLE_PAIRS, [5.0] * MIN_SETTLE_PAIRS, remaining=100) == "settled: clearly faster"
+    assert settled(_verdict_with_interval(0.80, 0.90), pairs=MIN_SETTLE_PAIRS - 1) is None
+    assert settled(_verdict_with_interval(0.80, 0.90), pairs=MIN_SETTLE_PAIRS) == "clearly faster"
+
+
+def _noisy_pairs(center: float, *, seed: int, n: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic timings of a loaded host: each paired ratio b/a off by about 20% (no wall clock involved)."""
+    rng = np.random.default_rng(seed)
+    a = 50 * (1 + 0.05 * rng.standard_normal(n))
+    return a, a * center * np.exp(0.2 * rng.standard_normal(n))
+
+
+def test_futile_stops_a_noisy_comparison_whose_estimate_is_far_from_the_threshold() -> None:
+    a, b = _noisy_pairs(1.0, seed=1)
+    verdict = slower_beyond_noise(a, b)
+    lo, hi = verdict.ci95
+    assert lo < 1.0 < 1.0 + MIN_MARGIN < hi and not verdict.slower  # not settled: straddles the 3% floor
+    assert settled(verdict, pairs=len(a)) is None
+    # 40 more blocks could not lift the estimate over 1 + max(3%, the interval then) but by chance.
+    assert futile(verdict, pairs=len(a), remaining=40)
+    assert stop_reason(a, b, remaining=40) == "futile: not slower whatever the budget left"
+    # Nothing left, or a budget long enough to narrow the interval to the floor: keep to the other rules.
+    assert not futile(verdict, pairs=len(a), remaining=0)
+    assert not futile(verdict, pairs=len(a), remaining=100)
+    assert not futile(verdict, pairs=len(a), remaining=10_000)
+    assert not futile(verdict, pairs=MIN_SETTLE_PAIRS - 1, remaining=40)
+
+
+def test_futile_keeps_running_when_the_estimate_is_near_the_slowdown_threshold() -> None:
+    a, b = _noisy_pairs(1.04, seed=8)  # a real 4% slowdown, unresolved yet: the runs left may well reveal it
+    verdict = slower_beyond_noise(a, b)
+    assert settled(verdict, pairs=len(a)) is None and not verdict.slower
+    assert not futile(verdict, pairs=len(a), remaining=40)
+    assert stop_reason(a, b, remaining=40) is None
+
+
+def test_futile_stops_a_noisy_comparison_already_slower_whatever_the_budget_left() -> None:
+    a, b = _noisy_pairs(1.25, seed=3, n=40)
+    verdict = slower_beyond_noise(a, b)
+    assert verdict.slower
+    assert futile(verdict, pairs=len(a), remaining=40)
+    assert not futile(_verdict_with_interval(1.0, 1.08), pairs=40, remaining=40)  # not slower, near the floor
 
 
 def test_compare_stops_long_before_the_budget_when_the_candidate_is_clearly_slower(
@@ -150,6 +210,16 @@ def test_compare_stops_long_before_the_budget_when_the_candidate_is_clearly_slow
     assert shape.stopped_by == "settled: clearly slower" and result.to_dict()["shapes"][0]["stopped_by"]
     assert 15 <= shape.a.runs == shape.b.runs < 200
     assert result.slower and elapsed < 30.0
+
+
+def test_compare_never_settles_on_fewer_than_min_settle_pairs_when_min_runs_is_one(
+    mlp_path: Path, slow_mlp_path: Path
+) -> None:
+    params = BenchmarkParams(warmup=1, min_runs=1, max_seconds=60.0, max_runs=100_000, intra_op_threads=1)
+    result = compare(mlp_path, slow_mlp_path, generate_input_sets(onnx.load(str(mlp_path)), 2), params)
+    for shape in result.shapes:
+        assert shape.a.runs == shape.b.runs >= MIN_SETTLE_PAIRS
+        assert shape.stopped_by.startswith(("settled", "futile"))
 
 
 def test_compare_takes_exactly_min_runs_when_min_and_max_runs_are_equal(mlp_path: Path, slow_mlp_path: Path) -> None:
