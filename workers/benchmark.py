@@ -23,10 +23,10 @@ only while the answer is still open: the run stops as soon as the 95% bootstrap 
 ratio (core/verdict.py) is narrower than the decision needs (``settled``: wholly below 1 - 3%, clearly
 faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise; wholly below 1 + 3%, not
 slower, which is all a rollback or the gate asks), or as soon as the runs the budget still allows could turn
-the decision only by a long chance (``futile``: below 5%, on a noisy host whose interval will not clear the
-floor in time), else when the time budget ``max_seconds`` is spent or at ``max_runs``. Neither stop is taken
-on fewer than ``MIN_SETTLE_PAIRS`` pairs: the bootstrap interval of one pair has no width. Each set records
-what stopped it (``stopped_by``).
+the decision only by a long chance (``futile``: below 5%, judged on 20 pairs or more, on a noisy host whose
+interval will not clear the floor in time), else when the time budget ``max_seconds`` is spent or at
+``max_runs``. No early stop is taken on fewer than ``MIN_SETTLE_PAIRS`` pairs: the bootstrap interval of one
+pair has no width. Each set records what stopped it (``stopped_by``).
 
 Sessions: a ``SessionPool`` keeps each model's warm benchmark session for the job, so the original is built
 once (baseline, every A/B against it, the gate) and the model a pass was accepted as is the next pass's A
@@ -66,8 +66,11 @@ QUICK_MIN_BLOCKS = 5  # the per-pass ledger's floor (BenchmarkParams.from_settin
 # The fewest paired ratios an early stop rests on: five pairs that all agree are a sign test at 1/32 (a bootstrap
 # interval over fewer is narrow by construction: over one pair it has no width at all).
 MIN_SETTLE_PAIRS = 5
-# An early stop for futility: the runs left in the budget would turn the decision with at most this chance.
+# An early stop for futility: the runs left in the budget would turn the decision with at most this chance,
+# judged on at least this many pairs (the spread a projection rests on is itself unsure over a few pairs: on
+# a loaded host ten pairs gave an interval from 0.35 to 1.58).
 FUTILITY_RISK = 0.05
+FUTILITY_MIN_PAIRS = 20
 _Z95 = 1.959964
 
 
@@ -144,7 +147,7 @@ def futile(verdict: Verdict, *, pairs: int, remaining: int) -> bool:
     uncertainty of today's estimate too), and the decision then compares it with ``1 + max(3%, half-width at
     N)``. A noisy host whose interval straddles the floor with the estimate far from it stops here instead of
     spending the budget; an estimate near the threshold keeps running."""
-    if pairs < MIN_SETTLE_PAIRS or remaining <= 0:
+    if pairs < FUTILITY_MIN_PAIRS or remaining <= 0:
         return False
     lo, hi = verdict.ci95
     sigma = (hi - lo) / (2 * _Z95) * math.sqrt(pairs)

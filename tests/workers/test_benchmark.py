@@ -12,6 +12,7 @@ from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
 from core.verdict import MIN_MARGIN, LatencyStats, Verdict, slower_beyond_noise
 from workers.benchmark import (
+    FUTILITY_MIN_PAIRS,
     MIN_SETTLE_PAIRS,
     QUICK_MIN_BLOCKS,
     BenchmarkParams,
@@ -176,7 +177,7 @@ def test_futile_stops_a_noisy_comparison_whose_estimate_is_far_from_the_threshol
     assert not futile(verdict, pairs=len(a), remaining=0)
     assert not futile(verdict, pairs=len(a), remaining=100)
     assert not futile(verdict, pairs=len(a), remaining=10_000)
-    assert not futile(verdict, pairs=MIN_SETTLE_PAIRS - 1, remaining=40)
+    assert not futile(verdict, pairs=FUTILITY_MIN_PAIRS - 1, remaining=40)  # too few pairs to project from
 
 
 def test_futile_keeps_running_when_the_estimate_is_near_the_slowdown_threshold() -> None:
