@@ -536,9 +536,9 @@ def assemble(low: onnx.ModelProto, kept: onnx.ModelProto, swap: set[str]) -> onn
     nodes = [from_kept.get(n.output[0], n) if n.output else n for n in low.graph.node]
     swapped = {id(n) for n in from_kept.values()}
     # ORT names a quantized weight's scales after the weight, not the bits: each node reads its own model's
-    from_low = {value for n in nodes if id(n) not in swapped for value in _inputs_of(n)}
+    from_low = {value for n in nodes if id(n) not in swapped for value in inputs_of(n)}
     from_low |= {o.name for o in low.graph.output}
-    from_kept_values = {value for n in from_kept.values() for value in _inputs_of(n)}
+    from_kept_values = {value for n in from_kept.values() for value in inputs_of(n)}
     out = onnx.ModelProto()
     out.CopyFrom(low)  # the graph's inputs, outputs, value_info and metadata
     del out.graph.node[:]
@@ -557,12 +557,12 @@ def assemble(low: onnx.ModelProto, kept: onnx.ModelProto, swap: set[str]) -> onn
     return out
 
 
-def _inputs_of(node: onnx.NodeProto) -> list[str]:
+def inputs_of(node: onnx.NodeProto) -> list[str]:
     """The values ``node`` reads, its subgraphs' reads of outer values included."""
     names = list(node.input)
     for attr in node.attribute:
         for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-            names += [value for inner in graph.node for value in _inputs_of(inner)]
+            names += [value for inner in graph.node for value in inputs_of(inner)]
     return names
 
 

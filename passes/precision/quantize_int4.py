@@ -25,8 +25,15 @@ What ORT leaves to the user, and this pass decides:
   the max logit difference and the perplexity of both models on those tokens are in the notes
   (``passes/precision/_accuracy.py``). Full int4 (block 16) keeps a logits cosine of 0.9996 on the trained
   test decoder and flips 3.1% of its greedy tokens: a cosine budget alone passes that.
-* **Block size by measurement** (``block_size="auto"``): full int4 at 64, 32 and 16 (no longer than the
-  longest K); the largest within the budget, else the one that flips the fewest greedy tokens, starts the mix.
+* **Block size by measurement** (``block_size="auto"``): full int4 at 128 (ORT's default), 64, 32 and 16 (no
+  longer than the longest K); the largest within the budget, else the one that flips the fewest greedy tokens,
+  starts the mix. Larger blocks are also faster in prefill: with int8 compute (accuracy_level 4) every block
+  rescales its partial sums, and on a Qwen2.5-0.5B-shaped decoder at 1 thread a 128-token prefill took 0.90x
+  the fp32 CPU time at block 32, 0.98x at 64 and 1.27x at 128 (``bench/README.md``, issue 19).
+* **Token tables** (``embeddings``): a Gather of a constant table becomes ``GatherBlockQuantized``, 8-bit by
+  default (auto: where the budget still holds). A table the lm_head holds too (tied embeddings; exporters
+  write the head's copy transposed) reads the quantized head's weights through a Reshape, at the head's bits:
+  one copy instead of two float ones (Qwen2.5-0.5B: 545 MB each).
 * **Mixed precision by the greedy tokens.** When full int4 misses a next-token budget, every MatMul is
   measured alone in int4 (the rest 8-bit ``MatMulNBits``, or float with ``sensitive_as``) by the top-1 margin
   it takes from the *fragile* positions (those whose top-2 are closer than full int4's largest logit move),
@@ -80,7 +87,7 @@ class QuantizeInt4Options(PassOptions):
     block_size: int | Literal["auto"] = Field(
         "auto",
         description="Weights per quantization block along K (a power of 2, >= 16). auto: measure full int4 at "
-        "64, 32 and 16 and keep the largest (fewest scale bytes) within the budget, else the one that flips "
+        "128, 64, 32 and 16 and keep the largest (fewest scale bytes) within the budget, else the one that flips "
         "the fewest greedy tokens (ties: the smaller logit move).",
     )
     symmetric: bool = Field(True, description="Symmetric blocks (no zero point). rtn only; hqq is asymmetric.")
@@ -94,11 +101,16 @@ class QuantizeInt4Options(PassOptions):
         description="The LM head (found from the graph): float keeps it; int8 makes it 8-bit MatMulNBits; auto "
         "does so only where that measures no slower and the budget holds; int4 quantizes it like the rest.",
     )
+    embeddings: Literal["auto", "float", "int8", "int4"] = Field(
+        "auto",
+        description="Token tables (a Gather of a constant 2-D float table): int8 / int4 make each a "
+        "GatherBlockQuantized with that many bits (block size and symmetry as the MatMuls'); a table the lm_head "
+        "holds too (tied: the head's weight is the table transposed, or the same tensor) reads the quantized "
+        "head's weights instead, at the head's bits, and is stored once. auto: int8 (shared where tied), kept "
+        "only where the accuracy budget still holds on the samples, else float. float: left as they are.",
+    )
     quantize_embeddings: bool = Field(
-        False,
-        description="Also make constant-table Gathers (token embeddings) GatherBlockQuantized (int4): smaller, "
-        "not faster; raises the model's opset to 21. Off by default: on the trained test decoder the int4 token "
-        "table flips 28 of 1,024 greedy tokens even with every MatMul 8-bit.",
+        False, description="Older spelling of embeddings='int4' (True overrides embeddings)."
     )
     nodes_to_exclude: list[str] = Field(
         default_factory=list, description="Node NAMES to keep in float. An unknown name refuses the pass."
@@ -205,30 +217,14 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             q.save_proto(proto, dst, large)
 
         weights = _weight_sizes(model)
+        common = {"candidates": candidates, "quantize": quantize, "notes": notes, "kept_as": options.sensitive_as}
         out = None
         if options.min_top1_agreement is not None or options.max_perplexity_increase is not None:
             out = q.drive_next_token(
-                model,
-                ctx.samples,
-                budget_options,
-                candidates=candidates,
-                weights=weights,
-                quantize=quantize,
-                notes=notes,
-                kept_as=options.sensitive_as,
-                search_seconds=options.search_seconds,
+                model, ctx.samples, budget_options, weights=weights, search_seconds=options.search_seconds, **common
             )
         if out is None:  # a tensor budget only, or no token ids to judge the greedy tokens by
-            out = q.drive(
-                model,
-                ctx.samples,
-                budget_options,
-                candidates=candidates,
-                quantize=quantize,
-                quantized_nodes=replaced_nodes,
-                notes=notes,
-                kept_as=options.sensitive_as,
-            )
+            out = q.drive(model, ctx.samples, budget_options, quantized_nodes=replaced_nodes, **common)
         non_matches += out.non_matches
         if "nodes_excluded_by_user" in out.counts:  # drive counts the float head among the user's exclusions
             out.counts["nodes_excluded_by_user"] = len(options.nodes_to_exclude)
@@ -247,6 +243,16 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
                 notes=notes,
                 logits=logits,
             )
+        result = _tables(
+            model,
+            result,
+            heads,
+            samples=ctx.samples,
+            options=options,
+            budget_options=budget_options,
+            notes=notes,
+            logits=logits,
+        )
         notes["precision"] = precision_by_layer(result, [*candidates, *kept_float, *options.nodes_to_exclude])
         notes["int4_share"] = int4_share(notes["precision"], weights)
         notes["weight_bytes"] = {
@@ -269,7 +275,7 @@ def quantize_proto(
     """ORT's MatMulNBitsQuantizer on ``proto``; every MatMulNBits it writes gets ``accuracy_level=level``."""
     from onnxruntime.quantization import matmul_nbits_quantizer as mnb
 
-    op_types: tuple[str, ...] = ("MatMul", "Gather") if options.quantize_embeddings and bits == 4 else ("MatMul",)
+    op_types = ("MatMul",)  # token tables: quantize_tables, after the MatMuls (it may share the head's weights)
     config: Any
     if options.algorithm == "hqq" and bits == 4:
         config = mnb.HQQWeightOnlyQuantConfig(block_size=options.block_size, bits=4, op_types_to_quantize=op_types)
@@ -385,8 +391,8 @@ def replaced_nodes(original: onnx.ModelProto, quantized: onnx.ModelProto, candid
     return [name for name in candidates if name not in remaining]
 
 
-def _latency_ms(path: Path, feeds: Sequence[dict[str, np.ndarray]], repeats: int = 5) -> float:
-    """Median latency over the feeds at ORT's default optimizations and 1 thread (how it will run)."""
+def _latency_ms(path: Path, feeds: Sequence[dict[str, np.ndarray]], repeats: int = 5) -> list[float]:
+    """Median latency of each feed at ORT's default optimizations and 1 thread (how it will run)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -397,13 +403,24 @@ def _latency_ms(path: Path, feeds: Sequence[dict[str, np.ndarray]], repeats: int
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     for feed in feeds:
         sess.run(None, feed)
-    times = []
+    times: list[list[float]] = [[] for _ in feeds]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for feed in feeds:
+        for i, feed in enumerate(feeds):
+            t0 = time.perf_counter()
             sess.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def speed_ratio(latency: Sequence[float], reference: Sequence[float]) -> float:
+    """Geometric mean over the samples of ``latency / reference`` (< 1: faster). Each sample counts once,
+    whatever its cost: summed, a 128-token prefill outweighs a decode step 20 to 1 on a decoder, and a
+    choice that makes every decode step 1.3x faster would be decided by the prefill's noise."""
+    return float(np.exp(np.mean(np.log(np.asarray(latency) / np.asarray(reference)))))
+
+
+def _ms(latency: Sequence[float]) -> list[float]:
+    return [round(v, 3) for v in latency]
 
 
 def _measure(
@@ -414,7 +431,7 @@ def _measure(
     logits: str | None,
     *,
     timed: bool = True,
-) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, float]] | None:
+) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, list[float]]] | None:
     """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto."""
     with q.workdir() as tmp:
         src = Path(tmp) / "original.onnx"
@@ -431,11 +448,18 @@ def _measure(
         accuracy, latency = {}, {}
         for key, proto in candidates.items():
             path = Path(tmp) / f"{key}.onnx"
-            q.save_proto(proto, path, large)
+            # Saving with external data empties the proto's tensors in place: the caller may hand it back.
+            q.save_proto(_copy(proto) if large else proto, path, large)
             accuracy[key] = q.measure(path, feeds, outputs, reference, probe)
             if timed:
                 latency[key] = _latency_ms(path, feeds)
         return accuracy, latency
+
+
+def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    return out
 
 
 def _choose_block_size(
@@ -457,7 +481,7 @@ def _choose_block_size(
     # would fail over protobuf's 2 GB.
     # A block longer than every weight's K only pads: it stores as many scales as the next smaller one.
     longest = max((n.inputs[1].const_value.shape[0] for n in model.graph if n.name in candidates), default=16)
-    sizes = tuple(size for size in (64, 32, 16) if size <= max(longest, 16))
+    sizes = tuple(size for size in (128, 64, 32, 16) if size <= max(longest, 16))
     protos = {
         str(size): quantize_proto(
             ir.serde.serialize_model(model),
@@ -539,12 +563,15 @@ def _choose_level(
     accuracy, latency = measured
     budget = q.budget_of(budget_options)
     holding = [k for k in ("int8", "fp32") if not budget.misses(accuracy[k])]
-    # Neither holds: the exclusion loop starts from the more accurate fp32 compute.
-    chosen = min(holding, key=lambda k: latency[k]) if holding else "fp32"
+    if len(holding) == 2:
+        chosen = "int8" if speed_ratio(latency["int8"], latency["fp32"]) <= 1 else "fp32"
+    else:  # neither holds: the exclusion loop starts from the more accurate fp32 compute
+        chosen = holding[0] if holding else "fp32"
     notes["accuracy_level"] = {
         "chosen": _LEVELS[chosen],
         "by": "measured: fastest within the budget" if holding else "measured: neither holds, fp32 compute",
-        "latency_ms": {f"level {_LEVELS[k]}": round(v, 3) for k, v in latency.items()},
+        "latency_ms": {f"level {_LEVELS[k]}": _ms(v) for k, v in latency.items()},
+        "level_4_vs_0": round_sig(speed_ratio(latency["int8"], latency["fp32"])),
         "within_budget": {f"level {_LEVELS[k]}": k in holding for k in latency},
     }
     return _LEVELS[chosen]
@@ -577,11 +604,218 @@ def _head_int8(
         return quantized
     accuracy, latency = measured
     misses = q.budget_of(budget_options).misses(accuracy["int8"])
-    faster = latency["int8"] <= latency["float"]
-    notes["lm_head_latency_ms"] = {k: round(v, 3) for k, v in latency.items()}
+    faster = speed_ratio(latency["int8"], latency["float"]) <= 1
+    notes["lm_head_latency_ms"] = {k: _ms(v) for k, v in latency.items()}
     if faster and not misses:
         notes["lm_head_decision"] = "int8: measured no slower and within the budget"
         notes["accuracy"] = {k: v.to_dict() for k, v in accuracy["int8"].items()}  # the model handed back
         return ir.serde.deserialize_model(head8)
     notes["lm_head_decision"] = "float: " + ("; ".join(misses) if misses else "the 8-bit head measured slower")
     return quantized
+
+
+def _tables(
+    original: ir.Model,
+    quantized: ir.Model,
+    heads: list[str],
+    *,
+    samples: Sequence[dict[str, np.ndarray]],
+    options: QuantizeInt4Options,
+    budget_options: q.QuantizationOptions,
+    notes: dict[str, Any],
+    logits: str | None,
+) -> ir.Model:
+    """The quantized model with its token tables quantized as ``embeddings`` asks (auto: where it measures
+    within the budget); the choice and every table's bytes in ``notes["embeddings"]``."""
+    choice = "int4" if options.quantize_embeddings else options.embeddings
+    if choice == "float":
+        notes["embeddings"] = {"decision": "float (option)"}
+        return quantized
+    head_weights = {}
+    for node in original.graph:
+        if node.name in heads and node.op_type == "MatMul" and node.inputs[1] is not None:
+            tensor = node.inputs[1].const_value
+            if tensor is not None:
+                head_weights[node.name] = tensor.numpy()
+    proto = ir.serde.serialize_model(quantized)
+    assert isinstance(options.block_size, int)  # chosen before the MatMuls were quantized
+    tables = quantize_tables(
+        proto,
+        head_weights,
+        bits=4 if choice == "int4" else 8,
+        block_size=options.block_size,
+        symmetric=options.symmetric or options.algorithm == "hqq",
+    )
+    entry: dict[str, Any] = {"tables": tables}
+    notes["embeddings"] = entry
+    if not tables:
+        entry["decision"] = "none: no Gather of a constant 2-D float32 table read by nothing else"
+        return quantized
+    if choice != "auto":
+        entry["decision"] = f"{choice} (option)"
+        return ir.serde.deserialize_model(proto)
+    measured = _measure(
+        ir.serde.serialize_model(original), {"tables": proto}, samples, options.max_samples, logits, timed=False
+    )
+    if measured is None:
+        entry["decision"] = "float: no samples to measure quantized tables on"
+        return quantized
+    accuracy = measured[0]["tables"]
+    misses = q.budget_of(budget_options).misses(accuracy)
+    if misses:
+        entry["decision"] = "float: " + "; ".join(misses)
+        entry["accuracy_quantized"] = {k: v.to_dict() for k, v in accuracy.items()}
+        return quantized
+    entry["decision"] = "quantized: within the budget"
+    entry["accuracy_before"] = notes.get("accuracy")  # the MatMul mix's, as the search judged it
+    notes["accuracy"] = {k: v.to_dict() for k, v in accuracy.items()}  # the model handed back
+    return ir.serde.deserialize_model(proto)
+
+
+def quantize_tables(
+    proto: onnx.ModelProto,
+    head_weights: dict[str, np.ndarray],
+    *,
+    bits: int,
+    block_size: int,
+    symmetric: bool,
+) -> list[dict[str, Any]]:
+    """Make each token table of ``proto`` a ``com.microsoft::GatherBlockQuantized``, in place; one entry per
+    table done.
+
+    A token table: a ``Gather`` (axis 0) of a constant 2-D float32 initializer ``E[V, H]`` that nothing else
+    reads. Tied: where a quantized lm_head (MatMulNBits ``<head>_Q<b>``) was quantized from a weight equal to
+    ``E`` transposed (``head_weights``, the heads' float weights before quantization), the Gather reads the
+    head's packed weights through a Reshape, with its scales and zero points, at the head's bits and block:
+    the model keeps one copy of the table. Otherwise ``E`` is quantized by ORT's block quantizer (the
+    MatMulNBits layout, ``E`` seen as the weight of ``x @ E^T``) at ``bits``. Both dequantize exactly as the
+    MatMulNBits kernel does; rows padded to whole blocks are sliced back to ``H``."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnb
+
+    graph = proto.graph
+    inits = {init.name: init for init in graph.initializer}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in q.inputs_of(node):
+            readers[name] = readers.get(name, 0) + 1
+    for output in graph.output:
+        readers[output.name] = readers.get(output.name, 0) + 1
+    quantized_heads = {}
+    for node in graph.node:
+        if node.op_type == "MatMulNBits" and node.name.rsplit("_Q", 1)[0] in head_weights:
+            quantized_heads[node.name.rsplit("_Q", 1)[0]] = node
+    done: list[dict[str, Any]] = []
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        table = inits.get(node.input[0]) if node.op_type == "Gather" and node.domain in ("", "ai.onnx") else None
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if (
+            table is None
+            or len(table.dims) != 2
+            or table.data_type != onnx.TensorProto.FLOAT
+            or axis not in (0, -2)
+            or readers.get(table.name, 0) != 1
+            or node.input[1] in inits  # a constant lookup: folded by constant folding, not a token table
+        ):
+            nodes.append(node)
+            continue
+        rows, cols = (int(d) for d in table.dims)
+        values = onnx.numpy_helper.to_array(table)
+        shared = _tied_head(values, head_weights, quantized_heads, inits)
+        new: list[onnx.NodeProto] = []
+        if shared is not None:
+            head = quantized_heads[shared]
+            attrs = {a.name: a.i for a in head.attribute}
+            table_bits, table_block = attrs["bits"], attrs["block_size"]
+            packed = inits[head.input[1]]
+            shape = _unique_name(inits, f"{node.name}_table_shape")
+            inits[shape] = onnx.numpy_helper.from_array(np.array([rows, -1], dtype=np.int64), shape)
+            graph.initializer.append(inits[shape])
+            data = f"{packed.name}_as_table"
+            new.append(onnx.helper.make_node("Reshape", [packed.name, shape], [data], name=f"{node.name}_table"))
+            scales_zeros = [name for name in head.input[2:4] if name]
+            added = 0
+        else:
+            table_bits, table_block = bits, block_size
+            config = mnb.DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, bits=bits)
+            packed_values, scales, zeros = mnb.DefaultWeightOnlyQuantizer(config).qbits_block_quant(
+                np.ascontiguousarray(values.T)
+            )
+            arrays = {f"{table.name}_Q{bits}": packed_values.reshape(rows, -1), f"{table.name}_scales": scales}
+            if not symmetric:
+                arrays[f"{table.name}_zero_points"] = zeros.reshape(rows, -1)
+            names = []
+            for wanted, array in arrays.items():
+                name = _unique_name(inits, wanted)
+                inits[name] = onnx.numpy_helper.from_array(array, name)
+                graph.initializer.append(inits[name])
+                names.append(name)
+            data, scales_zeros = names[0], names[1:]
+            added = sum(a.nbytes for a in arrays.values())
+        padded = -(-cols // table_block) * table_block
+        out = node.output[0] if padded == cols else f"{node.output[0]}_padded"
+        new.append(
+            onnx.helper.make_node(
+                "GatherBlockQuantized",
+                [data, node.input[1], *scales_zeros],
+                [out],
+                name=f"{node.name}_Q{table_bits}",
+                domain="com.microsoft",
+                bits=table_bits,
+                block_size=table_block,
+                gather_axis=0,
+                quantize_axis=1,
+            )
+        )
+        if padded != cols:  # the quantized rows are whole blocks long
+            bounds = []
+            for suffix, value in (("starts", 0), ("ends", cols), ("axes", -1)):
+                name = _unique_name(inits, f"{node.name}_unpad_{suffix}")
+                inits[name] = onnx.numpy_helper.from_array(np.array([value], dtype=np.int64), name)
+                graph.initializer.append(inits[name])
+                bounds.append(name)
+            new.append(onnx.helper.make_node("Slice", [out, *bounds], [node.output[0]], name=f"{node.name}_unpad"))
+        nodes.extend(new)
+        graph.initializer.remove(inits.pop(table.name))
+        done.append(
+            {
+                "gather": node.name,
+                "table": [rows, cols],
+                "bits": table_bits,
+                "block_size": table_block,
+                "shared_with": shared,
+                "bytes_before": int(values.nbytes),
+                "bytes_after": int(added),
+            }
+        )
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if done and not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return done
+
+
+def _tied_head(
+    table: np.ndarray,
+    head_weights: dict[str, np.ndarray],
+    quantized_heads: dict[str, onnx.NodeProto],
+    inits: dict[str, onnx.TensorProto],
+) -> str | None:
+    """The quantized head whose float weight was ``table`` transposed and whose weights a
+    GatherBlockQuantized can read (integer zero points: HQQ's float ones it cannot)."""
+    for name, weight in head_weights.items():
+        node = quantized_heads.get(name)
+        if node is None or weight.shape != table.T.shape or not np.array_equal(weight, table.T):
+            continue
+        zeros = inits.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        if zeros is None or zeros.data_type == onnx.TensorProto.UINT8:
+            return name
+    return None
+
+
+def _unique_name(taken: dict[str, Any], name: str) -> str:
+    out, i = name, 0
+    while out in taken:
+        i += 1
+        out = f"{name}_{i}"
+    return out
