@@ -14,6 +14,16 @@ attentions fused. Folding the leading two dims, multiplying the last two and unf
     v4[B,h,S,d] --Reshape[B*h,S,d]--------^
     ==>  p4, v4 --> MatMul --> out
 
+DeBERTa's disentangled attention (c2p and p2c, DeBERTa-v3) adds its relative terms to the folded scores before
+the unfold, so the product's reader is an ``Add``, not the unfold. The unfold is first distributed over such
+sums (``distribute_unfolds``), which is exact: both terms have the folded shape, and a Reshape keeps the
+element order, so reshaping the sum is the sum of the reshaped terms::
+
+    Reshape(Add(MatMul(q3, kT3), rel3), [B,h,S,T])  ==>  Add(Reshape(MatMul(q3, kT3), ..), Reshape(rel3, ..))
+
+after which the product's fold is dropped as above and the relative terms reach the Softmax as a
+``[B, h, S, T]`` bias (``attention_bias`` of the fused attention).
+
 A site is rewritten only where the shapes prove each fold merges exactly the two leading dims of its 4-D
 source and the unfold restores them (dims compared as the same int or the same symbol; TorchScript's
 run-time shapes are resolved first by ``_symbolic_shapes``). The scalar scaling between the fold and the
@@ -110,8 +120,70 @@ def _reshape_readers(graph: ir.Graph, folded: ir.Value, product: ir.Node, before
         ir.convenience.replace_all_uses_with(reader.outputs[0], value, replace_graph_outputs=False)
 
 
+def _same_shape(a: ir.Value | None, b: ir.Value | None) -> bool:
+    da, db = _dims(a), _dims(b)
+    return da is not None and db is not None and len(da) == len(db) and all(map(_same, da, db))
+
+
+def distribute_unfolds(model: ir.Model) -> int:
+    """Rewrite ``Reshape(Add(x, y))`` that unfolds ``[B*h, S, T]`` to ``[B, h, S, T]`` into ``Add(Reshape(x),
+    Reshape(y))`` where x, y and the sum have one shape (no broadcast) and the sum has no other reader than
+    the unfold and ``Shape`` ops (which then read a term: the same shape); repeated, so nested sums distribute too.
+    The number of Reshapes distributed."""
+    done = 0
+    changed = True
+    while changed:
+        changed = False
+        for unfold in list(model.graph):
+            if unfold.op_type != "Reshape" or unfold.domain not in _ONNX:
+                continue
+            total, target = unfold.inputs[0], _dims(unfold.outputs[0])
+            add = total.producer() if total is not None else None
+            if add is None or add.op_type != "Add" or add.domain not in _ONNX or total.is_graph_output():
+                continue
+            folded = _dims(total)
+            if target is None or folded is None or len(target) != 4 or len(folded) != 3:
+                continue
+            if not (_same(target[2], folded[1]) and _same(target[3], folded[2])):
+                continue
+            x, y = add.inputs
+            if not (_same_shape(x, total) and _same_shape(y, total)):
+                continue
+            readers = [u.node for u in total.uses()]
+            if any(r is not unfold and r.op_type != "Shape" for r in readers):
+                continue
+            prefix = unfold.name or "unfold"
+            nodes = []
+            parts = []
+            for i, term in enumerate((x, y)):
+                # the same shape operand and attributes (allowzero included): each term reshapes as the sum did
+                part = ir.node("Reshape", [term, unfold.inputs[1]], dict(unfold.attributes), name=f"{prefix}/term{i}")
+                part.outputs[0].shape, part.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+                nodes.append(part)
+                parts.append(part.outputs[0])
+            summed = ir.node("Add", parts, name=f"{prefix}/sum")
+            summed.outputs[0].shape, summed.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+            nodes.append(summed)
+            model.graph.insert_before(unfold, nodes)
+            # Shape readers read a term instead (the same shape): the one that is not a MatMul product, which
+            # unfold_batched_heads replaces; reading it would keep a second (3-D or 4-D) product alive
+            kept = y if x.producer() is not None and x.producer().op_type == "MatMul" else x
+            for reader in readers:
+                if reader is not unfold:
+                    reader.replace_input_with(0, kept)
+            ir.convenience.replace_all_uses_with(unfold.outputs[0], summed.outputs[0])
+            model.graph.remove(unfold, safe=True)
+            done += 1
+            changed = True
+    if done:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return done
+
+
 def unfold_batched_heads(model: ir.Model) -> int:
-    """Rewrite every proven ``[B*h, S, d]`` attention product to its 4-D form; the number rewritten."""
+    """Rewrite every proven ``[B*h, S, d]`` attention product to its 4-D form; the number rewritten (the
+    unfolds distributed over relative-position sums first, ``distribute_unfolds``)."""
+    distribute_unfolds(model)
     sites = []
     for matmul in model.graph:
         if matmul.op_type != "MatMul" or matmul.domain not in _ONNX:
@@ -154,6 +226,8 @@ def unfold_batched_heads(model: ir.Model) -> int:
         ir.convenience.replace_all_uses_with(unfold.outputs[0], product.outputs[0])
     if sites:
         common_passes.RemoveUnusedNodesPass()(model)
+        # a Shape reader of a product whose unfold was distributed sits before the new 4-D product it now reads
+        model.graph.sort()
     return len(sites)
 
 

@@ -21,7 +21,8 @@ bart          learned positions read at ``ids + 2`` (BART's offset): an embeddin
               ``Add`` of the constant 2 (the BART encoder alone)
 roberta       position ids computed from the input ids (``CumSum`` of the non-pad mask, padding offset)
 bert          an embedding table with 2-16 rows (token types; RoBERTa's has 1 row)
-distilbert    word and position embeddings only, LayerNorm right after their sum
+distilbert    word and position embeddings only, LayerNorm right after their sum; or a word embedding alone,
+              read from the input ids and normalized at once (DeBERTa-v3: relative positions only)
 unknown       no Softmax or no normalization: not a transformer we know how to fuse
 ============  ==========================================================================================
 
@@ -174,7 +175,19 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
             return "bert", f"token-type embedding {table.name!r} ({rows} rows) read by {node.name!r}"
     if len(gathers) >= 2:
         return "distilbert", f"{len(gathers)} embedding tables, no token types, no causal mask"
+    if len(gathers) == 1 and _reads_graph_input(gathers[0][0]):
+        node = gathers[0][0]
+        if any(u.node.op_type == "LayerNormalization" for u in node.outputs[0].uses()):
+            return "distilbert", (
+                f"one embedding table read by {node.name!r} from the input ids and normalized at once: no absolute "
+                "positions (relative ones in attention, as DeBERTa-v3), no token types, no causal mask"
+            )
     return "unknown", "attention found, but no embedding structure of a known family"
+
+
+def _reads_graph_input(node: ir.Node) -> bool:
+    index = node.inputs[1]
+    return index is not None and index.is_graph_input()
 
 
 _STEM = {4: ("vit", "patch-embedding"), 3: ("whisper", "spectrogram"), 2: ("wav2vec2", "raw-audio")}

@@ -32,7 +32,8 @@ _FOUND_CHARS = 400  # the found subgraph, cut: the report is read by people
 EXPECTED = {
     "attention": "MatMul(q, Transpose(k)) scaled by a constant (Mul/Div on q, k or the scores), at most one "
     "additive mask (or a Where filling -inf/min), Softmax, MatMul(., v); q, k, v of shape [B, heads, S, head_dim] "
-    "(or folded to [B*heads, S, head_dim] and unfolded around the Softmax)",
+    "(or folded to [B*heads, S, head_dim] and unfolded around the Softmax, with terms of the folded scores' shape, "
+    "such as DeBERTa's relative-position c2p and p2c, added before the unfold)",
     "skip_layer_norm": "a norm of a residual Add(x, skip) (LayerNormalization, or x * rsqrt(mean(x^2) + eps) * weight)",
     "gelu": "0.5 * x * (1 + Erf(x / sqrt(2))) or 0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))",
 }

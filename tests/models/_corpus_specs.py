@@ -32,6 +32,7 @@ ARCHS: dict[str, Arch] = {
         Arch("distilbert", "text", _TEXT, _HID, "bert"),
         Arch("albert", "text", _TEXT3, _HID, "bert"),
         Arch("deberta_v2", "text", _TEXT, _HID, "bert"),
+        Arch("deberta_v3", "text", _TEXT, _HID, "bert"),
         Arch("electra", "text", _TEXT3, _HID, "bert"),
         Arch("mpnet", "text", _TEXT, _HID, "bert"),
         Arch("xlm_roberta", "text", _TEXT, _HID, "bert"),
@@ -134,6 +135,20 @@ def _config(arch: str, size: str, attention: str | None) -> Any:
         "electra": lambda: tf.ElectraConfig(**bert_like, embedding_size=d.hidden // 2),
         "albert": lambda: tf.AlbertConfig(**bert_like, embedding_size=d.hidden // 2),
         "deberta_v2": lambda: tf.DebertaV2Config(**bert_like, relative_attention=True, position_buckets=64),
+        # microsoft/deberta-v3-*'s attention: disentangled c2p and p2c terms on shared q/k projections of
+        # layer-normed relative embeddings, log-bucketed positions (tiny: 16 buckets, so that the test lengths
+        # reach the log buckets), no absolute positions
+        "deberta_v3": lambda: tf.DebertaV2Config(
+            **bert_like,
+            relative_attention=True,
+            pos_att_type=["p2c", "c2p"],
+            position_buckets=16 if size == "tiny" else 256,
+            max_relative_positions=-1,
+            share_att_key=True,
+            norm_rel_ebd="layer_norm",
+            position_biased_input=False,
+            type_vocab_size=0,
+        ),
         "mpnet": lambda: tf.MPNetConfig(**bert_like),
         "distilbert": lambda: tf.DistilBertConfig(
             vocab_size=d.vocab,
@@ -270,6 +285,7 @@ def _model(arch: str, size: str, attention: str | None) -> Any:
         "electra": tf.ElectraModel,
         "albert": tf.AlbertModel,
         "deberta_v2": tf.DebertaV2Model,
+        "deberta_v3": tf.DebertaV2Model,
         "mpnet": tf.MPNetModel,
         "distilbert": tf.DistilBertModel,
         "vit": tf.ViTModel,
