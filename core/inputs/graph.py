@@ -275,12 +275,14 @@ def analyze(model: onnx.ModelProto | ir.Model) -> ModelFacts:
     aliases = _aliases(graph, {v.name or "" for v in inputs})
     ranges: dict[str, tuple[int, str]] = {}
     for node in graph:
-        if node.op_type == "Gather" and len(node.inputs) >= 2 and node.inputs[1] is not None:
+        # A quantized table (int4's GatherBlockQuantized: [rows, packed columns]) is indexed on gather_axis.
+        quantized = node.op_type == "GatherBlockQuantized" and node.domain == "com.microsoft"
+        if (node.op_type == "Gather" or quantized) and len(node.inputs) >= 2 and node.inputs[1] is not None:
             source = aliases.get(node.inputs[1].name or "")
             shape = _const_shape(node.inputs[0])
             if source is None or not shape:
                 continue
-            axis = node.attributes.get_int("axis", 0)
+            axis = node.attributes.get_int("gather_axis" if quantized else "axis", 0)
             rows = int(shape[axis if axis >= 0 else axis + len(shape)])
             if source not in ranges or rows < ranges[source][0]:
                 ranges[source] = (rows, node.inputs[0].name or "a constant")

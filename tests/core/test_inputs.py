@@ -204,3 +204,27 @@ def test_generated_sets_keep_padded_masks_when_encoder_or_causal_text_tower() ->
     nopast = generate_input_sets(onnx.load(str(MODELS / "decoders/llama_nopast_ts.onnx")), 3)
     assert [s.feeds["input_ids"].shape for s in nopast] == [(1, 8), (2, 16), (4, 32)]
     assert all(s.feeds["attention_mask"].all() for s in nopast)
+
+
+def test_analyze_reads_token_ids_through_an_int4_embedding_table_when_gatherblockquantized() -> None:
+    """quantize_int4's GatherBlockQuantized table ([rows, packed columns], indexed on gather_axis) still makes
+    its index input the token ids, bounded by the table's rows (an int4 artifact fed by role)."""
+    rows, hidden = 40, 16
+    table = numpy_helper.from_array(np.zeros((rows, hidden // 2), np.uint8), "table_q4")
+    scales = numpy_helper.from_array(np.ones((rows, hidden // 16), np.float32), "table_scales")
+    node = helper.make_node(
+        "GatherBlockQuantized", ["table_q4", "input_ids", "table_scales"], ["emb"], domain="com.microsoft",
+        gather_axis=0, quantize_axis=1, block_size=16, bits=4,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, None)],
+        [table, scales],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    role = analyze(model).roles["input_ids"]
+    assert role.role == "token_ids" and role.high == rows
