@@ -28,7 +28,7 @@ from core.config import JobConfig
 from core.errors import OnnxforgeError, RegressionError, VerificationError
 from core.recipe import read_recipe
 from passes._infra import Pass
-from workers.benchmark import BenchmarkParams, compare
+from workers.benchmark import BenchmarkParams, Comparison, compare
 from workers.ledger import Ledger, Outcome
 from workers.report import PassRecord
 
@@ -39,6 +39,9 @@ class GateResult:
     decision: dict[str, Any]  # the report's decision section
     # Refused after a pass replaced the inputs: hand back the stage right after that pass, not the upload.
     fall_back_to_rebase: bool = False
+    # The gate's interleaved timing of the upload on the job's own input sets (None when it timed another
+    # reference, or nothing): the job's baseline, which is then not timed a second time.
+    upload_timing: Comparison | None = None
 
 
 def _ledger_ratio(record: PassRecord) -> float:
@@ -104,12 +107,13 @@ def decide(
     progress("benchmarking", 1.0)
     decision["gate"].update(slower=comparison.slower, benchmark_mode=comparison.mode, speedup=comparison.speedup)
     benchmark = comparison.to_dict() if config.benchmark else None
+    upload = comparison if rebase is None and ledger.input_sets is ledger.setup.input_sets else None
     if not comparison.slower:
         decision["reason"] = (
             f"verified within tolerance and not slower beyond noise (speedup {comparison.speedup:.3f}, "
             f"{len(ledger.kept)} pass(es) kept)"
         )
-        return GateResult(benchmark, decision)
+        return GateResult(benchmark, decision, upload_timing=upload)
     # The suspect: the kept pass whose own ledger measurement slowed the model most, if any did.
     suspects = sorted((ledger.records[i] for i, _ in ledger.kept), key=_ledger_ratio, reverse=True)
     failed = suspects[0].name if suspects and _ledger_ratio(suspects[0]) > 1.0 else None
@@ -126,8 +130,8 @@ def decide(
     )
     if config.fail_on_regression:
         decision.update(result="failed", used_original=False)
-        return GateResult(benchmark, decision)
-    return GateResult(benchmark, decision, _fall_back(ledger, decision))
+        return GateResult(benchmark, decision, upload_timing=upload)
+    return GateResult(benchmark, decision, _fall_back(ledger, decision), upload_timing=upload)
 
 
 def decide_or_retry(

@@ -120,6 +120,13 @@ class Ledger:
             measure=BenchmarkMeasure(target=setup.target, intra_op_threads=setup.intra_op_threads),
         )
 
+    def fill_baseline(self, p50: float) -> None:
+        """The upload's latency, timed after the passes ran (``Setup.baseline_p50`` None): the "before" of the
+        records measured against the upload, which were given none."""
+        for record in self.records:
+            if record.latency_ms_p50_before is None and record.status != "failed":
+                record.latency_ms_p50_before = p50
+
     @property
     def kept_passes(self) -> list[Pass]:
         return [p for _, p in self.kept]

@@ -46,7 +46,9 @@ class Setup:
     quick: BenchmarkParams  # the per-pass timing
     rollback_slower: bool
     dynamic_axes: dict[str, set[int]]  # of the upload: no pass but a may_freeze_axes one may freeze them
-    baseline_p50: float  # the upload's quick latency
+    # The upload's latency, when known before the passes; None: the pipeline times the upload once, in the gate
+    # (or alone after it), and fills it in on the records then (``Ledger.fill_baseline``).
+    baseline_p50: float | None
     provenance: artifacts.Provenance
     progress: ProgressFn
     pool: SessionPool = dataclasses.field(default_factory=SessionPool)  # the job's warm benchmark sessions

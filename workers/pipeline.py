@@ -5,7 +5,8 @@ imported from here: the child process of a worker and ``onnxforge optimize`` bot
 
     load: the upload (checked), its passes (unknown names and bad options refused here), their file options
       confined to the upload, the verification inputs, the original's reference outputs
-    baseline: the upload's quick latency
+    baseline: the upload's warm benchmark session (built once for every A/B against it); its latency is the
+      gate's interleaved timing of it when the gate times it on the job's input sets, else timed alone then
     passes: the ledger (workers/ledger.py) runs, verifies, times and keeps or rolls back each pass, then
       writes the artifact and bisects it if the applied passes interact; preset auto runs one ledger per
       candidate and keeps the fastest (workers/auto_search.py)
@@ -45,6 +46,7 @@ from workers import artifacts, auto_search, gate
 from workers import report as report_mod
 from workers.benchmark import BenchmarkParams, SessionPool, measure
 from workers.decoder_benchmark import decoder_section
+from workers.gate import GateResult
 from workers.ledger import Ledger, Setup
 from workers.report_builder import build_report
 from workers.sessions import providers_for
@@ -237,13 +239,9 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     work = Path(tempfile.mkdtemp(prefix=".work-", dir=out))
     pool = SessionPool()  # the original's warm benchmark session, from the baseline to the gate
     try:
-        # baseline
+        # baseline: the session now; the latency from the gate, which times the upload anyway (_baseline)
         with stages("baseline"):
-            stats = measure(source, inputs.sets, quick, pool=pool)
-        baseline = {
-            "p50_ms": sum(s.p50_ms for s in stats) / len(stats),
-            "input_sets": [{"name": s.name, **st.to_dict()} for s, st in zip(inputs.sets, stats, strict=True)],
-        }
+            pool.runs(source, [s.feeds for s in inputs.sets], quick)
         setup = Setup(
             source=source,
             input_sets=inputs.sets,
@@ -256,7 +254,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             quick=quick,
             rollback_slower=settings.rollback_slower if config.rollback_slower is None else config.rollback_slower,
             dynamic_axes=dynamic_axes,
-            baseline_p50=baseline["p50_ms"],
+            baseline_p50=None,  # timed once, by the gate (or alone after it): Ledger.fill_baseline
             provenance=artifacts.Provenance(source_sha, resolved.preset, request.job_id),
             progress=progress,
             pool=pool,
@@ -285,6 +283,9 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             artifact, verification = outcome.artifact, outcome.verification
             if verdict.fall_back_to_rebase:
                 artifact, verification = ledger.rebased_artifact(work)
+        with stages("baseline"):
+            baseline = _baseline(verdict, source, inputs.sets, quick, pool)
+        ledger.fill_baseline(baseline["p50_ms"])
         pool.close()
 
         # artifact
@@ -351,6 +352,26 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     finally:
         pool.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _baseline(
+    verdict: GateResult, source: Path, sets: list[InputSet], quick: BenchmarkParams, pool: SessionPool
+) -> dict[str, Any]:
+    """The report's ``baseline``: the upload's latency per input set. When the gate timed the upload on these
+    input sets (interleaved with the artifact, on the same warm session), its runs of the upload are the
+    figures; else (no pass kept, an input change, a failed verification) the upload is timed alone now."""
+    timing = verdict.upload_timing
+    if timing is not None:
+        stats = [shape.a for shape in timing.shapes]
+        timed_by = "gate"
+    else:
+        stats = measure(source, sets, quick, pool=pool)
+        timed_by = "alone"
+    return {
+        "p50_ms": sum(s.p50_ms for s in stats) / len(stats),
+        "timed_by": timed_by,
+        "input_sets": [{"name": s.name, **st.to_dict()} for s, st in zip(sets, stats, strict=True)],
+    }
 
 
 STAGES = ("load", "inputs", "baseline", "passes", "finalize", "gate", "artifact", "decoder", "report")

@@ -111,3 +111,27 @@ def test_validate_report_accepts_a_report_without_timings_when_it_predates_them(
     assert validate_report(older) == []
     broken = {**timed.report, "timings": {**timed.report["timings"], "surprise_s": 1.0}}
     assert "timings: undocumented key 'surprise_s'" in validate_report(broken)
+
+
+def test_baseline_is_the_gates_timing_of_the_upload_when_the_gate_timed_it(timed: PipelineResult) -> None:
+    """The upload is timed once: the gate's interleaved runs of it on the job's input sets are the baseline."""
+    report = timed.report
+    baseline, benchmark = report["baseline"], report["benchmark"]
+    assert baseline["timed_by"] == "gate"
+    assert baseline["p50_ms"] == pytest.approx(benchmark["p50_ms_original"])
+    for mine, gate in zip(baseline["input_sets"], benchmark["shapes"], strict=True):
+        assert mine["name"] == gate["input_set"]
+        assert {k: v for k, v in mine.items() if k != "name"} == gate["original"]
+    # The first pass was given the upload's latency as its "before" once the gate had timed it.
+    assert report["passes"][0]["latency_ms_p50_before"] == baseline["p50_ms"]
+
+
+def test_baseline_times_the_upload_alone_when_no_pass_is_kept(tmp_path: Path, slow_mlp_path: Path) -> None:
+    settings = PipelineSettings(verify_shape_sets=2, benchmark_warmup=1, ledger_runs=5, intra_op_threads=1)
+    result = _run(slow_mlp_path, tmp_path, settings, Idle())
+    baseline = result.report["baseline"]
+    assert result.used_original and result.report["benchmark"] is None
+    assert baseline["timed_by"] == "alone"
+    assert [s["runs"] for s in baseline["input_sets"]] == [5, 5]  # quick mode: ledger_runs each
+    assert result.report["timings"]["sessions"]["built"] == 1
+    assert validate_report(result.report) == []
