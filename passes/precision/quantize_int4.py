@@ -644,31 +644,35 @@ def _tables(
         head_weights,
         bits=4 if choice == "int4" else 8,
         block_size=options.block_size,
-        symmetric=options.symmetric or options.algorithm == "hqq",
+        symmetric=options.symmetric,
     )
     entry: dict[str, Any] = {"tables": tables}
     notes["embeddings"] = entry
     if not tables:
         entry["decision"] = "none: no Gather of a constant 2-D float32 table read by nothing else"
         return quantized
-    if choice != "auto":
-        entry["decision"] = f"{choice} (option)"
-        return ir.serde.deserialize_model(proto)
     measured = _measure(
         ir.serde.serialize_model(original), {"tables": proto}, samples, options.max_samples, logits, timed=False
     )
     if measured is None:
+        if choice != "auto":
+            entry["decision"] = f"{choice} (option); not measured: no samples give every input"
+            return ir.serde.deserialize_model(proto)
         entry["decision"] = "float: no samples to measure quantized tables on"
         return quantized
     accuracy = measured[0]["tables"]
     misses = q.budget_of(budget_options).misses(accuracy)
-    if misses:
+    if misses and choice == "auto":
         entry["decision"] = "float: " + "; ".join(misses)
         entry["accuracy_quantized"] = {k: v.to_dict() for k, v in accuracy.items()}
         return quantized
-    entry["decision"] = "quantized: within the budget"
+    entry["decision"] = f"{choice} (option)" if choice != "auto" else "quantized: within the budget"
+    if misses:
+        entry["decision"] += "; outside the budget: " + "; ".join(misses)
     entry["accuracy_before"] = notes.get("accuracy")  # the MatMul mix's, as the search judged it
     notes["accuracy"] = {k: v.to_dict() for k, v in accuracy.items()}  # the model handed back
+    if notes.get("lm_head_decision", "").startswith("int8 (option)"):
+        notes["lm_head_decision"] = "int8 (option); the accuracy figures include it"
     return ir.serde.deserialize_model(proto)
 
 
