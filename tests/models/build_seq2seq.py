@@ -1,0 +1,493 @@
+"""Build tiny encoder-decoders (Whisper, T5, BART) as the three files Optimum's seq2seq "-with-past" export makes.
+
+Run ``python -m tests.models.build_seq2seq [--only ARCH]``; the files go to ``tests/models/seq2seq/<arch>/``
+(committed) with ``manifest.json``. What users upload for generation (Optimum's
+``text2text-generation-with-past`` / ``automatic-speech-recognition-with-past``, consumed by transformers.js
+and onnxruntime-genai), with Optimum's input, output and dim names:
+
+``encoder_model.onnx``
+    ``input_ids`` + ``attention_mask`` [batch_size, encoder_sequence_length] (Whisper: ``input_features``
+    [batch_size, mel bins, encoder_sequence_length], a fixed 2 x max_source_positions frames) ->
+    ``last_hidden_state`` [batch_size, encoder_sequence_length (Whisper: / 2), hidden].
+``decoder_model.onnx`` (no past: the first generation step)
+    ``input_ids`` [batch_size, decoder_sequence_length], ``encoder_hidden_states`` [batch_size,
+    encoder_sequence_length, hidden], ``encoder_attention_mask`` [batch_size, encoder_sequence_length]
+    (not Whisper) -> ``logits``, ``present.N.decoder.key/value`` [batch_size, heads,
+    decoder_sequence_length, head_dim] and ``present.N.encoder.key/value`` [batch_size, heads,
+    encoder_sequence_length_out, head_dim].
+``decoder_with_past_model.onnx`` (every later step)
+    ``input_ids``, ``encoder_attention_mask`` (not Whisper), ``past_key_values.N.decoder.key/value``
+    (self-attention cache: past_decoder_sequence_length, grows) and ``past_key_values.N.encoder.key/value``
+    (cross-attention cache: encoder_sequence_length_out, the encoder's length, fixed) -> ``logits`` and
+    ``present.N.decoder.key/value`` only. As in Optimum, it takes no ``encoder_hidden_states``: the
+    cross-attention keys and values come from the cache.
+
+Each model is built from a ``transformers`` config object (nothing downloaded): 2 encoder and 2 decoder layers,
+d_model 32, 4 heads, vocabulary 256, seeded, every parameter perturbed by ``0.02 * randn`` (HF initialises
+norms to 1 and biases to 0). transformers 5 takes ``EncoderDecoderCache`` objects, so small modules wrap the
+model: flat cache tensors in, an ``EncoderDecoderCache`` of two ``DynamicCache`` built from them, flat
+presents out. Exported by the TorchScript exporter (``dynamo=False``, opset 18), eager attention.
+
+Checks (a failure deletes the file and raises): every file in ONNX Runtime against its torch module at shapes
+other than the export's (atol 1e-4), including a decode step on an empty self-attention cache; and a greedy
+generation chained through the three ONNX files (encoder, decoder for the start token, then
+decoder_with_past on the returned presents for 5 more tokens) gives, at every step, the logits of the torch
+model run on the whole generated sequence without a cache.
+
+torch and transformers are imported only inside the build functions: ``seq2seq_feeds`` and
+``greedy_chain`` need only numpy and onnxruntime, so tests import this module without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "seq2seq"
+OPSET = 18
+ATOL = 1e-4
+KINDS = ("encoder", "decoder", "decoder_with_past")
+EXPORT = {"batch": 2, "dec": 3, "past": 4, "enc": 5}
+GREEDY_STEPS = 6
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    config: str
+    model: str
+    layers: int = 2
+    hidden: int = 32
+    heads: int = 4
+    ffn: int = 64
+    vocab: int = 256
+    mel_bins: int = 16  # Whisper only
+    frames: int = 64  # Whisper only: 2 x max_source_positions
+    positions: int = 64  # decoder position table (Whisper, BART); T5 is relative
+    start: int = 0  # decoder_start_token_id
+
+    @property
+    def audio(self) -> bool:
+        return self.name == "whisper"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+ARCHS: dict[str, Arch] = {
+    a.name: a
+    for a in (
+        Arch("whisper", "WhisperConfig", "WhisperForConditionalGeneration", start=1),
+        Arch("t5", "T5Config", "T5ForConditionalGeneration", start=0),
+        Arch("bart", "BartConfig", "BartForConditionalGeneration", start=2),
+    )
+}
+
+
+def filename(kind: str) -> str:
+    return f"{kind}_model.onnx"
+
+
+def enc_dim(arch: Arch) -> str:
+    """The encoder states' length dim as Optimum names it (Whisper's stride-2 stack halves the frames)."""
+    return "encoder_sequence_length / 2" if arch.audio else "encoder_sequence_length"
+
+
+def input_names(arch: Arch, kind: str) -> list[str]:
+    if kind == "encoder":
+        return ["input_features"] if arch.audio else ["input_ids", "attention_mask"]
+    mask = [] if arch.audio else ["encoder_attention_mask"]
+    if kind == "decoder":
+        return ["input_ids", "encoder_hidden_states", *mask]
+    past = [f"past_key_values.{i}.{side}.{kv}" for i in range(arch.layers) for side in ("decoder", "encoder")
+            for kv in ("key", "value")]  # fmt: skip
+    return ["input_ids", *mask, *past]
+
+
+def output_names(arch: Arch, kind: str) -> list[str]:
+    if kind == "encoder":
+        return ["last_hidden_state"]
+    sides = ("decoder", "encoder") if kind == "decoder" else ("decoder",)
+    present = [f"present.{i}.{side}.{kv}" for i in range(arch.layers) for side in sides for kv in ("key", "value")]
+    return ["logits", *present]
+
+
+def dynamic_axes(arch: Arch, kind: str) -> dict[str, dict[int, str]]:
+    axes: dict[str, dict[int, str]] = {}
+    for name in input_names(arch, kind) + output_names(arch, kind):
+        if name == "input_features":
+            axes[name] = {0: "batch_size", 2: "encoder_sequence_length"}
+        elif (name in ("input_ids", "attention_mask") and kind == "encoder") or name == "encoder_attention_mask":
+            axes[name] = {0: "batch_size", 1: "encoder_sequence_length"}
+        elif name in ("last_hidden_state", "encoder_hidden_states"):
+            axes[name] = {0: "batch_size", 1: enc_dim(arch)}
+        elif name in ("input_ids", "logits"):
+            axes[name] = {0: "batch_size", 1: "decoder_sequence_length"}
+        elif ".encoder." in name:
+            axes[name] = {0: "batch_size", 2: "encoder_sequence_length_out"}
+        elif name.startswith("past_key_values."):
+            axes[name] = {0: "batch_size", 2: "past_decoder_sequence_length"}
+        elif kind == "decoder":
+            axes[name] = {0: "batch_size", 2: "decoder_sequence_length"}
+        else:
+            axes[name] = {0: "batch_size", 2: "past_decoder_sequence_length + decoder_sequence_length"}
+    return axes
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def seq2seq_feeds(
+    arch: Arch,
+    kind: str,
+    batch: int,
+    *,
+    dec: int = 1,
+    past: int = 0,
+    enc: int = 7,
+    seed: int = 0,
+    tokens: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Feeds for one call of ``kind``: ``dec`` new decoder tokens after a self-attention cache of ``past``,
+    encoder states and cross-attention cache of ``enc`` positions (Whisper's encoder: its fixed frames);
+    the encoder mask pads row 1 by a third. Cache values are N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    if kind == "encoder" and arch.audio:
+        feeds["input_features"] = rng.standard_normal((batch, arch.mel_bins, arch.frames)).astype(np.float32)
+        return feeds
+    mask = np.ones((batch, enc), dtype=np.int64)
+    if batch > 1:
+        mask[1, enc - enc // 3 :] = 0
+    if kind == "encoder":
+        return {"input_ids": rng.integers(3, arch.vocab, size=(batch, enc), dtype=np.int64), "attention_mask": mask}
+    ids = tokens if tokens is not None else rng.integers(3, arch.vocab, size=(batch, dec), dtype=np.int64)
+    feeds["input_ids"] = np.asarray(ids, dtype=np.int64)
+    if kind == "decoder":
+        feeds["encoder_hidden_states"] = rng.standard_normal((batch, enc, arch.hidden)).astype(np.float32)
+    if not arch.audio:
+        feeds["encoder_attention_mask"] = mask
+    for name in input_names(arch, kind):
+        if name.startswith("past_key_values."):
+            length = enc if ".encoder." in name else past
+            feeds[name] = rng.standard_normal((batch, arch.heads, length, arch.head_dim)).astype(np.float32)
+    return {k: feeds[k] for k in input_names(arch, kind)}
+
+
+def greedy_chain(
+    arch: Arch, sessions: dict[str, Any], encoder_feeds: dict[str, np.ndarray], steps: int = GREEDY_STEPS
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy generation through the three ONNX sessions: the tokens (start token first) and each step's
+    last-position logits [batch, steps, vocab]. The decoder_with_past calls feed the previous call's
+    ``present.N.decoder.*`` and the first call's ``present.N.encoder.*`` back as the cache."""
+
+    def run(kind: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        sess = sessions[kind]
+        names = [o.name for o in sess.get_outputs()]
+        return dict(zip(names, sess.run(names, feeds), strict=True))
+
+    states = run("encoder", encoder_feeds)["last_hidden_state"]
+    batch = states.shape[0]
+    tokens = np.full((batch, 1), arch.start, dtype=np.int64)
+    feeds = {"input_ids": tokens, "encoder_hidden_states": states}
+    if not arch.audio:
+        feeds["encoder_attention_mask"] = encoder_feeds["attention_mask"]
+    out = run("decoder", feeds)
+    cross = {k.replace("present.", "past_key_values.", 1): v for k, v in out.items() if ".encoder." in k}
+    logits = [out["logits"][:, -1]]
+    for _ in range(steps - 1):
+        nxt = logits[-1].argmax(-1)[:, None].astype(np.int64)
+        tokens = np.concatenate([tokens, nxt], axis=1)
+        feeds = {"input_ids": nxt, **cross}
+        feeds.update({k.replace("present.", "past_key_values.", 1): v for k, v in out.items() if ".decoder." in k})
+        if not arch.audio:
+            feeds["encoder_attention_mask"] = encoder_feeds["attention_mask"]
+        out = run("decoder_with_past", feeds)
+        logits.append(out["logits"][:, -1])
+    return tokens, np.stack(logits, axis=1)
+
+
+# ----------------------------------------------------------------------------------------------- torch
+
+
+def _config(arch: Arch) -> Any:
+    import transformers as tf
+
+    common = {"vocab_size": arch.vocab, "d_model": arch.hidden, "attn_implementation": "eager", "use_cache": True}
+    if arch.name == "t5":
+        return tf.T5Config(
+            **common, d_kv=arch.head_dim, d_ff=arch.ffn, num_layers=arch.layers, num_decoder_layers=arch.layers,
+            num_heads=arch.heads, pad_token_id=0, eos_token_id=1, decoder_start_token_id=arch.start,
+        )  # fmt: skip
+    layers = {
+        "encoder_layers": arch.layers, "decoder_layers": arch.layers, "encoder_attention_heads": arch.heads,
+        "decoder_attention_heads": arch.heads, "encoder_ffn_dim": arch.ffn, "decoder_ffn_dim": arch.ffn,
+    }  # fmt: skip
+    if arch.audio:
+        return tf.WhisperConfig(
+            **common, **layers, num_mel_bins=arch.mel_bins, max_source_positions=arch.frames // 2,
+            max_target_positions=arch.positions, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=arch.start,
+        )  # fmt: skip
+    return tf.BartConfig(
+        **common, **layers, max_position_embeddings=arch.positions, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=arch.start,
+    )  # fmt: skip
+
+
+def seq2seq_model(arch: Arch) -> Any:
+    """The seeded transformers model in eval mode, every parameter perturbed (tied ones once)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = getattr(tf, arch.model)(_config(arch))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
+    return model.eval()
+
+
+def wrap(model: Any, arch: Arch, kind: str) -> Any:
+    """``forward(*inputs in input_names order) -> outputs in output_names order`` over ``model``."""
+    import torch
+    from transformers.cache_utils import EncoderDecoderCache
+    from transformers.modeling_outputs import BaseModelOutput
+
+    layers = arch.layers
+
+    def presents(cache: Any, cross: bool) -> list[Any]:
+        out = []
+        for i in range(layers):
+            out += [cache.self_attention_cache.layers[i].keys, cache.self_attention_cache.layers[i].values]
+            if cross:
+                out += [cache.cross_attention_cache.layers[i].keys, cache.cross_attention_cache.layers[i].values]
+        return out
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            encoder = self.model.get_encoder()
+            if arch.audio:
+                return (encoder(input_features=args[0]).last_hidden_state,)
+            return (encoder(input_ids=args[0], attention_mask=args[1]).last_hidden_state,)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, encoder_hidden_states, *mask):
+            out = self.model(
+                decoder_input_ids=input_ids,
+                encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden_states),
+                attention_mask=mask[0] if mask else None,
+                use_cache=True,
+            )
+            return (out.logits, *presents(out.past_key_values, cross=True))
+
+    class DecoderWithPast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, *rest):
+            mask, past = (None, rest) if arch.audio else (rest[0], rest[1:])
+            cache = EncoderDecoderCache([tuple(past[4 * i : 4 * i + 4]) for i in range(layers)])
+            # DynamicCache concatenates its data onto an empty tensor: hold the inputs themselves instead, so
+            # the graph reads the cache as Optimum's exports do (no Concat with an empty constant).
+            for i in range(layers):
+                own, cross = cache.self_attention_cache.layers[i], cache.cross_attention_cache.layers[i]
+                own.keys, own.values, cross.keys, cross.values = past[4 * i : 4 * i + 4]
+            # The cross-attention layers read their keys and values from the cache; the states only need to
+            # exist (the model skips cross-attention without them), so a zero tensor of the cache's length
+            # stands in and the exporter drops it as dead code.
+            cross_key = past[2]
+            states = cross_key.new_zeros((cross_key.shape[0], cross_key.shape[2], arch.hidden))
+            out = self.model(
+                decoder_input_ids=input_ids,
+                encoder_outputs=BaseModelOutput(last_hidden_state=states),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            return (out.logits, *presents(out.past_key_values, cross=False))
+
+    return {"encoder": Encoder, "decoder": Decoder, "decoder_with_past": DecoderWithPast}[kind]().eval()
+
+
+def _torch_args(arch: Arch, kind: str, batch: int, dec: int, past: int, enc: int, seed: int) -> tuple[Any, ...]:
+    import torch
+
+    feeds = seq2seq_feeds(arch, kind, batch, dec=dec, past=past, enc=enc, seed=seed)
+    return tuple(torch.from_numpy(feeds[k]) for k in input_names(arch, kind))
+
+
+def export(module: Any, arch: Arch, kind: str, path: Path) -> onnx.ModelProto:
+    import torch
+
+    from tests.models.build_decoders import versions
+    from tests.models.build_hf import _clean
+
+    args = _torch_args(arch, kind, EXPORT["batch"], EXPORT["dec"], EXPORT["past"], EXPORT["enc"], seed=0)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            args,
+            str(path),
+            input_names=input_names(arch, kind),
+            output_names=output_names(arch, kind),
+            dynamic_axes=dynamic_axes(arch, kind),
+            opset_version=OPSET,
+            dynamo=False,
+        )
+    meta = {
+        "onnxforge.builder": f"tests.models.build_seq2seq --only {arch.name}",
+        "onnxforge.versions": json.dumps(versions(), sort_keys=True),
+    }
+    proto = _clean(onnx.load(str(path)), f"{arch.name}_{kind}", meta)
+    onnx.checker.check_model(proto, full_check=True)
+    foreign = sorted({n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
+    if foreign or len(proto.functions):
+        raise AssertionError(f"not plain ONNX: domains {foreign}, {len(proto.functions)} functions")
+    got_in, got_out = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
+    if got_in != input_names(arch, kind) or got_out != output_names(arch, kind):
+        raise AssertionError(f"signature {got_in} -> {got_out}")
+    return proto
+
+
+# (batch, decoder tokens, self past, encoder length) per kind: all differ from the export's (2, 3, 4, 5)
+CHECKS = {
+    "encoder": ((1, 0, 0, 9), (3, 0, 0, 4)),
+    "decoder": ((3, 1, 0, 7), (1, 6, 0, 11)),
+    "decoder_with_past": ((3, 1, 6, 7), (1, 2, 9, 11), (2, 1, 0, 6)),  # the last: an empty self-attention cache
+}
+
+
+def verify(module: Any, arch: Arch, kind: str, path: Path) -> float:
+    """ONNX Runtime against the torch module at ``CHECKS[kind]``; the worst absolute difference."""
+    import onnxruntime as ort
+    import torch
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names_in, names_out = input_names(arch, kind), output_names(arch, kind)
+    worst = 0.0
+    for seed, (batch, dec, past, enc) in enumerate(CHECKS[kind], start=1):
+        args = _torch_args(arch, kind, batch, dec, past, enc, seed)
+        with torch.no_grad():
+            ref = module(*args)
+        got = session.run(names_out, {n: a.numpy() for n, a in zip(names_in, args, strict=True)})
+        for name, r, o in zip(names_out, ref, got, strict=True):
+            label = f"{arch.name}/{path.name}.{name} at batch {batch}, dec {dec}, past {past}, enc {enc}"
+            if tuple(r.shape) != o.shape:
+                raise AssertionError(f"{label}: shape {o.shape} != torch {tuple(r.shape)}")
+            np.testing.assert_allclose(o, r.numpy(), atol=ATOL, rtol=0, err_msg=label)
+            worst = max(worst, float(np.max(np.abs(o - r.numpy()))) if o.size else 0.0)
+    return worst
+
+
+def verify_greedy(model: Any, arch: Arch, out: Path) -> float:
+    """The ONNX greedy chain's logits against the torch model on the generated sequence, no cache."""
+    import onnxruntime as ort
+    import torch
+
+    sessions = {k: ort.InferenceSession(str(out / filename(k)), providers=["CPUExecutionProvider"]) for k in KINDS}
+    encoder_feeds = seq2seq_feeds(arch, "encoder", 2, enc=9, seed=21)
+    tokens, logits = greedy_chain(arch, sessions, encoder_feeds)
+    kwargs = {k: torch.from_numpy(v) for k, v in encoder_feeds.items()}
+    with torch.no_grad():
+        ref = model(**kwargs, decoder_input_ids=torch.from_numpy(tokens), use_cache=False).logits.numpy()
+    np.testing.assert_allclose(logits, ref, atol=ATOL, rtol=0, err_msg=f"{arch.name} greedy chain")
+    if not (logits.argmax(-1)[:, :-1] == tokens[:, 1:]).all():
+        raise AssertionError(f"{arch.name}: greedy tokens do not follow the logits")
+    return float(np.max(np.abs(logits - ref)))
+
+
+def build_arch(arch: Arch, out: Path) -> list[dict[str, Any]]:
+    folder = out / arch.name
+    folder.mkdir(parents=True, exist_ok=True)
+    model = seq2seq_model(arch)
+    entries = []
+    for kind in KINDS:
+        t0 = time.perf_counter()
+        path = folder / filename(kind)
+        module = wrap(model, arch, kind)
+        proto = export(module, arch, kind, path)
+        onnx.save(proto, str(path))
+        try:
+            worst = verify(module, arch, kind, path)
+        except BaseException:
+            path.unlink(missing_ok=True)  # an export that computes something else is never kept
+            raise
+        entries.append(
+            {
+                "file": f"{arch.name}/{path.name}",
+                "arch": arch.name,
+                "kind": kind,
+                "exporter": "ts",
+                "bytes": path.stat().st_size,
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                "nodes": len(proto.graph.node),
+                "max_abs_diff_vs_torch": float(f"{worst:.3g}"),
+            }
+        )
+        print(f"wrote {arch.name}/{path.name}: {path.stat().st_size / 1e3:.0f} KB, {len(proto.graph.node)} nodes, "
+              f"max |ort - torch| {worst:.1e} ({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+    try:
+        greedy = verify_greedy(model, arch, folder)
+    except BaseException:
+        for kind in KINDS:
+            (folder / filename(kind)).unlink(missing_ok=True)
+        raise
+    for entry in entries:
+        entry["greedy_max_abs_diff_vs_torch"] = float(f"{greedy:.3g}")
+    print(f"{arch.name}: greedy chain of {GREEDY_STEPS} steps matches torch (max {greedy:.1e})", flush=True)
+    return entries
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.models.build_seq2seq", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--only", action="append", choices=sorted(ARCHS), help="repeatable; default: all")
+    args = parser.parse_args(argv)
+    from tests.models.build_decoders import versions
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest_path = args.out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"files": []}
+    entries: list[dict[str, Any]] = []
+    for name in args.only or list(ARCHS):
+        entries += build_arch(ARCHS[name], args.out)
+    rebuilt = {e["file"] for e in entries}
+    manifest = {
+        "versions": versions(),
+        "archs": {n: asdict(a) for n, a in ARCHS.items()},
+        "files": sorted(
+            [*(e for e in manifest["files"] if e["file"] not in rebuilt), *entries], key=lambda e: e["file"]
+        ),
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    print(f"{len(entries)} files verified -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
