@@ -105,9 +105,9 @@ class QuantizeInt4Options(PassOptions):
         "auto",
         description="Token tables (a Gather of a constant 2-D float table): int8 / int4 make each a "
         "GatherBlockQuantized with that many bits (block size and symmetry as the MatMuls'); a table the lm_head "
-        "holds too (tied: the head's weight is the table transposed, or the same tensor) reads the quantized "
-        "head's weights instead, at the head's bits, and is stored once. auto: int8 (shared where tied), kept "
-        "only where the accuracy budget still holds on the samples, else float. float: left as they are.",
+        "holds too (tied: the head's constant weight equals the table transposed, as exporters write it) reads "
+        "the quantized head's weights instead, at the head's bits, and is stored once. auto: int8 (shared where "
+        "tied), kept only where the accuracy budget still holds on the samples, else float. float: as they are.",
     )
     quantize_embeddings: bool = Field(
         False, description="Older spelling of embeddings='int4' (True overrides embeddings)."
