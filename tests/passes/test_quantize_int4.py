@@ -365,3 +365,44 @@ def test_quantize_int4_leaves_the_token_tables_float_when_embeddings_is_float():
     assert result.notes["embeddings"] == {"decision": "float (option)"}
     assert not any(n.op_type == "GatherBlockQuantized" for n in result.model.graph)
     assert any(n.op_type == "Gather" and n.inputs[0].name == "model.embed_tokens.weight" for n in result.model.graph)
+
+
+# What bench/decoders_genai.py sends to match onnxruntime-genai's int4 builder: block 32, int8 activations, the
+# head int4 too, every MatMul int4 whatever the accuracy (the greedy gate and the cosine budget off).
+BUILDER_MATCHED = {
+    "block_size": 32,
+    "accuracy_level": 4,
+    "lm_head": "int4",
+    "min_top1_agreement": None,
+    "min_cosine": -1,
+    "max_exclusions": 0,
+    "embeddings": "float",
+}
+
+
+@pytest.mark.parametrize("name", ["llama_past_ts", "qwen2_past_dynamo"])
+def test_quantize_int4_makes_every_weight_matmul_int4_when_the_decoder_is_fused_and_options_match_the_builder(name):
+    # setup: the int4 preset's fusions first (RotaryEmbedding, GroupQueryAttention)
+    rotary = pytest.importorskip("passes.fusion.fuse_rotary")
+    from passes.fusion.fuse_gqa import FuseGqa
+
+    path = OUT / f"{name}.onnx"
+    fused = FuseGqa()(rotary.FuseRotary()(ir.load(path)).model).model
+    weights = [n.name for n in fused.graph if n.op_type == "MatMul" and n.inputs[1].const_value is not None]
+    # execute
+    result = QuantizeInt4(BUILDER_MATCHED)(fused, PassContext(samples=samples_for(path)))
+    # assert: attention still fused, every weight MatMul (the head included) 4-bit at block 32, level 4
+    assert result.modified
+    ops = [n.op_type for n in result.model.graph]
+    assert ops.count("GroupQueryAttention") == 2
+    nbits = {n.name.rsplit("_Q", 1)[0]: n for n in result.model.graph if n.op_type == "MatMulNBits"}
+    assert sorted(nbits) == sorted(weights) and set(result.notes["precision"].values()) == {"int4"}
+    for node in nbits.values():
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        assert (attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (4, 32, 4)
+    assert "GatherBlockQuantized" not in ops
+    signature = Signature.of(path)
+    reference, candidate = session(path), session(result.model, optimized=True)
+    for index, (batch, seq, past) in enumerate(((1, 6, 0), (1, 1, 11))):
+        feeds = decoder_feeds(signature, batch, seq, past, seed=20 + index)
+        assert cosine(candidate.run(["logits"], feeds)[0], reference.run(["logits"], feeds)[0]) > 0.95
