@@ -2,8 +2,9 @@
 from a matched ``Site``, and the layer rewired onto the fused op.
 
 Both ops take q (and GQA k, v) as [B, S, N*D]. A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] is
-flattened straight from its source (a Reshape, no copy); any other (a rotated q or k, heads first) through
-a Transpose. The fused output [B,S,H*D] is reshaped back to [B,S,H,D], the value the layer's output
+flattened straight from its source (a Reshape, no copy); a heads-first RotaryEmbedding of one is redone on
+that flat source (``num_heads`` set), so no Transpose is left on either side of the rotation; any other
+value goes through a Transpose. The fused output [B,S,H*D] is reshaped back to [B,S,H,D], the value the layer's output
 projection read, so the rest of the layer is untouched.
 """
 
@@ -49,22 +50,58 @@ def lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
     return seqlens.outputs[0], total.outputs[0]
 
 
-def flat_heads(graph: ir.Graph, value: ir.Value, prefix: str, bsnd: bool) -> tuple[ir.Value, list[ir.Node]]:
+def flat_heads(
+    graph: ir.Graph, value: ir.Value, prefix: str, bsnd: bool, heads: int | None = None
+) -> tuple[ir.Value, list[ir.Node]]:
     """``value`` [B,N,S,D] (or [B,S,N,D] when ``bsnd``) as [B,S,N*D]: ``Reshape(x)`` when it is
-    ``Transpose(0,2,1,3)(x)``, else through a Transpose (a rotated q or k is in heads-first layout)."""
+    ``Transpose(0,2,1,3)(x)``; a heads-first ``RotaryEmbedding`` of such a Transpose is redone on the flat
+    ``Reshape(x)`` (``num_heads`` set: the same rotation per head, no Transpose either side); anything else
+    goes through a Transpose."""
     nodes = []
     producer = value.producer()
-    perm = list(producer.attributes.get_ints("perm", [])) if producer and producer.op_type == "Transpose" else []
+    perm = _bnsd_perm(value)
+    shape = const(graph, f"{prefix}/flat_shape", np.array([0, 0, -1], np.int64))
     if bsnd:
         source = value
-    elif perm == [0, 2, 1, 3] and producer.domain in ("", "ai.onnx"):
+    elif perm:
         source = producer.inputs[0]
+    elif heads and _heads_first_rotary(producer, heads):
+        flat = ir.node("Reshape", [producer.inputs[0].producer().inputs[0], shape], name=f"{prefix}/to_bsh")
+        attributes = {a.name: a.value for a in producer.attributes.values()} | {"num_heads": heads}
+        rotary = ir.node(
+            "RotaryEmbedding",
+            [flat.outputs[0], *producer.inputs[1:]],
+            attributes,
+            domain="com.microsoft",
+            name=f"{prefix}/rotary_bsh",
+        )
+        return rotary.outputs[0], [flat, rotary]
     else:
         nodes.append(ir.node("Transpose", [value], {"perm": [0, 2, 1, 3]}, name=f"{prefix}/to_bsnh"))
         source = nodes[-1].outputs[0]
-    shape = const(graph, f"{prefix}/flat_shape", np.array([0, 0, -1], np.int64))
     nodes.append(ir.node("Reshape", [source, shape], name=f"{prefix}/to_bsh"))
     return nodes[-1].outputs[0], nodes
+
+
+def _bnsd_perm(value: ir.Value | None) -> bool:
+    """Whether ``value`` is ``Transpose(0,2,1,3)`` of another value (ONNX domain)."""
+    producer = value.producer() if value is not None else None
+    if producer is None or producer.op_type != "Transpose" or producer.domain not in ("", "ai.onnx"):
+        return False
+    return list(producer.attributes.get_ints("perm", [])) == [0, 2, 1, 3]
+
+
+def _heads_first_rotary(node: ir.Node | None, heads: int) -> bool:
+    """A ``com.microsoft::RotaryEmbedding`` on a 4-D [B,N,S,D] input (``num_heads`` unset or ``heads``, as a
+    partial rotation sets it; no packed batching) that is ``Transpose(0,2,1,3)`` of a [B,S,N,D] value, with
+    its position ids and caches."""
+    if node is None or node.op_type != "RotaryEmbedding" or node.domain != "com.microsoft":
+        return False
+    if len(node.inputs) != 4 or any(v is None for v in node.inputs):
+        return False
+    if node.attributes.get_int("num_heads", 0) not in (0, heads) or node.attributes.get_int("is_packed_batching", 0):
+        return False
+    return _bnsd_perm(node.inputs[0])
 
 
 def rewrite_gqa(
@@ -81,8 +118,8 @@ def rewrite_gqa(
     prefix = f"fuse_gqa/layer_{site.layer}"
     nodes: list[ir.Node] = []
     flat = []
-    for role, value in (("q", site.q), ("k", site.k_new), ("v", site.v_new)):
-        out, made = flat_heads(graph, value, f"{prefix}/{role}", bsnd=role == "k" and site.k_bsnd)
+    for role, value, count in (("q", site.q, heads), ("k", site.k_new, kv_heads), ("v", site.v_new, kv_heads)):
+        out, made = flat_heads(graph, value, f"{prefix}/{role}", bsnd=role == "k" and site.k_bsnd, heads=count)
         flat.append(out)
         nodes += made
     attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(site.scale)}
@@ -114,7 +151,7 @@ def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int]) -> Non
     any mask, padding and batch: the fallback where GroupQueryAttention does not fit."""
     heads = sizes[0]
     prefix = f"fuse_gqa/layer_{site.layer}"
-    q, nodes = flat_heads(graph, site.q, f"{prefix}/q", bsnd=False)
+    q, nodes = flat_heads(graph, site.q, f"{prefix}/q", bsnd=False, heads=heads)
     key, value = site.k_rep, site.v_rep
     if site.k_bsnd:  # keys [B,S,H,D]: MHA then takes both keys and values as [B,S,H*D]
         key, made_k = flat_heads(graph, site.k_rep, f"{prefix}/k", bsnd=True)

@@ -11,7 +11,7 @@ import pytest
 
 from passes._infra import op_histogram
 from passes.fusion.fuse_gqa import FuseGqa
-from tests.models.build_decoders import OUT, Signature, decoder_feeds
+from tests.models.build_decoders import OUT, Signature, decoder_feeds, presents_as_past
 from tests.passes.test_fuse_gqa import ATOL, run, session
 
 rotary = pytest.importorskip("passes.fusion.fuse_rotary")
@@ -39,3 +39,34 @@ def test_fuse_gqa_composes_with_fuse_rotary_when_run_in_either_order(name, rotar
         want, got = run(reference, feeds), run(candidate, feeds)
         for key, expected in want.items():
             np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{key} at {batch}x{seq}+{past}")
+
+
+@pytest.mark.parametrize("name", ["llama_past_ts", "qwen2_past_dynamo", "phi3_past_ts", "mistral_past_ts"])
+def test_fuse_gqa_rotates_flat_q_and_k_without_transposes_when_rotary_fused_first(name):
+    # setup: fuse_rotary makes heads-first RotaryEmbedding on Transpose(0,2,1,3) of [B,S,N,D]
+    path = OUT / f"{name}.onnx"
+    model = rotary.FuseRotary()(ir.load(path)).model
+    # execute
+    model = FuseGqa()(model).model
+    # assert: every RotaryEmbedding reads the flat [B,S,N*D] projection (num_heads set) and feeds GQA directly
+    gqa_inputs = {id(v) for n in model.graph if n.op_type == "GroupQueryAttention" for v in n.inputs[:2]}
+    rotaries = [n for n in model.graph if n.op_type == "RotaryEmbedding"]
+    assert rotaries and all(n.attributes.get_int("num_heads", 0) > 0 for n in rotaries)
+    assert all(id(n.outputs[0]) in gqa_inputs for n in rotaries)
+    assert not any(n.op_type == "Transpose" for r in rotaries for n in [r.inputs[0].producer()] if n is not None)
+    assert "Transpose" not in op_histogram(model)  # v, q and k all enter GQA through Reshapes only
+    # and exact: prefill, a prompt after a cache, then decode steps on the fused model's own cache
+    signature = Signature.of(path)
+    reference, candidate = session(str(path)), session(model)
+    feeds = decoder_feeds(signature, 2, 6, 0, seed=3)
+    want, got = run(reference, feeds), run(candidate, feeds)
+    for past in range(6, 9):
+        for key, expected in want.items():
+            np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{key} at past {past}")
+        ids = np.random.default_rng(past).integers(0, signature.vocab, size=(2, 1), dtype=np.int64)
+        want = run(reference, decoder_feeds(signature, 2, 1, past, tokens=ids, past_values=presents_as_past(want)))
+        got = run(candidate, decoder_feeds(signature, 2, 1, past, tokens=ids, past_values=presents_as_past(got)))
+    feeds = decoder_feeds(signature, 1, 4, 11, seed=4)
+    want, got = run(reference, feeds), run(candidate, feeds)
+    for key, expected in want.items():
+        np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{key} prompt after past")
