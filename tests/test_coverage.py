@@ -141,3 +141,18 @@ def test_fast_completes_exact_with_the_documented_fusions_when_sent_without_samp
     found = _ledger_fusions(report)
     regressed = {g: (found[g], n) for g, n in documented.items() if found[g] < n}
     assert regressed == {}, f"fused (now, documented): {regressed}"
+
+
+def test_coverage_subset_run_keeps_the_doc_rows_when_no_saved_results() -> None:
+    """``bench/out/coverage/<size>.json`` is not committed: a ``--only`` run on a fresh checkout reads the other
+    rows back from the doc, and re-rendering them gives the doc's table, summary and findings unchanged."""
+    from bench import coverage
+
+    text = DOC.read_text()
+    data = coverage.rows_from_doc("tiny", text)
+    assert data is not None and data["commands"]
+    rows = [data["rows"][k] for k in sorted(data["rows"], key=coverage._order)]
+    assert {(r["arch"], r["exporter"]) for r in rows} >= set(_doc_rows())
+    for part in (coverage._table(rows), coverage._summary(rows), coverage._findings(rows)):
+        assert part in text
+    assert coverage.rows_from_doc("bench", "# no bench section\n") is None

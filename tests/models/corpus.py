@@ -1,4 +1,4 @@
-"""The coverage corpus (issue 17 item 3): 25 models of 24 transformers architectures, each exported three ways.
+"""The coverage corpus (issue 17 item 3): 26 models of 24 transformers architectures, each exported three ways.
 
 Run ``python -m tests.models.corpus`` to rebuild the tiny subset committed under ``tests/models/corpus/``
 (``COMMITTED``; ``tests/test_coverage.py`` reads it, never torch), or ``python -m tests.models.corpus
