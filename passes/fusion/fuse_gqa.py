@@ -22,8 +22,16 @@ After::
         num_heads, kv_num_heads, scale) --> out --Reshape[0,0,H,D]--> (the layer's output projection)
                                         --> present.N.key, present.N.value (the graph's outputs, same names)
 
-A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] enters GQA as ``Reshape(x, [0,0,-1])`` (no copy); any
-other (a rotated q or k) through ``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past.
+A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] enters GQA as ``Reshape(x, [0,0,-1])`` (no copy); a
+heads-first ``RotaryEmbedding`` of such a value (fuse_rotary's) is redone on that flat value with
+``num_heads`` set, so no Transpose is left on either side of it; any other value through
+``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past.
+
+Rotary inside GQA (``do_rotary=1`` on the packed QKV projection, as the model builder emits) is not done:
+the graphs take ``position_ids`` as an input, and ORT 1.32's CPU GroupQueryAttention ignores its
+``position_ids`` input on a first prompt (an empty past), rotating by 0..S-1 instead: measured 1.6 max abs
+difference on q-derived outputs with other position ids, exact on decode and on a prompt after a past. Only
+positions provably derived from ``seqlens_k`` would make it exact, and an input proves nothing.
 
 Fallback: ``com.microsoft::MultiHeadAttention`` on the repeated keys and values with the graph's own mask as
 ``attention_bias`` (the cache Concat stays), exact for any mask, padding and batch, where GQA does not fit:
