@@ -3,9 +3,11 @@
 Wraps the two maintained engines instead of forking them: onnxscript's ORT fusions (its
 ``optimize_for_ort`` sequence, replayed by ``_onnxscript_adapter`` so that it can stop before packed
 attention; the only module that names onnxscript internals) and ONNX Runtime's
-``transformers.optimizer.optimize_model`` (python fusions only, ``opt_level=0``). Each
-candidate (onnxscript, ORT, onnxscript then ORT) is verified against the original under ORT CPU with graph
-optimizations off; the verified one with the most expected fusions wins. The report names, per family
+``transformers.optimizer.optimize_model`` (python fusions only, ``opt_level=0``). The
+candidates (onnxscript, ORT, onnxscript then ORT) are ranked by the expected fusions they reach and verified
+against the original under ORT CPU with graph optimizations off, best first: the first that verifies wins,
+which is the verified one with the most expected fusions (a lower one is not verified: ``unchecked``; ORT
+alone is not even built once a verified candidate reaches all it could). The report names, per family
 (``_fusion_families``), the fusions expected, those achieved, and for each shortfall the closest partial
 match (onnxscript ``MatchingTracer``) or ORT's own failure message.
 
@@ -176,15 +178,11 @@ class FuseTransformer(Pass):
             fusions = sum(min(got.get(g, 0), n) for g, n in expected.items()) + candidates[engine].get("packed_qkv", 0)
             return fusions, -candidates[engine]["nodes"]
 
-        for engine in sorted(opts.engines, key=_BUILD_ORDER.index):
-            report: dict[str, Any] = {}
-            best_so_far = max((score(e) for e, c in candidates.items() if c.get("verified")), default=None)
-            if engine == "ort" and best_so_far is not None and best_so_far[0] >= _ort_bound(expected, proto, opts):
-                # ORT's optimizer alone can at best tie a candidate that already has every expected fusion (and,
-                # with pack_qkv, every packing the input allows): not worth its run and its check.
-                why = f"a verified candidate already scores {best_so_far[0]}, the most ORT alone could reach"
-                candidates[engine] = {"verified": False, "skipped": why}
-                continue
+        def build(engine: str) -> None:
+            """The candidate, with its fusion counts; verified only when it is needed (``check``)."""
+            nonlocal traced
+            report: dict[str, Any] = {"verified": None}
+            candidates[engine] = report
             try:
                 if engine == "onnxscript":
                     built[engine] = _onnxscript(proto, report, opts.attention)
@@ -208,20 +206,57 @@ class FuseTransformer(Pass):
                 built[engine] = ir.serde.serialize_model(fused)
                 report["achieved"] = fam.achieved_fusions(fused)
                 report["nodes"] = len(fused.graph)
-                report["max_abs_diff"] = _verify(built[engine], feeds, ref_outputs, wanted, opts)
-                report["verified"] = True
             except Exception as exc:  # a broken candidate is a finding for the report, not a pass failure
                 report |= {"verified": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
                 built.pop(engine, None)
-            candidates[engine] = report
+
+        def check(engine: str) -> bool:
+            report = candidates[engine]
+            if report["verified"] is None:
+                try:
+                    report["max_abs_diff"] = _verify(built[engine], feeds, ref_outputs, wanted, opts)
+                    report["verified"] = True
+                except Exception as exc:
+                    report |= {"verified": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                    built.pop(engine, None)
+            return bool(report["verified"])
+
+        def ranked() -> list[str]:
+            """Built candidates, best score first (ties: in the order of the option, as ``max`` picks)."""
+            return sorted((e for e in opts.engines if e in built), key=score, reverse=True)
+
+        def first_verified(at_least: int = 0) -> str | None:
+            """The best-scoring candidate that verifies, checking them best first and no further than needed: the
+            choice is the verified one with the highest score, so a lower one is never verified for nothing."""
+            for engine in ranked():
+                if score(engine)[0] < at_least:
+                    return None
+                if check(engine):
+                    return engine
+            return None
+
+        for engine in sorted(opts.engines, key=_BUILD_ORDER.index):
+            if engine == "ort" and any(e in built for e in candidates):
+                bound = _ort_bound(expected, proto, opts)
+                ahead = first_verified(at_least=bound)
+                if ahead is not None:
+                    # ORT's optimizer alone can at best tie a candidate that already has every expected fusion
+                    # (and, with pack_qkv, every packing the input allows): not worth its run and its check.
+                    why = f"{ahead} verified with score {score(ahead)[0]}, the most ORT alone could reach"
+                    candidates[engine] = {"verified": None, "skipped": why}
+                    continue
+            build(engine)
+        chosen = first_verified()
+        for report in candidates.values():
+            if report["verified"] is None:  # null in the report: built and counted, never run
+                report["unchecked"] = f"not verified: {chosen} scored higher and verified"
         candidates = {e: candidates[e] for e in opts.engines}  # reported in the order asked for
         notes["candidates"] = candidates
         if ort_failures:
             notes["ort_optimizer_failures"] = dict(ort_failures.most_common(8))
 
-        verified = [e for e in opts.engines if candidates[e]["verified"]]
         symbolic = next((c["symbolic_shapes"] for c in candidates.values() if "symbolic_shapes" in c), "")
-        best = max(verified, key=score, default=None)
+        best = chosen
         non_matches = [NonMatch(f"candidate {e} rejected: {c['error']}") for e, c in candidates.items() if "error" in c]
         if best is None or score(best)[0] == 0:
             reason = "no verified candidate fused anything expected"

@@ -25,7 +25,10 @@ def test_fuse_transformer_skips_ort_alone_when_a_candidate_has_every_expected_fu
     assert result.notes["missing"] == {}
     assert list(candidates) == ["onnxscript", "ort", "onnxscript+ort"]  # reported in the order of the option
     assert "skipped" in candidates["ort"] and "error" not in candidates["ort"]
-    assert "scores 8" in candidates["ort"]["skipped"]  # 2 attention + 4 skip norms + 2 GELU: all expected
+    # 2 attention + 4 skip norms + 2 GELU: all expected, by onnxscript+ort (fewer nodes than onnxscript alone).
+    assert candidates["ort"]["skipped"] == "onnxscript+ort verified with score 8, the most ORT alone could reach"
+    assert candidates["ort"]["verified"] is None
+    assert candidates["onnxscript"]["verified"] is None and "unchecked" in candidates["onnxscript"]
     assert result.notes["chosen"] == "onnxscript+ort"
     assert not [m for m in result.non_matches if "candidate ort" in m.reason]  # a skip is not a rejection
     assert_same_outputs("gpt2", result.model)
@@ -36,9 +39,36 @@ def test_fuse_transformer_builds_ort_alone_when_an_expected_fusion_is_missing():
     candidate is built and checked, as before."""
     ft._LAST.clear()
     result = FuseTransformer()(load("bert_encoder"))
+    candidates = result.notes["candidates"]
     assert "embed_layer_norm" in result.notes["missing"]
-    assert result.notes["candidates"]["ort"]["verified"] is True
-    assert "skipped" not in result.notes["candidates"]["ort"]
+    assert "skipped" not in candidates["ort"] and candidates["ort"]["achieved"]["attention"] == 0
+    # Ranked below the chosen one, which verified: built and counted, not verified for nothing.
+    assert candidates["ort"]["verified"] is None and "unchecked" in candidates["ort"]
+    assert candidates[result.notes["chosen"]]["verified"] is True
+    assert_same_outputs("bert_encoder", result.model)
+
+
+def test_fuse_transformer_verifies_the_next_candidate_when_the_best_one_fails(monkeypatch):
+    """The choice is the verified candidate with the most fusions: a best one that fails its check hands the
+    choice to the next one down, which is then verified."""
+    ft._LAST.clear()
+    real = ft._verify
+    checked = []
+
+    def verify(proto, *args, **kwargs):
+        checked.append(len(proto.graph.node))
+        if len(checked) == 1:
+            raise ValueError("output 'x' differs: max |diff| 1.0 (a test's refusal)")
+        return real(proto, *args, **kwargs)
+
+    monkeypatch.setattr(ft, "_verify", verify)
+    result = FuseTransformer({"engines": ["onnxscript", "ort"]})(load("bert_encoder"))
+    candidates = result.notes["candidates"]
+    assert len(checked) == 2
+    assert candidates["onnxscript"]["verified"] is False and "a test's refusal" in candidates["onnxscript"]["error"]
+    assert result.notes["chosen"] == "ort" and candidates["ort"]["verified"] is True
+    assert any("candidate onnxscript rejected" in m.reason for m in result.non_matches)
+    assert_same_outputs("bert_encoder", result.model)
 
 
 def test_fuse_transformer_bounds_ort_alone_by_the_packings_of_the_input_when_pack_qkv():
