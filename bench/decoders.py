@@ -2,7 +2,7 @@
 ``quantize_int4`` pass alone), side by side, on ORT's CPU EP at its default level (what users run).
 
 Run ``python -m bench.decoders [--models NAME ...] [--qwen05] [--threads 1 2] [--decode-tokens 32]
-[--prompts 32 128] [--rounds 3] [--presets NAME ...] [--no-write]``.
+[--prompts 32 128] [--rounds 3] [--presets NAME ...] [--preset-variants fast int4 ...] [--reuse] [--no-write]``.
 
 Models: the committed corpus decoders with a cache (``tests/models/decoders/<family>_past_ts.onnx``, tiny,
 random weights), the trained tiny Llama, and with ``--qwen05`` a decoder shaped like Qwen2.5-0.5B (24
@@ -62,6 +62,7 @@ START, END = "<!-- decoders-table:start -->", "<!-- decoders-table:end -->"
 HEADING = "## Decoders: fp32 against int4 (issue 19)"
 CORPUS = ("llama", "qwen2", "phi3", "mistral", "gpt2", "trained_llama")
 QWEN_DIR = REPO / "bench" / "out" / "decoders"
+ARTIFACTS = REPO / "bench" / "out" / "decoders-artifacts"  # --reuse: kept between runs (qwen05: minutes each)
 NOTE = (
     "Tiny decoders (hidden 32-64, 2 layers): per-op overhead and the shared machine's load dominate, so these rows "
     "check the harness and the int4 pass end to end, not int4's gain; the Qwen2.5-0.5B-shaped rows (`qwen05`) "
@@ -103,8 +104,21 @@ def decode_ms(sess: ort.InferenceSession, signature: Signature, prompt: int, tok
 
 
 def make_int4(
-    path: Path, signature: Signature, prompts: list[int], work: Path, extra: dict[str, Any] | None = None
+    path: Path,
+    signature: Signature,
+    prompts: list[int],
+    work: Path,
+    extra: dict[str, Any] | None = None,
+    *,
+    reuse: bool = False,
+    preset_passes: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
+    """The int4 pass on ``path`` (``preset_passes``: the ``int4`` preset's passes in order, each applied where it
+    changes the model, without the pipeline's per-pass verification and timing), its artifact and figures."""
+    out = work / f"{path.stem}.{'int4_passes' if preset_passes else 'int4'}.onnx"
+    saved = out.with_suffix(".json")
+    if reuse and out.exists() and saved.exists() and json.loads(saved.read_text())["options"] == (extra or {}):
+        return out, {**json.loads(saved.read_text())["info"], "reused": True}
     samples = [decoder_feeds(signature, 1, prompts[0], 0, seed=3), decoder_feeds(signature, 1, 1, prompts[0], seed=4)]
     # In memory: the pass hands tensors to ORT's quantizer, which resolves external-data paths from the cwd.
     model = ir.external_data.load_to_model(ir.load(path))
@@ -112,20 +126,44 @@ def make_int4(
     # Random weights and random tokens: near-tied logits make the greedy-token gate meaningless here (it is
     # tested on the trained decoder); the loop keeps float, as the "float_kept" column says.
     options = {"max_samples": 2, "min_top1_agreement": None, "sensitive_as": "float", **(extra or {})}
-    result = QuantizeInt4(options)(model, PassContext(samples=samples))
+    ctx = PassContext(samples=samples)
+    applied = []
+    if preset_passes:
+        from passes.registry import PRESETS, build_passes
+
+        specs = list(PRESETS["int4"].specs)
+        for before in build_passes(specs[: [s.name for s in specs].index("quantize_int4")]):
+            step = before(model, ctx)
+            if step.modified:
+                model, applied = step.model, [*applied, before.name]
+    result = QuantizeInt4(options)(model, ctx)
     seconds = time.perf_counter() - t0
     if not result.modified:
         raise RuntimeError(f"quantize_int4 refused {path.name}: {[m.reason for m in result.non_matches]}")
-    out = work / f"{path.stem}.int4.onnx"
     proto = ir.serde.serialize_model(result.model)
     q.save_proto(proto, out, q.tensor_bytes(proto) > q.EXTERNAL_DATA_BYTES)
     notes = result.notes
-    return out, {
+    info = {
         "seconds": seconds,
+        "applied_before": applied,
+        "block": notes["block_size"]["chosen"],
         "level": notes["accuracy_level"]["chosen"],
         "head": notes.get("lm_head_decision", "float").split(":")[0],
         "float_kept": result.counts.get("nodes_excluded_for_accuracy", 0),
+        "tables": tables_summary(notes.get("embeddings", {})),
     }
+    saved.write_text(json.dumps({"options": extra or {}, "info": info}))
+    return out, info
+
+
+def tables_summary(entry: dict[str, Any]) -> str:
+    """The token tables' fate in a few words: ``int8 (shared with the lm_head)``, ``float``..."""
+    decision = entry.get("decision", "float")
+    if not entry.get("tables") or decision.startswith(("float", "none")):
+        return decision.split(":")[0]
+    return ", ".join(
+        f"int{t['bits']}" + (" (shared with the lm_head)" if t["shared_with"] else "") for t in entry["tables"]
+    )
 
 
 def preset_artifact(
@@ -228,6 +266,7 @@ LABELS = {
     "fast": "`fast` preset",
     "int4": "`int4` preset",
     "int4 gate off": "`int4` passes, greedy gate off",
+    "int4 passes": "`int4` preset's passes, no ledger",
 }
 
 
@@ -239,23 +278,36 @@ def run(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     command = " ".join([*env, "python -m bench.decoders", shlex.join(sys.argv[1:])])
     QWEN_DIR.parent.mkdir(parents=True, exist_ok=True)  # the 2 GB qwen05 artifacts: on the repo's disk, not /tmp
     with tempfile.TemporaryDirectory(prefix="onnxforge-bench-decoders-", dir=QWEN_DIR.parent) as tmp:
-        work = Path(tmp)
+        work = ARTIFACTS if args.reuse else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for name in args.models:
             path = model_path(name)
             signature = Signature.of(path)
             variants = {"fp32": path}
             details = []
             if not args.no_int4_pass:
-                int4, info = make_int4(path, signature, args.prompts, work, args.int4_options)
+                int4, info = make_int4(path, signature, args.prompts, work, args.int4_options, reuse=args.reuse)
                 variants["int4 pass"] = int4
                 given = f" {json.dumps(args.int4_options)}" if args.int4_options else ""
                 details.append(
-                    f"int4 pass{given}: accuracy_level {info['level']}, lm_head {info['head']}, {info['float_kept']} "
-                    f"MatMul(s) kept float, {info['seconds']:.1f}s"
+                    f"int4 pass{given}: block {info.get('block', '?')}, accuracy_level {info['level']}, lm_head "
+                    f"{info['head']}, token tables {info.get('tables', 'float')}, {info['float_kept']} MatMul(s) kept "
+                    "float, " + ("reused" if info.get("reused") else f"{info['seconds']:.1f}s")
+                )
+            if name in args.presets and args.int4_passes:
+                int4, info = make_int4(
+                    path, signature, args.prompts, work, args.int4_options, reuse=args.reuse, preset_passes=True
+                )
+                variants["int4 passes"] = int4
+                given = f" {json.dumps(args.int4_options)}" if args.int4_options else ""
+                details.append(
+                    f"int4 preset's passes{given}: applied {', '.join(info.get('applied_before', []))} before it; "
+                    f"block {info['block']}, accuracy_level {info['level']}, lm_head {info['head']}, token tables "
+                    f"{info['tables']}, " + ("reused" if info.get("reused") else f"{info['seconds']:.1f}s")
                 )
             if name in args.presets:
                 for preset in args.preset_variants:
-                    variants[preset], preset_info = preset_artifact(path, preset, work, job=args.job)
+                    variants[preset], preset_info = preset_artifact(path, preset, work, args.reuse, job=args.job)
                     details.append(describe(preset, preset_info))
             print(f"{name}: " + "; ".join(details), flush=True)
             sizes = {v: weight_bytes(p) for v, p in variants.items()}
@@ -331,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset-variants", nargs="+", default=list(PRESET_VARIANTS), choices=PRESET_VARIANTS)
     parser.add_argument("--no-int4-pass", action="store_true", help="leave out the quantize_int4 pass alone")
     parser.add_argument(
+        "--int4-passes",
+        action="store_true",
+        help="for the --presets models, add the int4 preset's passes run in order in-process (the fusions, then "
+        "quantize_int4 with the pass's options), without the pipeline's per-pass verification and timing",
+    )
+    parser.add_argument(
         "--int4-options",
         type=json.loads,
         default={},
@@ -342,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         type=json.loads,
         default={},
         help="JSON job config keys for the preset jobs, e.g. '{\"benchmark\": false}' (this script measures)",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help=f"keep the int4 pass's and the presets' artifacts in {ARTIFACTS.relative_to(REPO)} and reuse them "
+        "(the int4 pass's when its options match)",
     )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
