@@ -3,9 +3,11 @@ held-out bytes (1,024 teacher-forced positions), and the figures its notes give,
 decode and prefill speed and weight bytes, timed interleaved on ORT's CPU EP at its default level.
 
 Run ``python -m bench.int4_trained [--threads 1 2] [--rounds 5] [--decode-tokens 32] [--embeddings]``;
-``--embeddings`` adds a variant with ``quantize_embeddings`` (GatherBlockQuantized token table). Prints a
-table; writes nothing. The decoder is tiny (hidden 64, 2 layers, 90k MatMul weights): its speed ratios say
-what per-op overhead does, not what int4 gains on a real model (``bench.decoders --qwen05`` measures that).
+the defaults make the token table 8-bit GatherBlockQuantized where the budget holds (``embeddings="auto"``);
+``--embeddings`` adds the same pass with the table float and with it int4. Prints the figures and a markdown
+table (the one in bench/README.md); writes nothing. The decoder is tiny (hidden 64, 2 layers, 90k MatMul
+weights): its speed ratios say what per-op overhead does, not what int4 gains on a real model
+(``bench.decoders --qwen05`` measures that).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ if str(REPO) not in sys.path:
 
 import onnx_ir as ir  # noqa: E402
 
-from bench.decoders import decode_ms, prefill_ms, session, weight_bytes  # noqa: E402
+from bench.decoders import decode_ms, prefill_ms, session, tables_summary, weight_bytes  # noqa: E402
 from passes._infra import PassContext  # noqa: E402
 from passes.precision import _quantization as q  # noqa: E402
 from passes.precision.quantize_int4 import QuantizeInt4  # noqa: E402
@@ -58,6 +60,7 @@ def quantize(options: dict[str, Any] | None, out: Path) -> dict[str, Any] | str:
         "max_logit_diff": final["max_logit_diff"],
         "ppl": (final["perplexity"]["original"], final["perplexity"]["quantized"]),
         "int4_share": notes["int4_share"]["of_matmul_weights"],
+        "tables": tables_summary(notes.get("embeddings", {})),
         "precision": notes["precision"],
     }
 
@@ -73,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     signature = Signature.of(PATH)
     with tempfile.TemporaryDirectory(prefix="onnxforge-int4-") as tmp:
         work = Path(tmp)
-        paths = {"fp32": PATH, "int4": work / "int4.onnx"}
-        info = {"int4": quantize(None, paths["int4"])}
+        variants: dict[str, dict[str, Any] | None] = {"int4": None}
         if args.embeddings:
-            paths["int4+emb"] = work / "int4_emb.onnx"
-            info["int4+emb"] = quantize({"quantize_embeddings": True}, paths["int4+emb"])
+            variants |= {"int4 tables float": {"embeddings": "float"}, "int4 tables int4": {"embeddings": "int4"}}
+        paths = {"fp32": PATH}
+        info: dict[str, dict[str, Any] | str] = {}
+        for i, (name, options) in enumerate(variants.items()):
+            paths[name] = work / f"v{i}.onnx"
+            info[name] = quantize(options, paths[name])
         for name, figures in list(info.items()):
             if isinstance(figures, str):
                 print(f"{name}: {figures}")
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             per = [f"{k.split('/')[-2]}@{k.split('/')[-4]}={v}" for k, v in figures["precision"].items()]
             print("  per MatMul: " + ", ".join(per))
         base_bytes = weight_bytes(PATH)
+        speed: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in paths}
         for threads in args.threads:
             sessions = {name: session(path, threads) for name, path in paths.items()}
             decode: dict[str, list[float]] = {name: [] for name in paths}
@@ -100,12 +107,41 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 d, p = statistics.median(decode[name]), statistics.median(prefill[name])
                 d0, p0 = statistics.median(decode["fp32"]), statistics.median(prefill["fp32"])
+                speed[name][threads] = (d0 / d, p0 / p)
                 print(
                     f"threads {threads} {name:9s} decode {d:.3f} ms/token ({d0 / d:.2f}x fp32), prefill@{args.prompt} "
                     f"{p:.3f} ms ({p0 / p:.2f}x), weight bytes {weight_bytes(paths[name])} "
                     f"({weight_bytes(paths[name]) / base_bytes:.3f}x)"
                 )
+        print(markdown(info, speed, {name: weight_bytes(path) / base_bytes for name, path in paths.items()}))
     return 0
+
+
+def markdown(
+    info: dict[str, dict[str, Any] | str], speed: dict[str, dict[int, tuple[float, float]]], size: dict[str, float]
+) -> str:
+    rows = [
+        "| variant | block / level / head | token table | top-1 (flipped of 1,024) | full int4 top-1 | max logit "
+        "diff | perplexity fp32 -> int4 | int4 share of MatMul weights | weights | decode vs fp32 (threads) | "
+        "prefill vs fp32 (threads) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, f in info.items():
+        if isinstance(f, str):
+            rows.append(f"| {name} | {f} |" + " |" * 9)
+            continue
+        ratios = speed[name]
+        rows.append(
+            f"| {name} | {f['block']} / {f['level']} / {f['head']} | {f['tables']} | {100 * f['top1']:.2f}% "
+            f"({f['flipped']}) | {100 * f['full_top1']:.2f}% ({f['full_flipped']}) | {f['max_logit_diff']:.3g} | "
+            f"{f['ppl'][0]:.3f} -> {f['ppl'][1]:.3f} ({100 * (f['ppl'][1] / f['ppl'][0] - 1):+.2f}%) | "
+            f"{100 * f['int4_share']:.1f}% | {size[name]:.2f}x | "
+            + " / ".join(f"{v[0]:.2f}x ({t})" for t, v in ratios.items())
+            + " | "
+            + " / ".join(f"{v[1]:.2f}x ({t})" for t, v in ratios.items())
+            + " |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
