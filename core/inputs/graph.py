@@ -12,6 +12,13 @@ encoder: 1500 positions after a stride-2 stack, so 3000 frames; ViT: 197 positio
 symbolic dim besides the batch, heads and head size being the static dims the exporter wrote (GQA/MQA
 caches simply have fewer heads there).
 
+Encoder-decoders split as Optimum exports them (``decoder_model.onnx``, ``decoder_with_past_model.onnx``): a
+float ``[batch, sequence, hidden]`` input projected by constant weights (two or more ``MatMul`` straight from
+it: cross-attention keys and values) beside token ids is the encoder's states; a cache input never
+concatenated with new keys while another one is (the self-attention cache grows by ``Concat``) is the fixed
+cross-attention cache, whose length is the encoder's; a mask that reaches the same attention scores as
+either of those spans the encoder's sequence, not the decoder's past and new tokens (``cross``).
+
 Everything here is a small ``ModelFacts`` record: it keeps no reference to the model, so a caller may drop a
 large model right after reading its facts.
 """
@@ -83,6 +90,7 @@ class InputRole:
     channels: int | None = None  # input channels of the first convolution
     past_axis: int | None = None  # the past-length axis of a key/value cache
     decoder: bool = False
+    cross: bool = False  # an attention mask over the encoder's sequence (cross-attention), not past + new
 
     def min_length(self, out: int = 1, axis: int = 0) -> int:
         """The spatial length on ``axis`` that makes the stack yield ``out`` positions."""
@@ -100,6 +108,9 @@ class ModelFacts:
     # A decoder-only language model (token ids, a mask, positions, a cache; a causal mask in the graph or a
     # cache): its generated sets are the calls generation makes, unpadded (``core.inputs.synthesize``).
     causal_lm: bool = False
+    # A decoder reading an encoder's states or a cross-attention cache (a seq2seq decoder file): its inputs
+    # over the encoder's sequence share one length, and a set after a past decodes as generation does.
+    encoder_decoder: bool = False
 
     def describe(self) -> dict[str, dict[str, Any]]:
         return {name: {"role": r.role, "why": r.why} for name, r in self.roles.items()}
@@ -290,12 +301,13 @@ def analyze(model: onnx.ModelProto | ir.Model) -> ModelFacts:
     has_past = any(_PAST_NAME.search(v.name or "") and v.dtype is not None and v.dtype.is_floating_point()
                    for v in inputs)  # fmt: skip
     roles = {v.name or "": _role(v, ranges, compared, has_past, model) for v in inputs}
+    encoder_decoder = _cross_attention(graph, roles, inputs)
     causal_lm = _causal_lm(graph, roles, has_past, model)
     if causal_lm:
         for role in roles.values():
             if role.role == "attention_mask":
                 role.why = CAUSAL_LM_MASK + ("; spans the past and the new tokens" if has_past else "")
-    return ModelFacts(roles, _max_positions(graph, aliases), has_past, causal_lm)
+    return ModelFacts(roles, _max_positions(graph, aliases), has_past, causal_lm, encoder_decoder)
 
 
 CAUSAL_LM_MASK = (
@@ -475,6 +487,96 @@ def _past_role(value: ir.Value) -> InputRole:
         f"key/value cache, past length on axis {axis}; static dims {statics} (heads, head size) from the graph",
         past_axis=axis,
     )
+
+
+_PROJECTIONS = frozenset({"MatMul", "Gemm"})
+_SCORE_STOP = frozenset({"Softmax", "Concat"})  # past the scores (or into a cache), nothing is a score input
+
+
+def _cross_attention(graph: ir.Graph, roles: dict[str, InputRole], inputs: list[ir.Value]) -> bool:
+    """Re-read the inputs of a seq2seq decoder (module docstring); True when it is one."""
+    by_name = {v.name or "": v for v in inputs}
+    pasts = [n for n, r in roles.items() if r.role == "past_key_values"]
+    grows = {n: _direct(by_name[n], frozenset({"Concat"})) for n in pasts}
+    sources: list[ir.Value] = []
+    if any(grows.values()):
+        for name in pasts:
+            if not grows[name] and _direct(by_name[name], _PROJECTIONS):
+                roles[name] = InputRole(
+                    name,
+                    "cross_key_values",
+                    "cross-attention cache: read by the attention MatMul, never concatenated with new keys "
+                    "(the self-attention cache is), so its length is the encoder's, fixed",
+                    past_axis=roles[name].past_axis,
+                )
+                sources.append(by_name[name])
+    has_ids = any(r.role == "token_ids" for r in roles.values())
+    for name, role in list(roles.items()):
+        value = by_name[name]
+        shape = value.shape
+        if role.role != "float" or not has_ids or shape is None or len(shape) != 3 or not isinstance(shape[2], int):
+            continue
+        projections = [
+            u.node for u in value.uses()
+            if u.node.op_type in _PROJECTIONS and u.idx == 0 and len(u.node.inputs) > 1
+            and const_array(u.node.inputs[1]) is not None
+        ]  # fmt: skip
+        if len(projections) >= 2:
+            roles[name] = InputRole(
+                name,
+                "encoder_states",
+                f"encoder states [batch, encoder sequence, {shape[2]}]: {len(projections)} constant projections "
+                "read them (cross-attention keys and values) beside the decoder's token ids",
+                decoder=True,
+            )
+            sources.append(value)
+    if not sources:
+        return False
+    scores = _forward(sources, depth=8)
+    for name, role in roles.items():
+        if role.role == "attention_mask" and _forward([by_name[name]], depth=14) & scores:
+            role.cross = True
+            role.why = "mask over the encoder's sequence: it reaches the cross-attention scores; right-padded 1/0 rows"
+    return True
+
+
+def _direct(value: ir.Value, ops: frozenset[str], depth: int = 3) -> bool:
+    """Whether ``value``'s data (not its shape) reaches one of ``ops`` through casts, reshapes and transposes."""
+    if depth < 0:
+        return False
+    for use in value.uses():
+        node = use.node
+        # A Concat onto empty constants (DynamicCache's lazy start) passes the tensor on unchanged.
+        onto_empty = node.op_type == "Concat" and all(
+            v is value or ((a := const_array(v)) is not None and a.size == 0) for v in node.inputs
+        )
+        passes = (node.op_type in _ALIAS_OPS and use.idx == 0) or onto_empty
+        if passes and any(_direct(o, ops, depth - 1) for o in node.outputs):
+            return True
+        if node.op_type in ops and not passes:
+            return True
+    return False
+
+
+def _forward(values: list[ir.Value], depth: int) -> set[int]:
+    """Ids of the ``Add``/``Where``/``Mul`` nodes reachable from ``values`` within ``depth`` ops, short of a
+    ``Softmax``: where attention scores meet their mask."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    frontier = list(values)
+    for _ in range(depth):
+        nxt = []
+        for value in frontier:
+            for use in value.uses():
+                node = use.node
+                if id(node) in seen or node.op_type in _SCORE_STOP:
+                    continue
+                seen.add(id(node))
+                if node.op_type in ("Add", "Where", "Mul"):
+                    found.add(id(node))
+                nxt.extend(node.outputs)
+        frontier = nxt
+    return found
 
 
 def _num_classes(model: ir.Model) -> int:

@@ -7,6 +7,9 @@ covered), a mask spanning ``past + sequence``, raw audio the samples its convolu
 many frames (wav2vec2: 400 for one), spectrogram frames and image sides what the position table after the
 stack fixes (Whisper's 3000 frames, ViT's 224 pixels), else at least the stack's minimum. Dims whose
 names are sums (``past_sequence + sequence``) are evaluated. ``JobConfig.shapes`` overrides all of it.
+A seq2seq decoder's inputs over the encoder's sequence (its states, its mask, the cross-attention cache)
+share one encoder length, ``12 << index`` unless bound (never 0, unlike the self-attention past); a set after
+a past decodes one token per row, as generation does.
 
 Values. Token ids uniform below the vocabulary of the table they index, ids the graph compares them with
 kept out except a position marker (BART's ``</s>``) at each row's last valid token; right-padded attention
@@ -98,7 +101,8 @@ class InputSynthesis:
             cap = cap - 2 if cap > 4 else cap  # RoBERTa-style tables start 2 rows in (padding offset)
             seq = min(seq, cap // 2 if self.facts.has_past else cap)
             past = min(past, cap - seq)
-        if self.facts.causal_lm and past > 0 and index > 0:  # batch 1 << index > 1
+        generation = self.facts.causal_lm or self.facts.encoder_decoder
+        if generation and past > 0 and index > 0:  # batch 1 << index > 1
             seq = 1
         return max(seq, 1), past
 
@@ -154,6 +158,12 @@ class InputSynthesis:
                 break
         if self.facts.has_past:
             seq = self._bound_new_tokens(bound, seq)
+        encoder = self._encoder_axes()
+        enc_len = self._encoder_length(bound, overrides, index, guess) if encoder else 0
+        for spec in self.specs:
+            dim = spec.dims[encoder[spec.name]] if spec.name in encoder else None
+            if isinstance(dim, str):
+                bound.setdefault(dim, enc_len)
         shapes: dict[str, tuple[int, ...]] = {}
         pending: list[tuple[str, int, str]] = []
         for spec in self.specs:
@@ -170,6 +180,8 @@ class InputSynthesis:
                 elif isinstance(dim, str) and _EXPR.match(dim):
                     pending.append((spec.name, axis, dim))
                     shape.append(-1)
+                elif encoder.get(spec.name) == axis:
+                    shape.append(enc_len)
                 else:
                     size = self._size(role, spec, axis, dim, batch=batch, seq=seq, past=past_len)
                     if isinstance(dim, str):
@@ -184,6 +196,36 @@ class InputSynthesis:
             fixed[axis] = value
             shapes[name] = tuple(fixed)
         return shapes
+
+    def _encoder_axes(self) -> dict[str, int]:
+        """Input -> its axis over the encoder's sequence: encoder states (axis 1), a cross-attention mask (its
+        last), a cross-attention cache (its length axis). One length binds them all."""
+        out = {}
+        for spec in self.specs:
+            role = self._role(spec.name)
+            if role.role == "encoder_states" and spec.rank == 3:
+                out[spec.name] = 1
+            elif role.role == "attention_mask" and role.cross and spec.rank:
+                out[spec.name] = spec.rank - 1
+            elif role.role == "cross_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
+                out[spec.name] = role.past_axis
+        return out
+
+    def _encoder_length(
+        self, bound: Mapping[str, int], overrides: Mapping[str, Sequence[int]], index: int, guess: Guess
+    ) -> int:
+        """The encoder's sequence length of set ``index``: what the caller bound or the graph fixes on any
+        input over it, else ``12 << index`` (unlike the decoder's lengths, so a mixed-up axis fails)."""
+        by_name = {s.name: s for s in self.specs}
+        for name, axis in self._encoder_axes().items():
+            dim = by_name[name].dims[axis]
+            if name in overrides and len(overrides[name]) > axis:
+                return int(overrides[name][axis])
+            if isinstance(dim, int):
+                return dim
+            if isinstance(dim, str) and dim in bound:
+                return bound[dim]
+        return (12 << index) * guess.seq_scale
 
     def _bound_new_tokens(self, bound: Mapping[str, int], default: int) -> int:
         """The new tokens' length where the caller bound the ids' sequence dim: a mask that spans past + new
@@ -242,6 +284,8 @@ class InputSynthesis:
         role, dtype = self._role(spec.name), spec.dtype
         kind = role.role
         if kind == "attention_mask":  # a language model's generation pads nothing (InputSynthesis.why)
+            if role.cross:  # over the encoder's sequence: no past in it
+                return _mask(shape, rng, 0, guess.padding).astype(dtype)
             return _mask(shape, rng, past, guess.padding and not self.facts.causal_lm).astype(dtype)
         if kind == "bool":
             return rng.integers(0, 2, size=shape).astype(bool)
@@ -360,10 +404,19 @@ class InputSynthesis:
         table) or derived (sums, a mask over past + new tokens) are left out."""
         out: dict[str, dict[str, Any]] = {}
         derived: set[str] = set()
+        encoder = self._encoder_axes()
+        encoder_dim = None  # the first dim over the encoder's sequence is free; the others follow it
         for spec in self.specs:
             role = self._role(spec.name)
             for axis, dim in enumerate(spec.dims):
                 if not isinstance(dim, str) or dim in out or dim in derived:
+                    continue
+                if encoder.get(spec.name) == axis:
+                    if encoder_dim is None:
+                        encoder_dim = dim
+                        out[dim] = {"role": "sequence", "min": 1}
+                    else:
+                        derived.add(dim)
                     continue
                 spatial = {"audio": 1, "features": 2, "pixel_values": 2}.get(role.role)
                 if _EXPR.match(dim) or (spatial is not None and axis >= spatial and role.exact_out):
