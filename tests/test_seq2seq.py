@@ -1,0 +1,297 @@
+"""Encoder-decoders as users upload them for generation (issue 19 item 1): the committed Whisper, T5 and BART
+files in Optimum's seq2seq-with-past layout (tests/models/seq2seq, built by tests.models.build_seq2seq).
+
+The files: unchanged since the build, Optimum's names, and their caches consistent in ONNX Runtime alone (a
+greedy generation through encoder, decoder and decoder_with_past gives the logits of the cache-free decoder
+on the whole sequence). The roles: read from the graph (encoder states, the fixed cross-attention cache, the
+mask over the encoder's sequence), names being only a hint. The generated sets: one encoder length across
+the states, the mask and the cross-attention cache; the self-attention cache empty in one set and longer in
+a later one. The pipeline: a no-sample ``fast`` job on each file completes and stays exact, the artifacts
+chained through generation included; one job through the HTTP API and the CLI. No torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from core.config import JobConfig
+from core.inputs import InputSynthesis, analyze
+from core.settings import PipelineSettings
+from tests.conftest import FAST_PIPELINE, ROOT, service_env
+from tests.integration._flow import submit, wait
+from tests.models.build_seq2seq import (
+    ARCHS,
+    KINDS,
+    OUT,
+    enc_dim,
+    filename,
+    greedy_chain,
+    input_names,
+    output_names,
+    seq2seq_feeds,
+)
+from workers.pipeline import PipelineRequest, run_pipeline
+
+MANIFEST = json.loads((OUT / "manifest.json").read_text())
+FILES = [e["file"] for e in MANIFEST["files"]]
+DECODERS = [f for f in FILES if "/decoder" in f]
+ATOL = 1e-4
+
+
+def session(path: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+def arch_kind(file: str) -> tuple[str, str]:
+    arch, name = file.split("/")
+    return arch, name.removesuffix("_model.onnx")
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def test_seq2seq_corpus_has_three_files_per_architecture_when_built():
+    assert {arch_kind(f) for f in FILES} == {(a, k) for a in ARCHS for k in KINDS}
+    assert sum((OUT / f).stat().st_size for f in FILES) < 3_000_000  # small enough to commit
+
+
+@pytest.mark.parametrize("file", FILES)
+def test_seq2seq_file_matches_manifest_and_optimum_signature_when_loaded(file):
+    entry = next(e for e in MANIFEST["files"] if e["file"] == file)
+    path = OUT / file
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"]
+    arch, kind = ARCHS[entry["arch"]], entry["kind"]
+    model = onnx.load(str(path))
+    assert [i.name for i in model.graph.input] == input_names(arch, kind)
+    assert [o.name for o in model.graph.output] == output_names(arch, kind)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    if kind == "decoder":
+        assert dims["encoder_hidden_states"] == ["batch_size", enc_dim(arch), arch.hidden]
+    if kind == "decoder_with_past":
+        assert dims["past_key_values.0.decoder.key"] == ["batch_size", arch.heads, "past_decoder_sequence_length", 8]
+        assert dims["past_key_values.1.encoder.value"][2] == "encoder_sequence_length_out"
+        assert "encoder_hidden_states" not in dims  # as Optimum: the cross-attention cache replaces them
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_cache_chain_gives_the_cache_free_decoder_logits_when_generating_greedily(name):
+    # setup: the three files of one architecture; an encoder batch of 2 (row 1 padded for T5/BART)
+    arch = ARCHS[name]
+    sessions = {kind: session(OUT / name / filename(kind)) for kind in KINDS}
+    encoder_feeds = seq2seq_feeds(arch, "encoder", 2, enc=10, seed=3)
+    # execute: encoder, decoder on the start token, then 5 decode steps on the returned caches
+    tokens, logits = greedy_chain(arch, sessions, encoder_feeds)
+    # assert: the cache-free decoder on the whole generated sequence gives every step's logits
+    states = run(sessions["encoder"], encoder_feeds)["last_hidden_state"]
+    feeds = {"input_ids": tokens, "encoder_hidden_states": states}
+    if not arch.audio:
+        feeds["encoder_attention_mask"] = encoder_feeds["attention_mask"]
+    whole = run(sessions["decoder"], feeds)
+    np.testing.assert_allclose(logits, whole["logits"], atol=1e-5, rtol=0)
+    assert whole["present.0.encoder.key"].shape == (2, arch.heads, states.shape[1], arch.head_dim)
+
+
+# ------------------------------------------------------------------------------------------------ roles
+
+
+@pytest.mark.parametrize("file", DECODERS)
+def test_roles_of_a_seq2seq_decoder_are_read_from_the_graph_when_analyzed(file):
+    facts = analyze(onnx.load(str(OUT / file)))
+    roles = {n: r.role for n, r in facts.roles.items()}
+    assert facts.encoder_decoder and not facts.causal_lm
+    assert roles["input_ids"] == "token_ids"
+    for name, role in roles.items():
+        if ".decoder." in name:
+            assert role == "past_key_values", name
+        elif ".encoder." in name:
+            assert role == "cross_key_values", name
+    if "encoder_hidden_states" in roles:
+        assert roles["encoder_hidden_states"] == "encoder_states"
+    if "encoder_attention_mask" in roles:
+        assert facts.roles["encoder_attention_mask"].cross
+
+
+def test_cross_attention_roles_follow_the_graph_not_the_names_when_inputs_are_renamed():
+    # setup: BART's decoder_with_past with neutral input names (no "encoder", no "past", no "mask")
+    model = onnx.load(str(OUT / "bart" / filename("decoder_with_past")))
+    rename = {"encoder_attention_mask": "mask_b"}
+    for i in range(2):
+        for side, new in (("decoder", "cache_self"), ("encoder", "cache_other")):
+            for kv in ("key", "value"):
+                rename[f"past_key_values.{i}.{side}.{kv}"] = f"{new}.{i}.{kv}"
+    for value in model.graph.input:
+        value.name = rename.get(value.name, value.name)
+    for node in model.graph.node:
+        node.input[:] = [rename.get(n, n) for n in node.input]
+    # execute
+    facts = analyze(model)
+    # assert: the self cache grows by Concat, the other is only read: cross; the mask reaches its scores
+    assert facts.roles["cache_self.0.key"].role == "past_key_values"
+    assert facts.roles["cache_other.1.value"].role == "cross_key_values"
+    assert facts.roles["mask_b"].role == "attention_mask" and facts.roles["mask_b"].cross
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "decoders/llama_past_ts.onnx",
+        "decoders/gpt2_past_dynamo.onnx",
+        "roles_gpt2_past.onnx",
+        "roles_bart_cls.onnx",
+        "seq2seq/t5/encoder_model.onnx",
+        "seq2seq/whisper/encoder_model.onnx",
+    ],
+)
+def test_models_without_cross_attention_get_no_cross_roles_when_analyzed(path):
+    facts = analyze(onnx.load(str(OUT.parent / path)))
+    assert not facts.encoder_decoder
+    assert not any(r.cross or r.role in ("encoder_states", "cross_key_values") for r in facts.roles.values())
+
+
+# ---------------------------------------------------------------------------------------- generated sets
+
+
+@pytest.mark.parametrize("file", DECODERS)
+def test_generated_sets_share_one_encoder_length_and_grow_the_self_cache_when_synthesized(file):
+    # setup
+    arch, kind = arch_kind(file)
+    path = OUT / file
+    synthesis = InputSynthesis(onnx.load(str(path)))
+    sess = session(path)
+    # execute
+    sets = synthesis.generate(3)
+    # assert: every set runs on the original; its encoder-side inputs agree on one nonzero length
+    pasts = []
+    for input_set in sets:
+        feeds = input_set.feeds
+        out = run(sess, feeds)
+        lengths = set()
+        if "encoder_hidden_states" in feeds:
+            lengths.add(feeds["encoder_hidden_states"].shape[1])
+            assert feeds["encoder_hidden_states"].shape[2] == ARCHS[arch].hidden  # from the graph
+        if "encoder_attention_mask" in feeds:
+            mask = feeds["encoder_attention_mask"]
+            lengths.add(mask.shape[1])
+            assert (mask[:, 0] == 1).all() and (np.diff(mask, axis=1) <= 0).all()  # right-padded, never empty
+        cross = [v.shape[2] for n, v in feeds.items() if ".encoder." in n]
+        lengths.update(cross)
+        assert len(lengths) == 1 and min(lengths) > 0, (input_set.name, lengths)
+        if kind == "decoder_with_past":
+            past = feeds["past_key_values.0.decoder.key"].shape[2]
+            new = feeds["input_ids"].shape[1]
+            assert out["present.1.decoder.value"].shape[2] == past + new
+            pasts.append((past, new, feeds["input_ids"].shape[0]))
+    if kind == "decoder_with_past":
+        assert pasts[1][0] == 0  # a prefill on an empty self-attention cache
+        assert pasts[2][0] > pasts[0][0] > 0  # then longer pasts
+        assert pasts[2][1] == 1 and pasts[2][2] > 1  # a batch decoding one token per row, as generation does
+        assert len({s.name for s in sets}) == 3
+
+
+@pytest.mark.parametrize("file", ["t5/decoder_with_past_model.onnx", "whisper/decoder_model.onnx"])
+def test_sizes_bound_by_a_caller_tie_every_encoder_side_input_when_fed_for_sizes(file):
+    synthesis = InputSynthesis(onnx.load(str(OUT / file)))
+    free = synthesis.free_dims()
+    encoder_dims = [d for d in free if "encoder" in d]
+    assert len(encoder_dims) == 1, free  # one free encoder length; the others follow it
+    feeds = synthesis.feeds_for_sizes({encoder_dims[0]: 5, "batch_size": 3}, np.random.default_rng(0))
+    lengths = {v.shape[1] for n, v in feeds.items() if n.startswith("encoder_")}
+    lengths |= {v.shape[2] for n, v in feeds.items() if ".encoder." in n}
+    assert lengths == {5}
+    run(session(OUT / file), feeds)
+
+
+# -------------------------------------------------------------------------------------------- pipeline
+
+
+def _fast_job(source: Path, out: Path) -> tuple[Path, dict]:
+    settings = PipelineSettings(
+        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.1, ledger_runs=5,
+        intra_op_threads=1,
+    )  # fmt: skip
+    # rollback_slower off: which passes pay is a timing question; these tests ask what the ledger verified
+    config = JobConfig(preset="fast", rollback_slower=False, benchmark=False)
+    result = run_pipeline(PipelineRequest(source, out, config, settings))
+    return result.model_path, result.report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(name, tmp_path):
+    # setup / execute: one no-sample fast job per file of the architecture
+    arch = ARCHS[name]
+    artifacts = {}
+    for kind in KINDS:
+        artifact, report = _fast_job(OUT / name / filename(kind), tmp_path / kind)
+        assert report["verification"]["ok"] is True, (kind, report["verification"])
+        assert all(s["inputs"]["source"] == "generated" for s in report["input_sets"])
+        fused = next(p for p in report["passes"] if p["name"] == "fuse_transformer")
+        assert fused["status"] == "applied", (kind, fused)
+        artifacts[kind] = artifact
+        # exact at shapes the job never generated
+        feeds = seq2seq_feeds(arch, kind, 3, dec=2, past=5, enc=10, seed=9)
+        want, got = run(session(OUT / name / filename(kind)), feeds), run(session(artifact), feeds)
+        assert want.keys() == got.keys()
+        for key, expected in want.items():
+            np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{kind}: {key}")
+    # assert: greedy generation through the three artifacts is generation through the three uploads
+    encoder_feeds = seq2seq_feeds(arch, "encoder", 2, enc=10, seed=4)
+    tokens, logits = greedy_chain(arch, {k: session(OUT / name / filename(k)) for k in KINDS}, encoder_feeds)
+    got_tokens, got_logits = greedy_chain(arch, {k: session(p) for k, p in artifacts.items()}, encoder_feeds)
+    np.testing.assert_array_equal(got_tokens, tokens)
+    np.testing.assert_allclose(got_logits, logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_whisper_decoder_with_past_goes_through_the_http_api_and_the_cli_when_no_samples(services, tmp_path):
+    # setup: the embedded service (SQLite, filesystem queue, its own workers)
+    source = OUT / "whisper" / filename("decoder_with_past")
+    config = {"preset": "fast", "rollback_slower": False}
+    env = service_env(tmp_path / "data", **FAST_PIPELINE)
+    api = services.serve(env, embedded=True)
+    # execute
+    job = wait(api.url, submit(api.url, source, config)["id"], timeout=240)
+    # assert: succeeded and verified on generated sets that tie the encoder length and grow the self cache
+    assert job["state"] == "succeeded", job.get("error")
+    report = httpx.get(f"{api.url}/v1/jobs/{job['id']}/report", timeout=30).raise_for_status().json()
+    assert report["verification"]["ok"] is True
+    shapes = [s["shapes"] for s in report["input_sets"]]
+    assert all(s["past_key_values.0.encoder.key"][2] > 0 for s in shapes)
+    assert any(s["past_key_values.0.decoder.key"][2] == 0 for s in shapes)
+    artifact = tmp_path / "api.onnx"
+    artifact.write_bytes(httpx.get(f"{api.url}/v1/jobs/{job['id']}/artifact", timeout=60).content)
+    arch = ARCHS["whisper"]
+    feeds = seq2seq_feeds(arch, "decoder_with_past", 2, dec=1, past=6, enc=arch.frames // 2, seed=12)
+    want, got = run(session(source), feeds), run(session(artifact), feeds)
+    for key, expected in want.items():
+        np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=key)
+    # and the CLI on the same file and config completes, exact too
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    local = tmp_path / "cli.onnx"
+    argv = ["optimize", str(source), "-o", str(local), "--config", str(tmp_path / "config.json")]
+    result = subprocess.run(
+        [sys.executable, "-m", "onnxforge.cli", *argv],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    got = run(session(local), feeds)
+    for key, expected in want.items():
+        np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"cli {key}")
