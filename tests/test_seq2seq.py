@@ -245,6 +245,11 @@ def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(na
         fused = next(p for p in report["passes"] if p["name"] == "fuse_transformer")
         assert fused["status"] == "applied", (kind, fused)
         artifacts[kind] = artifact
+        # the fused artifact (MultiHeadAttention reading the caches) keeps the roles the upload had
+        roles = {n: (r.role, r.cross) for n, r in analyze(onnx.load(str(artifact))).roles.items()}
+        assert roles == {
+            n: (r.role, r.cross) for n, r in analyze(onnx.load(str(OUT / name / filename(kind)))).roles.items()
+        }
         # exact at shapes the job never generated
         feeds = seq2seq_feeds(arch, kind, 3, dec=2, past=5, enc=10, seed=9)
         want, got = run(session(OUT / name / filename(kind)), feeds), run(session(artifact), feeds)

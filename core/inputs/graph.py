@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -491,21 +492,35 @@ def _past_role(value: ir.Value) -> InputRole:
 
 _PROJECTIONS = frozenset({"MatMul", "Gemm"})
 _SCORE_STOP = frozenset({"Softmax", "Concat"})  # past the scores (or into a cache), nothing is a score input
+# Fused attention (ORT's contrib ops, an upload optimized before): the input slots of keys and values that
+# are used as given, and of a past the op concatenates new keys onto.
+_FUSED_KV = {"MultiHeadAttention": (1, 2), "GroupQueryAttention": (1, 2)}
+_FUSED_PAST = {"MultiHeadAttention": (6, 7), "GroupQueryAttention": (3, 4), "Attention": (4,)}
+
+
+def _grows(node: ir.Node, idx: int) -> bool:
+    return node.op_type == "Concat" or idx in _FUSED_PAST.get(node.op_type, ())
+
+
+def _read_as_is(node: ir.Node, idx: int) -> bool:
+    """An attention ``MatMul`` (scores against the keys, weights against the values) or a fused attention's
+    key/value slot."""
+    return node.op_type in _PROJECTIONS or idx in _FUSED_KV.get(node.op_type, ())
 
 
 def _cross_attention(graph: ir.Graph, roles: dict[str, InputRole], inputs: list[ir.Value]) -> bool:
     """Re-read the inputs of a seq2seq decoder (module docstring); True when it is one."""
     by_name = {v.name or "": v for v in inputs}
     pasts = [n for n, r in roles.items() if r.role == "past_key_values"]
-    grows = {n: _direct(by_name[n], frozenset({"Concat"})) for n in pasts}
+    grows = {n: _direct(by_name[n], _grows) for n in pasts}
     sources: list[ir.Value] = []
     if any(grows.values()):
         for name in pasts:
-            if not grows[name] and _direct(by_name[name], _PROJECTIONS):
+            if not grows[name] and _direct(by_name[name], _read_as_is):
                 roles[name] = InputRole(
                     name,
                     "cross_key_values",
-                    "cross-attention cache: read by the attention MatMul, never concatenated with new keys "
+                    "cross-attention cache: read by the attention as it is, never concatenated with new keys "
                     "(the self-attention cache is), so its length is the encoder's, fixed",
                     past_axis=roles[name].past_axis,
                 )
@@ -518,15 +533,15 @@ def _cross_attention(graph: ir.Graph, roles: dict[str, InputRole], inputs: list[
             continue
         projections = [
             u.node for u in value.uses()
-            if u.node.op_type in _PROJECTIONS and u.idx == 0 and len(u.node.inputs) > 1
-            and const_array(u.node.inputs[1]) is not None
+            if (u.node.op_type in _PROJECTIONS and u.idx == 0 and len(u.node.inputs) > 1
+                and const_array(u.node.inputs[1]) is not None) or u.idx in _FUSED_KV.get(u.node.op_type, ())
         ]  # fmt: skip
-        if len(projections) >= 2:
+        if projections:
             roles[name] = InputRole(
                 name,
                 "encoder_states",
-                f"encoder states [batch, encoder sequence, {shape[2]}]: {len(projections)} constant projections "
-                "read them (cross-attention keys and values) beside the decoder's token ids",
+                f"encoder states [batch, encoder sequence, {shape[2]}]: read by {len(projections)} constant "
+                "projections or attention key/value slots (cross-attention) beside the decoder's token ids",
                 decoder=True,
             )
             sources.append(value)
@@ -540,8 +555,9 @@ def _cross_attention(graph: ir.Graph, roles: dict[str, InputRole], inputs: list[
     return True
 
 
-def _direct(value: ir.Value, ops: frozenset[str], depth: int = 3) -> bool:
-    """Whether ``value``'s data (not its shape) reaches one of ``ops`` through casts, reshapes and transposes."""
+def _direct(value: ir.Value, accept: Callable[[ir.Node, int], bool], depth: int = 3) -> bool:
+    """Whether ``value``'s data (not its shape) reaches a use ``accept`` takes (node, input slot) through casts,
+    reshapes and transposes."""
     if depth < 0:
         return False
     for use in value.uses():
@@ -551,16 +567,16 @@ def _direct(value: ir.Value, ops: frozenset[str], depth: int = 3) -> bool:
             v is value or ((a := const_array(v)) is not None and a.size == 0) for v in node.inputs
         )
         passes = (node.op_type in _ALIAS_OPS and use.idx == 0) or onto_empty
-        if passes and any(_direct(o, ops, depth - 1) for o in node.outputs):
+        if passes and any(_direct(o, accept, depth - 1) for o in node.outputs):
             return True
-        if node.op_type in ops and not passes:
+        if accept(node, use.idx) and not passes:
             return True
     return False
 
 
 def _forward(values: list[ir.Value], depth: int) -> set[int]:
-    """Ids of the ``Add``/``Where``/``Mul`` nodes reachable from ``values`` within ``depth`` ops, short of a
-    ``Softmax``: where attention scores meet their mask."""
+    """Ids of the ``Add``/``Where``/``Mul`` nodes and fused attentions reachable from ``values`` within
+    ``depth`` ops, short of a ``Softmax``: where attention scores meet their mask."""
     found: set[int] = set()
     seen: set[int] = set()
     frontier = list(values)
@@ -572,9 +588,10 @@ def _forward(values: list[ir.Value], depth: int) -> set[int]:
                 if id(node) in seen or node.op_type in _SCORE_STOP:
                     continue
                 seen.add(id(node))
-                if node.op_type in ("Add", "Where", "Mul"):
+                if node.op_type in ("Add", "Where", "Mul") or node.op_type in _FUSED_PAST:
                     found.add(id(node))
-                nxt.extend(node.outputs)
+                if node.op_type not in _FUSED_PAST:
+                    nxt.extend(node.outputs)
         frontier = nxt
     return found
 
