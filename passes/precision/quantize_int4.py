@@ -107,7 +107,8 @@ class QuantizeInt4Options(PassOptions):
         "GatherBlockQuantized with that many bits (block size and symmetry as the MatMuls'); a table the lm_head "
         "holds too (tied: the head's constant weight equals the table transposed, as exporters write it) reads "
         "the quantized head's weights instead, at the head's bits, and is stored once. auto: int8 (shared where "
-        "tied), kept only where the accuracy budget still holds on the samples, else float. float: as they are.",
+        "tied); whichever bits, kept only where the accuracy budget still holds on the samples, else float. "
+        "float: as they are.",
     )
     quantize_embeddings: bool = Field(
         False, description="Older spelling of embeddings='int4' (True overrides embeddings)."
@@ -662,13 +663,11 @@ def _tables(
         return quantized
     accuracy = measured[0]["tables"]
     misses = q.budget_of(budget_options).misses(accuracy)
-    if misses and choice == "auto":
+    if misses:  # asked for or not: the budget is the gate, as for every MatMul
         entry["decision"] = "float: " + "; ".join(misses)
         entry["accuracy_quantized"] = {k: v.to_dict() for k, v in accuracy.items()}
         return quantized
     entry["decision"] = f"{choice} (option)" if choice != "auto" else "quantized: within the budget"
-    if misses:
-        entry["decision"] += "; outside the budget: " + "; ".join(misses)
     entry["accuracy_before"] = notes.get("accuracy")  # the MatMul mix's, as the search judged it
     notes["accuracy"] = {k: v.to_dict() for k, v in accuracy.items()}  # the model handed back
     if notes.get("lm_head_decision", "").startswith("int8 (option)"):

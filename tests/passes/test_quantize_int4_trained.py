@@ -143,3 +143,18 @@ def test_quantize_int4_is_refused_naming_the_time_budget_when_the_search_has_no_
     (reason,) = [m.reason for m in result.non_matches if "no MatMul could stay int4" in m.reason]
     assert "time budget spent while ranking" in reason and "full int4: logits (teacher forcing): top-1" in reason
     assert result.notes["search"]["ranking"] == [] and result.notes["search"]["trials"][0]["step"] == "no int4"
+
+
+def test_quantize_int4_keeps_the_token_table_float_when_its_int4_form_misses_the_greedy_token_budget(trained_default):
+    # setup / execute: the default (8-bit table) and the int4 table asked for
+    _, default = trained_default
+    _, int4_table = quantize("trained_llama_past_ts", {"embeddings": "int4"}, samples=heldout_samples())
+    # assert: the 8-bit table holds 99% and is in the graph; the int4 one flips too many and is left float
+    table = default.notes["embeddings"]
+    assert table["decision"] == "quantized: within the budget" and table["tables"][0]["bits"] == 8
+    assert default.notes["accuracy"][KEY]["top1_agreement"] >= 0.99
+    assert any(n.op_type == "GatherBlockQuantized" for n in default.model.graph)
+    refused = int4_table.notes["embeddings"]
+    assert refused["decision"].startswith("float: ") and "top-1 agreement" in refused["decision"]
+    assert refused["accuracy_quantized"][KEY]["top1_agreement"] < 0.99
+    assert not any(n.op_type == "GatherBlockQuantized" for n in int4_table.model.graph)
