@@ -23,7 +23,7 @@ only while the answer is still open: the run stops as soon as the 95% bootstrap 
 ratio (core/verdict.py) is narrower than the decision needs (``settled``: wholly below 1 - 3%, clearly
 faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise; wholly below 1 + 3%, not
 slower, which is all a rollback or the gate asks), or as soon as the runs the budget still allows could turn
-the decision only by a long chance (``futile``: below 5%, judged on 20 pairs or more, on a noisy host whose
+the decision only by a long chance (``futile``: below 5%, judged on 10 pairs or more, on a noisy host whose
 interval will not clear the floor in time), else when the time budget ``max_seconds`` is spent or at
 ``max_runs``. No early stop is taken on fewer than ``MIN_SETTLE_PAIRS`` pairs: the bootstrap interval of one
 pair has no width. Each set records what stopped it (``stopped_by``).
@@ -67,10 +67,12 @@ QUICK_MIN_BLOCKS = 5  # the per-pass ledger's floor (BenchmarkParams.from_settin
 # interval over fewer is narrow by construction: over one pair it has no width at all).
 MIN_SETTLE_PAIRS = 5
 # An early stop for futility: the runs left in the budget would turn the decision with at most this chance,
-# judged on at least this many pairs (the spread a projection rests on is itself unsure over a few pairs: on
-# a loaded host ten pairs gave an interval from 0.35 to 1.58).
+# judged on at least this many pairs (the full benchmark's floor, ``benchmark_min_runs``' default: the spread a
+# projection rests on is unsure over fewer). On a host so loaded that ten pairs span 0.35..1.58, the decision at
+# the end of the budget would be "not slower" too (its margin is the interval's half-width): the stop saves
+# the budget, not the verdict.
 FUTILITY_RISK = 0.05
-FUTILITY_MIN_PAIRS = 20
+FUTILITY_MIN_PAIRS = 10
 _Z95 = 1.959964
 
 
