@@ -418,19 +418,34 @@ def _section(size: str, data: dict[str, Any]) -> str:
     commands = "; ".join(f"`{c}`" for c in data["commands"])
     absent = [f"{a}/{e}" for a in corpus.ARCHS for e in corpus.EXPORTERS if f"{a}/{e}" not in data["rows"]]
     not_run = f"Not run in this table ({len(absent)}): {', '.join(absent)}.\n\n" if absent else ""
+    # rows read back from the doc may have been measured on another host: the Machine line names the host of
+    # most rows, and a line per other host lists its rows
+    current = _machine(m)
+    hosts: dict[str, list[str]] = {}
+    for r in rows:
+        hosts.setdefault(r.get("machine") or current, []).append(f"{r['arch']}/{r['exporter']}")
+    machine = max(hosts, key=lambda d: (len(hosts[d]), d == current), default=current)
+    others = "".join(f"Measured on {d}: {', '.join(keys)}.\n\n" for d, keys in hosts.items() if d != machine)
     return (
         f"## {size} ({purpose})\n\n"
         f"Command(s): {commands}\n\n"
-        f"Machine: {m['cpu_model']}, {m['cpus_available']} CPUs (shared with other work), "
-        f"{m['memory_total_mb'] // 1024} GiB; {m['platform']}; Python {m['python']}; onnxruntime "
-        f"{m['onnxruntime_version']} (CPU EP), onnx {m['onnx_version']}; corpus built with "
+        f"Machine: {machine}; corpus built with "
         f"{', '.join(f'{k} {v}' for k, v in data['build_versions'].items())}. Jobs: {settings}. Timing: "
         f"1 intra-op thread, {data['max_seconds']:g} s per shape, at least {data['min_blocks']} interleaved "
         f"blocks. Written {data['written']}.\n\n"
+        f"{others}"
         f"{_table(rows)}\n"
         f"{_summary(rows)}\n"
         f"{not_run}"
         f"### Findings ({size})\n\n{_findings(rows)}\n"
+    )
+
+
+def _machine(m: dict[str, Any]) -> str:
+    return (
+        f"{m['cpu_model']}, {m['cpus_available']} CPUs (shared with other work), {m['memory_total_mb'] // 1024} GiB; "
+        f"{m['platform']}; Python {m['python']}; onnxruntime {m['onnxruntime_version']} (CPU EP), onnx "
+        f"{m['onnx_version']}"
     )
 
 
@@ -494,11 +509,18 @@ def rows_from_doc(size: str, text: str) -> dict[str, Any] | None:
     end = text.find("\n## ", start + 1)
     section = text[start : end if end > 0 else None]
     commands: list[str] = []
+    machine = ""
+    hosts: dict[str, str] = {}  # row -> the host it was measured on, where not the Machine line's
     rows: dict[str, Any] = {}
     findings: dict[str, list[str]] = {}
     for line in section.splitlines():
         if line.startswith("Command(s): "):
             commands = [c[1:-1] for c in line[len("Command(s): ") :].split("; ")]
+        elif line.startswith("Machine: ") and "; corpus built with" in line:
+            machine = line[len("Machine: ") : line.index("; corpus built with")]
+        elif line.startswith("Measured on ") and line.endswith("."):
+            desc, keys = line[len("Measured on ") : -1].rsplit(": ", 1)
+            hosts.update(dict.fromkeys(keys.split(", "), desc))
         elif line.startswith("* `") and "` / `" in line:
             arch, rest = line[3:].split("` / `", 1)
             findings.setdefault(f"{arch}/{rest.split('`', 1)[0]}", []).append(line)
@@ -527,6 +549,8 @@ def rows_from_doc(size: str, text: str) -> dict[str, Any] | None:
     for key, lines in findings.items():
         if key in rows:
             rows[key]["findings"] = lines
+    for key, row in rows.items():  # where they were measured: a subset run on another host says so
+        row["machine"] = hosts.get(key, machine)
     return {"rows": rows, "commands": commands} if rows else None
 
 
@@ -578,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             data["build_versions"] = {k: v for k, v in build["versions"].items() if k in ("torch", "transformers")}
             t0 = time.perf_counter()
             row = run_row(arch, exporter, args.size, build, args)
+            row["machine"] = _machine(data["machine"])
             data["rows"][f"{arch}/{exporter}"] = row
             data["written"] = time.strftime("%Y-%m-%d %H:%M %Z")
             path.write_text(json.dumps(data, indent=1, default=str))  # a long run keeps what it measured

@@ -156,3 +156,38 @@ def test_coverage_subset_run_keeps_the_doc_rows_when_no_saved_results() -> None:
     for part in (coverage._table(rows), coverage._summary(rows), coverage._findings(rows)):
         assert part in text
     assert coverage.rows_from_doc("bench", "# no bench section\n") is None
+
+
+def test_coverage_doc_names_the_host_of_rows_read_back_when_a_subset_ran_elsewhere() -> None:
+    """Rows kept from the doc keep the host they were measured on: a subset run on another machine lists them
+    apart ("Measured on ...") instead of claiming every row for its own host, and that reads back too."""
+    from bench import coverage
+
+    data = coverage.rows_from_doc("tiny", DOC.read_text())
+    assert data is not None
+    first = next(iter(data["rows"]))
+    data["rows"][first]["machine"] = "Other CPU, 2 CPUs (shared with other work), 8 GiB; Linux; Python 3.11"
+    data |= {
+        "machine": {
+            "cpu_model": "This CPU",
+            "cpus_available": 2,
+            "memory_total_mb": 8192,
+            "platform": "Linux",
+            "python": "3.11",
+            "onnxruntime_version": "1",
+            "onnx_version": "1",
+        },
+        "build_versions": {"torch": "t"},
+        "max_seconds": 1.0,
+        "min_blocks": 5,
+        "written": "now",
+    }
+    for row in data["rows"].values():
+        if row is not data["rows"][first]:
+            row["machine"] = coverage._machine(data["machine"])
+    text = coverage._section("tiny", data)
+    assert f"Measured on Other CPU, 2 CPUs (shared with other work), 8 GiB; Linux; Python 3.11: {first}." in text
+    back = coverage.rows_from_doc("tiny", "\n" + text)
+    assert back is not None
+    assert back["rows"][first]["machine"].startswith("Other CPU")
+    assert {r["machine"] for k, r in back["rows"].items() if k != first} == {coverage._machine(data["machine"])}
