@@ -61,7 +61,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -426,14 +426,16 @@ def _ms(latency: Sequence[float]) -> list[float]:
 
 def _measure(
     original: onnx.ModelProto,
-    candidates: dict[str, onnx.ModelProto],
+    candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]],
     samples: Sequence[dict[str, np.ndarray]],
     limit: int,
     logits: str | None,
     *,
     timed: bool = True,
 ) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, list[float]]] | None:
-    """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto."""
+    """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto. A
+    candidate given as a function is built when its turn comes and dropped after: a 0.5B decoder's candidates
+    are over 1 GB each, and four of them at once with their quantizer's copies ran a 23 GiB host out of memory."""
     with q.workdir() as tmp:
         src = Path(tmp) / "original.onnx"
         large = q.tensor_bytes(original) > q.EXTERNAL_DATA_BYTES
@@ -447,10 +449,13 @@ def _measure(
         reference = q.run_outputs(src, feeds, outputs)
         probe = TokenProbe.build(src, logits, samples, limit)
         accuracy, latency = {}, {}
-        for key, proto in candidates.items():
+        for key, given in candidates.items():
             path = Path(tmp) / f"{key}.onnx"
+            built = callable(given)
+            proto = given() if callable(given) else given
             # Saving with external data empties the proto's tensors in place: the caller may hand it back.
-            q.save_proto(_copy(proto) if large else proto, path, large)
+            q.save_proto(_copy(proto) if large and not built else proto, path, large)
+            del proto
             accuracy[key] = q.measure(path, feeds, outputs, reference, probe)
             if timed:
                 latency[key] = _latency_ms(path, feeds)
@@ -483,15 +488,12 @@ def _choose_block_size(
     # A block longer than every weight's K only pads: it stores as many scales as the next smaller one.
     longest = max((n.inputs[1].const_value.shape[0] for n in model.graph if n.name in candidates), default=16)
     sizes = tuple(size for size in (128, 64, 32, 16) if size <= max(longest, 16))
-    protos = {
-        str(size): quantize_proto(
-            ir.serde.serialize_model(model),
-            options.model_copy(update={"block_size": size}),
-            0,
-            budget_options.nodes_to_exclude,
-        )
-        for size in sizes
-    }
+
+    def full_int4(size: int) -> Callable[[], onnx.ModelProto]:
+        sized = options.model_copy(update={"block_size": size})
+        return lambda: quantize_proto(ir.serde.serialize_model(model), sized, 0, budget_options.nodes_to_exclude)
+
+    protos = {str(size): full_int4(size) for size in sizes}
     measured = _measure(original, protos, samples, options.max_samples, logits, timed=False)
     if measured is None:
         notes["block_size"] = {"chosen": 32, "by": "no samples give every input: ORT's usual 32"}
@@ -553,11 +555,11 @@ def _choose_level(
         notes["accuracy_level"] = {"chosen": options.accuracy_level, "by": "option"}
         return int(options.accuracy_level)
     original = ir.serde.serialize_model(model)
-    full = quantize_proto(ir.serde.serialize_model(model), options, 4, budget_options.nodes_to_exclude)
-    fp32 = onnx.ModelProto()
-    fp32.CopyFrom(full)
-    set_accuracy_level(fp32, 0)
-    measured = _measure(original, {"int8": full, "fp32": fp32}, samples, options.max_samples, logits)
+
+    def full_int4(level: int) -> Callable[[], onnx.ModelProto]:
+        return lambda: quantize_proto(ir.serde.serialize_model(model), options, level, budget_options.nodes_to_exclude)
+
+    measured = _measure(original, {"int8": full_int4(4), "fp32": full_int4(0)}, samples, options.max_samples, logits)
     if measured is None:
         notes["accuracy_level"] = {"chosen": 0, "by": "no samples give every input: fp32 compute, the accurate one"}
         return 0
