@@ -30,10 +30,12 @@ from tests.conftest import FAST_PIPELINE, ROOT, service_env
 from tests.integration._flow import submit, wait
 from tests.models.build_seq2seq import (
     ARCHS,
+    EXPORTERS,
     KINDS,
     OUT,
     enc_dim,
     filename,
+    folder,
     greedy_chain,
     input_names,
     output_names,
@@ -42,8 +44,10 @@ from tests.models.build_seq2seq import (
 from workers.pipeline import PipelineRequest, run_pipeline
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
-FILES = [e["file"] for e in MANIFEST["files"]]
-DECODERS = [f for f in FILES if "/decoder" in f]
+ENTRIES = {e["file"]: e for e in MANIFEST["files"] if "error" not in e}
+FILES = sorted(ENTRIES)
+DECODERS = [f for f in FILES if ENTRIES[f]["kind"] != "encoder"]
+CHAINS = sorted({(e["arch"], e["exporter"]) for e in ENTRIES.values()})
 ATOL = 1e-4
 
 
@@ -60,21 +64,25 @@ def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, n
 
 
 def arch_kind(file: str) -> tuple[str, str]:
-    arch, name = file.split("/")
-    return arch, name.removesuffix("_model.onnx")
+    return ENTRIES[file]["arch"], ENTRIES[file]["kind"]
+
+
+def path_of(arch: str, exporter: str, kind: str) -> Path:
+    return OUT / folder(arch, exporter) / filename(kind)
 
 
 # ------------------------------------------------------------------------------------------------ files
 
 
-def test_seq2seq_corpus_has_three_files_per_architecture_when_built():
-    assert {arch_kind(f) for f in FILES} == {(a, k) for a in ARCHS for k in KINDS}
-    assert sum((OUT / f).stat().st_size for f in FILES) < 3_000_000  # small enough to commit
+def test_seq2seq_corpus_has_three_files_per_architecture_and_exporter_when_built():
+    built = {(e["arch"], e["kind"], e["exporter"]) for e in ENTRIES.values()}
+    assert built == {(a, k, x) for a in ARCHS for k in KINDS for x in EXPORTERS}
+    assert sum((OUT / f).stat().st_size for f in FILES) < 4_000_000  # small enough to commit
 
 
 @pytest.mark.parametrize("file", FILES)
 def test_seq2seq_file_matches_manifest_and_optimum_signature_when_loaded(file):
-    entry = next(e for e in MANIFEST["files"] if e["file"] == file)
+    entry = ENTRIES[file]
     path = OUT / file
     assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"]
     arch, kind = ARCHS[entry["arch"]], entry["kind"]
@@ -90,11 +98,11 @@ def test_seq2seq_file_matches_manifest_and_optimum_signature_when_loaded(file):
         assert "encoder_hidden_states" not in dims  # as Optimum: the cross-attention cache replaces them
 
 
-@pytest.mark.parametrize("name", sorted(ARCHS))
-def test_cache_chain_gives_the_cache_free_decoder_logits_when_generating_greedily(name):
-    # setup: the three files of one architecture; an encoder batch of 2 (row 1 padded for T5/BART)
+@pytest.mark.parametrize(("name", "exporter"), CHAINS)
+def test_cache_chain_gives_the_cache_free_decoder_logits_when_generating_greedily(name, exporter):
+    # setup: the three files of one architecture and exporter; an encoder batch of 2 (row 1 padded for T5/BART)
     arch = ARCHS[name]
-    sessions = {kind: session(OUT / name / filename(kind)) for kind in KINDS}
+    sessions = {kind: session(path_of(name, exporter, kind)) for kind in KINDS}
     encoder_feeds = seq2seq_feeds(arch, "encoder", 2, enc=10, seed=3)
     # execute: encoder, decoder on the start token, then 5 decode steps on the returned caches
     tokens, logits = greedy_chain(arch, sessions, encoder_feeds)
@@ -130,7 +138,7 @@ def test_roles_of_a_seq2seq_decoder_are_read_from_the_graph_when_analyzed(file):
 
 def test_cross_attention_roles_follow_the_graph_not_the_names_when_inputs_are_renamed():
     # setup: BART's decoder_with_past with neutral input names (no "encoder", no "past", no "mask")
-    model = onnx.load(str(OUT / "bart" / filename("decoder_with_past")))
+    model = onnx.load(str(path_of("bart", "ts", "decoder_with_past")))
     rename = {"encoder_attention_mask": "mask_b"}
     for i in range(2):
         for side, new in (("decoder", "cache_self"), ("encoder", "cache_other")):
@@ -156,7 +164,7 @@ def test_cross_attention_roles_follow_the_graph_not_the_names_when_inputs_are_re
         "roles_gpt2_past.onnx",
         "roles_bart_cls.onnx",
         "seq2seq/t5/encoder_model.onnx",
-        "seq2seq/whisper/encoder_model.onnx",
+        "seq2seq/whisper/dynamo/encoder_model.onnx",
     ],
 )
 def test_models_without_cross_attention_get_no_cross_roles_when_analyzed(path):
@@ -233,13 +241,13 @@ def _fast_job(source: Path, out: Path) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ARCHS))
-def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(name, tmp_path):
-    # setup / execute: one no-sample fast job per file of the architecture
+@pytest.mark.parametrize(("name", "exporter"), CHAINS)
+def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(name, exporter, tmp_path):
+    # setup / execute: one no-sample fast job per file of the architecture and exporter
     arch = ARCHS[name]
     artifacts = {}
     for kind in KINDS:
-        artifact, report = _fast_job(OUT / name / filename(kind), tmp_path / kind)
+        artifact, report = _fast_job(path_of(name, exporter, kind), tmp_path / kind)
         assert report["verification"]["ok"] is True, (kind, report["verification"])
         assert all(s["inputs"]["source"] == "generated" for s in report["input_sets"])
         fused = next(p for p in report["passes"] if p["name"] == "fuse_transformer")
@@ -248,17 +256,17 @@ def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(na
         # the fused artifact (MultiHeadAttention reading the caches) keeps the roles the upload had
         roles = {n: (r.role, r.cross) for n, r in analyze(onnx.load(str(artifact))).roles.items()}
         assert roles == {
-            n: (r.role, r.cross) for n, r in analyze(onnx.load(str(OUT / name / filename(kind)))).roles.items()
+            n: (r.role, r.cross) for n, r in analyze(onnx.load(str(path_of(name, exporter, kind)))).roles.items()
         }
         # exact at shapes the job never generated
         feeds = seq2seq_feeds(arch, kind, 3, dec=2, past=5, enc=10, seed=9)
-        want, got = run(session(OUT / name / filename(kind)), feeds), run(session(artifact), feeds)
+        want, got = run(session(path_of(name, exporter, kind)), feeds), run(session(artifact), feeds)
         assert want.keys() == got.keys()
         for key, expected in want.items():
             np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{kind}: {key}")
     # assert: greedy generation through the three artifacts is generation through the three uploads
     encoder_feeds = seq2seq_feeds(arch, "encoder", 2, enc=10, seed=4)
-    tokens, logits = greedy_chain(arch, {k: session(OUT / name / filename(k)) for k in KINDS}, encoder_feeds)
+    tokens, logits = greedy_chain(arch, {k: session(path_of(name, exporter, k)) for k in KINDS}, encoder_feeds)
     got_tokens, got_logits = greedy_chain(arch, {k: session(p) for k, p in artifacts.items()}, encoder_feeds)
     np.testing.assert_array_equal(got_tokens, tokens)
     np.testing.assert_allclose(got_logits, logits, atol=ATOL, rtol=0)
@@ -268,7 +276,7 @@ def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(na
 @pytest.mark.integration
 def test_whisper_decoder_with_past_goes_through_the_http_api_and_the_cli_when_no_samples(services, tmp_path):
     # setup: the embedded service (SQLite, filesystem queue, its own workers)
-    source = OUT / "whisper" / filename("decoder_with_past")
+    source = path_of("whisper", "ts", "decoder_with_past")
     config = {"preset": "fast", "rollback_slower": False}
     env = service_env(tmp_path / "data", **FAST_PIPELINE)
     api = services.serve(env, embedded=True)

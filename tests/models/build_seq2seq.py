@@ -59,6 +59,7 @@ OUT = HERE / "seq2seq"
 OPSET = 18
 ATOL = 1e-4
 KINDS = ("encoder", "decoder", "decoder_with_past")
+EXPORTERS = ("ts", "dynamo")
 EXPORT = {"batch": 2, "dec": 3, "past": 4, "enc": 5}
 GREEDY_STEPS = 6
 
@@ -99,6 +100,11 @@ ARCHS: dict[str, Arch] = {
 
 def filename(kind: str) -> str:
     return f"{kind}_model.onnx"
+
+
+def folder(arch: str, exporter: str = "ts") -> str:
+    """Where one export's three files live, relative to ``OUT``: ``<arch>`` (TorchScript), ``<arch>/dynamo``."""
+    return arch if exporter == "ts" else f"{arch}/{exporter}"
 
 
 def enc_dim(arch: Arch) -> str:
@@ -340,30 +346,63 @@ def _torch_args(arch: Arch, kind: str, batch: int, dec: int, past: int, enc: int
     return tuple(torch.from_numpy(feeds[k]) for k in input_names(arch, kind))
 
 
-def export(module: Any, arch: Arch, kind: str, path: Path) -> onnx.ModelProto:
+def _dynamo_shapes(arch: Arch, kind: str) -> tuple[Any, ...]:
+    """``dynamic_shapes`` for the wrapper's signature (its trailing ``*args`` as one tuple). Whisper's frames
+    stay static: the model refuses any other count."""
+    import torch
+
+    dim = torch.export.Dim
+    batch, dec, past = dim("batch_size"), dim("decoder_sequence_length"), dim("past_decoder_sequence_length")
+    enc = dim("encoder_sequence_length")
+    shapes: list[dict[int, Any]] = []
+    for name in input_names(arch, kind):
+        if name == "input_features":
+            shapes.append({0: batch})
+        elif kind == "encoder" or name in ("encoder_hidden_states", "encoder_attention_mask"):
+            shapes.append({0: batch, 1: enc})
+        elif name == "input_ids":
+            shapes.append({0: batch, 1: dec})
+        else:
+            shapes.append({0: batch, 2: enc if ".encoder." in name else past})
+    fixed = {"encoder": 0, "decoder": 2, "decoder_with_past": 1}[kind]
+    rest = tuple(shapes[fixed:])
+    return (*shapes[:fixed], rest) if rest else tuple(shapes)
+
+
+def export(module: Any, arch: Arch, kind: str, path: Path, exporter: str = "ts") -> onnx.ModelProto:
     import torch
 
     from tests.models.build_decoders import versions
     from tests.models.build_hf import _clean
 
     args = _torch_args(arch, kind, EXPORT["batch"], EXPORT["dec"], EXPORT["past"], EXPORT["enc"], seed=0)
+    names = {"input_names": input_names(arch, kind), "output_names": output_names(arch, kind)}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module,
-            args,
-            str(path),
-            input_names=input_names(arch, kind),
-            output_names=output_names(arch, kind),
-            dynamic_axes=dynamic_axes(arch, kind),
-            opset_version=OPSET,
-            dynamo=False,
-        )
+        if exporter == "ts":
+            torch.onnx.export(
+                module, args, str(path), **names, dynamic_axes=dynamic_axes(arch, kind), opset_version=OPSET,
+                dynamo=False,
+            )  # fmt: skip
+            proto = onnx.load(str(path))
+        else:
+            program = torch.onnx.export(
+                module, args, **names, dynamic_shapes=_dynamo_shapes(arch, kind), opset_version=OPSET, dynamo=True,
+                optimize=True, verbose=False,
+            )  # fmt: skip
+            proto = program.model_proto
+            # One signature for both exporters: Optimum's dim names on the inputs and outputs (dynamo names
+            # them after its Dims and cannot spell "encoder_sequence_length / 2").
+            axes = dynamic_axes(arch, kind)
+            for value in [*proto.graph.input, *proto.graph.output]:
+                for axis, name in axes.get(value.name, {}).items():
+                    value.type.tensor_type.shape.dim[axis].dim_param = name
+            del proto.graph.value_info[:]
     meta = {
         "onnxforge.builder": f"tests.models.build_seq2seq --only {arch.name}",
         "onnxforge.versions": json.dumps(versions(), sort_keys=True),
     }
-    proto = _clean(onnx.load(str(path)), f"{arch.name}_{kind}", meta)
+    proto = _clean(proto, f"{arch.name}_{kind}_{exporter}", meta)
     onnx.checker.check_model(proto, full_check=True)
     foreign = sorted({n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
     if foreign or len(proto.functions):
@@ -422,15 +461,31 @@ def verify_greedy(model: Any, arch: Arch, out: Path) -> float:
 
 
 def build_arch(arch: Arch, out: Path) -> list[dict[str, Any]]:
-    folder = out / arch.name
-    folder.mkdir(parents=True, exist_ok=True)
     model = seq2seq_model(arch)
+    return [e for exporter in EXPORTERS for e in build_export(model, arch, exporter, out)]
+
+
+def build_export(model: Any, arch: Arch, exporter: str, out: Path) -> list[dict[str, Any]]:
+    """The three files of one exporter, each verified, then the greedy chain through them; an exporter that
+    cannot take a file is recorded (``error``) and its chain skipped."""
+    from tests.models.build_decoders import _root_cause
+
+    where = out / folder(arch.name, exporter)
+    where.mkdir(parents=True, exist_ok=True)
     entries = []
     for kind in KINDS:
         t0 = time.perf_counter()
-        path = folder / filename(kind)
+        path = where / filename(kind)
         module = wrap(model, arch, kind)
-        proto = export(module, arch, kind, path)
+        entry: dict[str, Any] = {"file": f"{folder(arch.name, exporter)}/{path.name}", "arch": arch.name}
+        entry.update(kind=kind, exporter=exporter)
+        try:
+            proto = export(module, arch, kind, path, exporter)
+        except Exception as exc:  # an exporter that cannot take the model is a finding, kept in the manifest
+            path.unlink(missing_ok=True)
+            entries.append({**entry, "error": _root_cause(exc)})
+            print(f"EXPORT FAILED {entry['file']}: {entries[-1]['error']}", flush=True)
+            continue
         onnx.save(proto, str(path))
         try:
             worst = verify(module, arch, kind, path)
@@ -439,27 +494,26 @@ def build_arch(arch: Arch, out: Path) -> list[dict[str, Any]]:
             raise
         entries.append(
             {
-                "file": f"{arch.name}/{path.name}",
-                "arch": arch.name,
-                "kind": kind,
-                "exporter": "ts",
+                **entry,
                 "bytes": path.stat().st_size,
                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                 "nodes": len(proto.graph.node),
                 "max_abs_diff_vs_torch": float(f"{worst:.3g}"),
             }
         )
-        print(f"wrote {arch.name}/{path.name}: {path.stat().st_size / 1e3:.0f} KB, {len(proto.graph.node)} nodes, "
+        print(f"wrote {entry['file']}: {path.stat().st_size / 1e3:.0f} KB, {len(proto.graph.node)} nodes, "
               f"max |ort - torch| {worst:.1e} ({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+    if any("error" in e for e in entries):
+        return entries
     try:
-        greedy = verify_greedy(model, arch, folder)
+        greedy = verify_greedy(model, arch, where)
     except BaseException:
         for kind in KINDS:
-            (folder / filename(kind)).unlink(missing_ok=True)
+            (where / filename(kind)).unlink(missing_ok=True)
         raise
     for entry in entries:
         entry["greedy_max_abs_diff_vs_torch"] = float(f"{greedy:.3g}")
-    print(f"{arch.name}: greedy chain of {GREEDY_STEPS} steps matches torch (max {greedy:.1e})", flush=True)
+    print(f"{arch.name} ({exporter}): greedy chain of {GREEDY_STEPS} steps matches torch (max {greedy:.1e})")
     return entries
 
 
@@ -483,9 +537,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "files": sorted(
             [*(e for e in manifest["files"] if e["file"] not in rebuilt), *entries], key=lambda e: e["file"]
         ),
+        "exporters": {"ts": "torch.onnx.export(dynamo=False)", "dynamo": "torch.onnx.export(dynamo=True)"},
     }
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    print(f"{len(entries)} files verified -> {args.out}")
+    failed = [e for e in entries if "error" in e]
+    print(f"{len(entries) - len(failed)} files verified, {len(failed)} exports failed -> {args.out}")
     return 0
 
 
