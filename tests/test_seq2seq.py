@@ -190,6 +190,7 @@ def test_generated_sets_share_one_encoder_length_and_grow_the_self_cache_when_sy
     for input_set in sets:
         feeds = input_set.feeds
         out = run(sess, feeds)
+        assert input_set.provenance["why"].startswith("seq2seq decoder")  # the report says why
         lengths = set()
         if "encoder_hidden_states" in feeds:
             lengths.add(feeds["encoder_hidden_states"].shape[1])
@@ -250,6 +251,8 @@ def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(na
         artifact, report = _fast_job(path_of(name, exporter, kind), tmp_path / kind)
         assert report["verification"]["ok"] is True, (kind, report["verification"])
         assert all(s["inputs"]["source"] == "generated" for s in report["input_sets"])
+        if kind != "encoder":
+            assert all("seq2seq decoder" in s["inputs"]["why"] for s in report["input_sets"])
         fused = next(p for p in report["passes"] if p["name"] == "fuse_transformer")
         assert fused["status"] == "applied", (kind, fused)
         artifacts[kind] = artifact

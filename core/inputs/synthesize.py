@@ -317,7 +317,9 @@ class InputSynthesis:
 
     def _place_markers(self, feeds: dict[str, np.ndarray], guess: Guess) -> None:
         """Each row's last valid token becomes the id the graph selects positions by (BART's ``</s>``)."""
-        masks = [feeds[n] for n, r in self.facts.roles.items() if r.role == "attention_mask" and not r.decoder]
+        masks = [
+            feeds[n] for n, r in self.facts.roles.items() if r.role == "attention_mask" and not (r.decoder or r.cross)
+        ]
         for name, role in self.facts.roles.items():
             markers = role.markers or ((role.avoid[-1:]) if guess.all_markers else ())
             ids = feeds.get(name)
@@ -362,6 +364,8 @@ class InputSynthesis:
     def why(self, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
         """For a decoder-only language model, why its set is shaped as it is (the report shows it); None for
         other models, whose sets follow the module's rules alone."""
+        if self.facts.encoder_decoder:
+            return self._seq2seq_why(shapes)
         if not self.facts.causal_lm:
             return None
         batch = next((s[0] for n, s in shapes.items() if self._role(n).role == "token_ids" and s), 1)
@@ -378,6 +382,18 @@ class InputSynthesis:
             "past: the calls generation makes. A padded row's pad positions hold values no caller reads, "
             "which a fused attention (GroupQueryAttention) need not reproduce; padded batches are verified "
             "on samples.npz when uploaded"
+        )
+
+    def _seq2seq_why(self, shapes: Mapping[str, tuple[int, ...]]) -> str:
+        encoder = self._encoder_axes()
+        enc = next((shapes[n][axis] for n, axis in encoder.items() if len(shapes[n]) > axis), 0)
+        ids = next((s for n, s in shapes.items() if self._role(n).role == "token_ids" and s), (1, 0))
+        call = f"{ids[0]} row(s) of {ids[-1]} token(s)"
+        if self.facts.has_past:
+            call += f" on a self-attention cache of {self._past_length(shapes)}"
+        fixed = any(self._role(n).role == "cross_key_values" for n in encoder)
+        return f"seq2seq decoder, {call}; {', '.join(encoder)} span one encoder sequence of {enc}" + (
+            " (the cross-attention cache: as long as the encoder's output, never growing)" if fixed else ""
         )
 
     def generate(self, count: int, shapes: Sequence[Mapping[str, Sequence[int]]] | None = None) -> list[InputSet]:
