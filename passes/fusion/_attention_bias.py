@@ -17,6 +17,7 @@ API (``RewriteRuleClassBase``, ``MatchResult.fail``).
 from __future__ import annotations
 
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import pattern
 
 _ONNX_DOMAINS = ("", "ai.onnx")
@@ -61,3 +62,76 @@ class GroupAttentionBiases(pattern.RewriteRuleClassBase):
 
 
 rules = pattern.RewriteRuleSet([GroupAttentionBiases.rule()], commute=True)
+
+
+def _dims_of(value: ir.Value | None) -> list | None:
+    return None if value is None or value.shape is None else list(value.shape)
+
+
+def _same_dim(a: object, b: object) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and a == b
+
+
+def _shape_entries(value: ir.Value | None) -> list | None:
+    """A shape operand's entries: ints where constant, the dim read where a ``Shape`` slice of a value with
+    a known shape; None when any entry is neither."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return [int(x) for x in value.const_value.numpy().reshape(-1)]
+    node = value.producer()
+    if node is None or node.domain not in _ONNX_DOMAINS:
+        return None
+    if node.op_type == "Constant":
+        attr = node.attributes.get("value") or node.attributes.get("value_ints")
+        if attr is None:
+            return None
+        data = attr.value.numpy().reshape(-1) if hasattr(attr.value, "numpy") else attr.value
+        return [int(x) for x in data]
+    if node.op_type == "Shape":
+        dims = _dims_of(node.inputs[0])
+        if dims is None:
+            return None
+        rank = len(dims)
+        return dims[slice(node.attributes.get_int("start", 0), node.attributes.get_int("end", rank))]
+    if node.op_type == "Concat":
+        entries: list = []
+        for part in node.inputs:
+            got = _shape_entries(part)
+            if got is None:
+                return None
+            entries += got
+        return entries
+    return None
+
+
+def drop_noop_bias_expands(model: ir.Model) -> int:
+    """Remove an ``Expand`` of a fused attention's ``attention_bias`` that changes nothing.
+
+    onnxscript's ``sdpa_via_mha`` rule (0.7.2, "TODO: optimize to avoid broadcast if not needed") always
+    expands the bias to ``[1, 1, S, 1]`` before ``MultiHeadAttention``, which copies a full ``[B, h, S, T]``
+    bias (DeBERTa's relative terms with the mask: several MB per layer) for nothing. Where every target
+    entry is 1 or the bias's own dim (the same int or symbol: the query length read with ``Shape``), the
+    Expand is the identity and the bias is read directly. Exact. The number removed."""
+    removed = 0
+    for node in list(model.graph):
+        if node.op_type != "Expand" or node.domain not in _ONNX_DOMAINS:
+            continue
+        out = node.outputs[0]
+        readers = [u.node for u in out.uses()]
+        if not readers or out.is_graph_output():
+            continue
+        if any(r.domain != "com.microsoft" or r.op_type not in ("MultiHeadAttention", "Attention") for r in readers):
+            continue
+        dims, target = _dims_of(node.inputs[0]), _shape_entries(node.inputs[1])
+        if dims is None or target is None or len(target) > len(dims):
+            continue
+        aligned = dims[len(dims) - len(target) :]
+        if all(t == 1 or _same_dim(t, d) for t, d in zip(target, aligned, strict=True)):
+            ir.convenience.replace_all_uses_with(out, node.inputs[0])
+            removed += 1
+    if removed:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return removed

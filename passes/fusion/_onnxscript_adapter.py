@@ -152,6 +152,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         common_passes.RemoveInitializersFromInputsPass(),
         common_passes.ShapeInferencePass(),
     )(model)
+    # Ours: sdpa_via_mha's Expand of a bias that already has the query length copies it for nothing.
+    counts["noop_bias_expands"] = attention_bias.drop_noop_bias_expands(model)
     return counts
 
 

@@ -22,6 +22,7 @@ import onnx_ir.passes.common as common_passes
 import pytest
 
 from passes._infra import PassContext, op_histogram
+from passes.fusion._attention_bias import drop_noop_bias_expands
 from passes.fusion._batched_heads import distribute_unfolds, unfold_batched_heads
 from passes.fusion._fusion_families import detect_family
 from passes.fusion.fuse_transformer import FuseTransformer
@@ -58,6 +59,7 @@ def test_fuse_transformer_fuses_attention_with_relative_terms_as_attention_bias_
     for node in fused:
         bias = node.inputs[_ATTENTION_BIAS] if node.op_type == "MultiHeadAttention" else node.inputs[5]
         assert bias is not None and bias.const_value is None  # computed: relative terms + mask
+        assert bias.producer().op_type != "Expand"  # sdpa_via_mha's copy of a [B, h, S, T] bias is dropped
         assert node.attributes.get_float("scale", 0.0) == pytest.approx(1 / np.sqrt(3 * 8))  # sqrt(d * 3)
     # the relative terms are still computed: the bias is not the mask alone
     assert sum(n.op_type == "GatherElements" for n in result.model.graph) == 2 * LAYERS
@@ -154,3 +156,34 @@ def test_unfold_is_not_distributed_when_the_sum_has_another_reader():
     _, model = _rel_model("B4, S, S", also_read=True)
     assert distribute_unfolds(model) == 0
     assert any(n.op_type == "Reshape" and n.outputs[0].name == "y" for n in model.graph)
+
+
+EXPAND = """
+<ir_version: 9, opset_import: ["" : 18, "com.microsoft" : 1]>
+g (float[B, S, 32] q, float[B, S, 32] k, float[B, S, 32] v, float[B, 4, S, 8] q4, float[%s] bias) => (float[B, S, 32] y)
+  <int64[1] one = {1}> {
+    s = Shape <start = 2, end = 3> (q4)
+    shape = Concat <axis = 0> (one, one, s, one)
+    full = Expand(bias, shape)
+    y = com.microsoft.MultiHeadAttention <num_heads = 4> (q, k, v, , , full)
+}
+"""
+
+
+@pytest.mark.parametrize(("bias_dims", "dropped"), [("B, 4, S, S", True), ("B, 1, S, S", True), ("B, 1, 1, S", False)])
+def test_drop_noop_bias_expands_only_where_the_bias_already_has_the_query_length(bias_dims, dropped):
+    """``Expand(bias, [1, 1, S, 1])`` is the identity where the bias's dim 2 is S; a ``[B, 1, 1, T]`` padding
+    mask is broadcast over the queries by it and keeps it."""
+    text = EXPAND % bias_dims
+    model = ir.serde.deserialize_model(parse(text, check=False))
+    common_passes.ShapeInferencePass()(model)
+    assert drop_noop_bias_expands(model) == int(dropped)
+    assert any(n.op_type == "Expand" for n in model.graph) != dropped
+    reference, candidate = session(ir.serde.deserialize_model(parse(text, check=False))), session(model)
+    for batch, seq in ((1, 3), (2, 9)):
+        rng = np.random.default_rng(seq)
+        feeds = {n: rng.standard_normal((batch, seq, 32), dtype=np.float32) for n in ("q", "k", "v")}
+        feeds["q4"] = rng.standard_normal((batch, 4, seq, 8), dtype=np.float32)
+        dims = [batch if d == "B" else seq if d == "S" else int(d) for d in bias_dims.split(", ")]
+        feeds["bias"] = rng.standard_normal(dims, dtype=np.float32)
+        np.testing.assert_array_equal(candidate.run(None, feeds)[0], reference.run(None, feeds)[0])
