@@ -156,6 +156,31 @@ def test_cross_attention_roles_follow_the_graph_not_the_names_when_inputs_are_re
     assert facts.roles["mask_b"].role == "attention_mask" and facts.roles["mask_b"].cross
 
 
+def test_a_cache_concatenated_onto_an_empty_constant_is_still_read_as_is_when_analyzed():
+    # setup: every cache input first joined onto an empty tensor, as transformers' DynamicCache traces
+    model = onnx.load(str(path_of("t5", "ts", "decoder_with_past")))
+    empty = onnx.numpy_helper.from_array(np.zeros((1, 4, 0, 8), dtype=np.float32), "empty_cache")
+    model.graph.initializer.append(empty)
+    joined = []
+    for value in model.graph.input:
+        if value.name.startswith("past_key_values."):
+            joined.append(
+                onnx.helper.make_node("Concat", ["empty_cache", value.name], [value.name + ".joined"], axis=2)
+            )
+            for node in model.graph.node:
+                node.input[:] = [value.name + ".joined" if n == value.name else n for n in node.input]
+    nodes = [*joined, *model.graph.node]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    # execute
+    roles = analyze(model).roles
+    # assert: such a Concat is no growth; the cross cache is still the one the attention reads as it is
+    assert roles["past_key_values.0.encoder.key"].role == "cross_key_values"
+    assert roles["past_key_values.1.decoder.value"].role == "past_key_values"
+    assert roles["encoder_attention_mask"].cross
+
+
 @pytest.mark.parametrize(
     "path",
     [

@@ -562,16 +562,19 @@ def _direct(value: ir.Value, accept: Callable[[ir.Node, int], bool], depth: int 
         return False
     for use in value.uses():
         node = use.node
-        # A Concat onto empty constants (DynamicCache's lazy start) passes the tensor on unchanged.
-        onto_empty = node.op_type == "Concat" and all(
-            v is value or ((a := const_array(v)) is not None and a.size == 0) for v in node.inputs
-        )
-        passes = (node.op_type in _ALIAS_OPS and use.idx == 0) or onto_empty
+        passes = (node.op_type in _ALIAS_OPS and use.idx == 0) or _onto_empty(node, value)
         if passes and any(_direct(o, accept, depth - 1) for o in node.outputs):
             return True
         if accept(node, use.idx) and not passes:
             return True
     return False
+
+
+def _onto_empty(node: ir.Node, value: ir.Value) -> bool:
+    """A Concat of ``value`` onto empty constants (DynamicCache's lazy start): the tensor passes on unchanged."""
+    return node.op_type == "Concat" and all(
+        v is value or ((a := const_array(v)) is not None and a.size == 0) for v in node.inputs
+    )
 
 
 def _forward(values: list[ir.Value], depth: int) -> set[int]:
@@ -585,7 +588,7 @@ def _forward(values: list[ir.Value], depth: int) -> set[int]:
         for value in frontier:
             for use in value.uses():
                 node = use.node
-                if id(node) in seen or node.op_type in _SCORE_STOP:
+                if id(node) in seen or (node.op_type in _SCORE_STOP and not _onto_empty(node, value)):
                     continue
                 seen.add(id(node))
                 if node.op_type in ("Add", "Where", "Mul") or node.op_type in _FUSED_PAST:
