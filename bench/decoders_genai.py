@@ -59,7 +59,7 @@ if str(REPO) not in sys.path:
 import onnx  # noqa: E402
 
 from bench._report import machine_line, unmarked, write_blocks  # noqa: E402
-from bench.decoders import PRESET_VARIANTS, contrib_ops, describe, preset_artifact, session  # noqa: E402
+from bench.decoders import contrib_ops, describe, preset_artifact, session  # noqa: E402
 from core.inputs.graph import analyze  # noqa: E402
 from passes.precision import _quantization as q  # noqa: E402
 from tests.models import build_decoders as bd  # noqa: E402
@@ -74,6 +74,71 @@ FAMILIES: dict[str, bd.Family] = {
 }
 # Mistral's window stays longer than every sequence here, so all variants compute full causal attention.
 FAMILIES["mistral"] = replace(FAMILIES["mistral"], extra=(("sliding_window", 4096),))
+# The builder reads a Phi-3 whose position table differs from original_max_position_embeddings (4096 by
+# default) as LongRoPE and fails without its factors; this one has no rope scaling, so make them equal.
+FAMILIES["phi3"] = replace(
+    FAMILIES["phi3"], extra=(*FAMILIES["phi3"].extra, ("original_max_position_embeddings", _SIZE["max_positions"]))
+)
+
+
+# onnxforge's variants: the two presets as a user sends them, and the int4 preset's passes with the options the
+# builder uses (block 32, accuracy_level 4, every MatMul int4 with the lm_head, embeddings float, nothing kept
+# out of int4 for accuracy) and the greedy-token and cosine gates off, so int4 speed is compared like for like.
+PRESETS = ("fast", "int4")
+MATCHED = "int4 matched"
+MATCHED_INT4 = {
+    "block_size": 32,
+    "accuracy_level": 4,
+    "lm_head": "int4",
+    "min_top1_agreement": None,
+    "min_cosine": -1.0,
+    "max_exclusions": 0,
+}
+# RTN int4 on random weights moves logits to a cosine near 0.97 (the builder's too): the job's tolerance must
+# let that through, as a user asking for the builder's int4 would set it.
+MATCHED_TOLERANCE = {"atol": 10.0, "rtol": 1.0, "min_cosine": 0.9, "max_mismatch_ratio": 1.0}
+
+
+def matched_job() -> dict[str, Any]:
+    from passes.precision.quantize_int4 import QuantizeInt4Options
+    from passes.registry import PRESETS as REGISTRY
+
+    matched = dict(MATCHED_INT4)
+    if "embeddings" in QuantizeInt4Options.model_fields:  # the builder's int4 keeps the token table float
+        matched["embeddings"] = "float"
+
+    passes: list[Any] = []
+    for spec in REGISTRY["int4"].specs:
+        name, options = (spec, {}) if isinstance(spec, str) else (spec.name, dict(spec.options))
+        if name == "quantize_int4":
+            options.update(matched)
+        passes.append({"name": name, "options": options})
+    return {"passes": passes, "tolerance": MATCHED_TOLERANCE}
+
+
+def matched_artifact(src: Path, root: Path, reuse: bool, job: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """``MATCHED``'s artifact through the engine as a job, like ``bench.decoders.preset_artifact``."""
+    from core.config import JobConfig
+    from core.settings import get_settings
+    from workers.pipeline import PipelineRequest, run_pipeline
+
+    out = root / f"{src.stem}.{MATCHED.replace(' ', '_')}"
+    model = out / "model.onnx"
+    if reuse and model.exists():
+        return model, {"job_s": float("nan"), "reused": True, "ops": contrib_ops(model)}
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    config = JobConfig.parse({**job, **matched_job()})
+    result = run_pipeline(PipelineRequest(src, out, config, get_settings().pipeline))
+    passes = result.report.get("passes", [])
+    return Path(result.model_path), {
+        "job_s": time.perf_counter() - t0,
+        "used_original": result.used_original,
+        "applied": [p["name"] for p in passes if p.get("status") == "applied"],
+        "ops": contrib_ops(Path(result.model_path)),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -227,10 +292,17 @@ def build_family(name: str, args: argparse.Namespace) -> tuple[list[Variant], li
     made: dict[str, Path] = {}
     for exporter, src in sources.items():
         made[f"{exporter}"] = src
-        for preset in PRESET_VARIANTS:
-            path, info = preset_artifact(src, preset, root, args.reuse_presets, job=args.job)
+        for preset in (*PRESETS, MATCHED):
+            reuse = args.reuse_presets or preset in args.reuse
+            if preset == MATCHED:
+                path, info = matched_artifact(src, root, reuse, args.job)
+            else:
+                path, info = preset_artifact(src, preset, root, reuse, job=args.job)
             made[f"{exporter}:{preset}"] = path
-            notes.append(f"{exporter} export, {describe(preset, info)}")
+            note = describe(preset, info).replace("preset:", "job:" if preset == MATCHED else "preset:")
+            if preset != "fast" and "applied" in info and "quantize_int4" not in info["applied"]:
+                note += " (quantize_int4 not applied: the job's report says why)"
+            notes.append(f"{exporter} export, {note}")
             print(f"{name}: {notes[-1]}", flush=True)
     for precision in ("fp32", "int4"):
         path, seconds = genai_builder(hf, precision, root)
@@ -291,7 +363,7 @@ def _label(key: str) -> str:
     source, what = key.split(":")
     if source == "genai":
         return f"**builder {what}**"
-    what = "`int4` passes, greedy gate off," if what == "int4 gate off" else f"`{what}`"
+    what = "`int4` passes, builder's options, gates off," if what == MATCHED else f"`{what}`"
     return f"onnxforge {what} of the {'TorchScript' if source == 'ts' else 'dynamo'} export"
 
 
@@ -379,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reuse-presets", action="store_true", help="keep preset artifacts already built")
     parser.add_argument(
+        "--reuse", nargs="*", default=[], choices=[*PRESETS, MATCHED], help="keep these variants' artifacts"
+    )
+    parser.add_argument("--build-only", action="store_true", help="build every artifact, measure nothing")
+    parser.add_argument(
         "--job",
         type=json.loads,
         default={},
@@ -388,7 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-only", action="store_true", help="write the table from the saved results only")
     args = parser.parse_args(argv)
     for name in [] if args.render_only else args.families:
+        if args.build_only:
+            build_family(name, args)
+            continue
         run_family(name, args)
+    if args.build_only:
+        return 0
     table = render()
     print(unmarked(table, START, END))
     if not args.no_write:
