@@ -41,6 +41,7 @@ torch and transformers are imported only inside the build functions: ``seq2seq_f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -96,6 +97,20 @@ ARCHS: dict[str, Arch] = {
         Arch("bart", "BartConfig", "BartForConditionalGeneration", start=2),
     )
 }
+
+
+# Bench sizes (``--size bench``, never committed): whisper-base, t5-small and bart-base shapes, random weights.
+BENCH: dict[str, Arch] = {
+    "whisper": dataclasses.replace(
+        ARCHS["whisper"], layers=6, hidden=512, heads=8, ffn=2048, vocab=51865, mel_bins=80, frames=3000,
+        positions=448,
+    ),
+    "t5": dataclasses.replace(ARCHS["t5"], layers=6, hidden=512, heads=8, ffn=2048, vocab=32128),
+    "bart": dataclasses.replace(
+        ARCHS["bart"], layers=6, hidden=768, heads=12, ffn=3072, vocab=50265, positions=1024
+    ),
+}  # fmt: skip
+BENCH_OUT = HERE.parents[1] / "bench" / "out" / "seq2seq"
 
 
 def filename(kind: str) -> str:
@@ -460,9 +475,9 @@ def verify_greedy(model: Any, arch: Arch, out: Path) -> float:
     return float(np.max(np.abs(logits - ref)))
 
 
-def build_arch(arch: Arch, out: Path) -> list[dict[str, Any]]:
+def build_arch(arch: Arch, out: Path, exporters: Sequence[str] = EXPORTERS) -> list[dict[str, Any]]:
     model = seq2seq_model(arch)
-    return [e for exporter in EXPORTERS for e in build_export(model, arch, exporter, out)]
+    return [e for exporter in exporters for e in build_export(model, arch, exporter, out)]
 
 
 def build_export(model: Any, arch: Arch, exporter: str, out: Path) -> list[dict[str, Any]]:
@@ -521,7 +536,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.models.build_seq2seq", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--only", action="append", choices=sorted(ARCHS), help="repeatable; default: all")
+    parser.add_argument("--size", choices=("tiny", "bench"), default="tiny", help=f"bench: into {BENCH_OUT}")
+    parser.add_argument("--exporter", action="append", choices=EXPORTERS, help="repeatable; default: both")
     args = parser.parse_args(argv)
+    archs = ARCHS if args.size == "tiny" else BENCH
+    if args.size == "bench" and args.out == OUT:
+        args.out = BENCH_OUT
     from tests.models.build_decoders import versions
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -529,11 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"files": []}
     entries: list[dict[str, Any]] = []
     for name in args.only or list(ARCHS):
-        entries += build_arch(ARCHS[name], args.out)
+        entries += build_arch(archs[name], args.out, args.exporter or EXPORTERS)
     rebuilt = {e["file"] for e in entries}
     manifest = {
         "versions": versions(),
-        "archs": {n: asdict(a) for n, a in ARCHS.items()},
+        "archs": {n: asdict(a) for n, a in archs.items()},
         "files": sorted(
             [*(e for e in manifest["files"] if e["file"] not in rebuilt), *entries], key=lambda e: e["file"]
         ),
