@@ -1,9 +1,11 @@
 """Build tiny encoder-decoders (Whisper, T5, BART) as the three files Optimum's seq2seq "-with-past" export makes.
 
-Run ``python -m tests.models.build_seq2seq [--only ARCH]``; the files go to ``tests/models/seq2seq/<arch>/``
-(committed) with ``manifest.json``. What users upload for generation (Optimum's
-``text2text-generation-with-past`` / ``automatic-speech-recognition-with-past``, consumed by transformers.js
-and onnxruntime-genai), with Optimum's input, output and dim names:
+Run ``python -m tests.models.build_seq2seq [--only ARCH] [--exporter ts|dynamo]``; the files go to
+``tests/models/seq2seq/<arch>/`` (TorchScript) and ``<arch>/dynamo/`` (committed) with ``manifest.json``;
+``--size bench`` builds whisper-base, t5-small and bart-base shapes into ``bench/out/seq2seq`` (never
+committed). What users upload for generation (Optimum's ``text2text-generation-with-past`` /
+``automatic-speech-recognition-with-past``, consumed by transformers.js and onnxruntime-genai), with Optimum's
+input, output and dim names:
 
 ``encoder_model.onnx``
     ``input_ids`` + ``attention_mask`` [batch_size, encoder_sequence_length] (Whisper: ``input_features``
@@ -26,7 +28,8 @@ Each model is built from a ``transformers`` config object (nothing downloaded): 
 d_model 32, 4 heads, vocabulary 256, seeded, every parameter perturbed by ``0.02 * randn`` (HF initialises
 norms to 1 and biases to 0). transformers 5 takes ``EncoderDecoderCache`` objects, so small modules wrap the
 model: flat cache tensors in, an ``EncoderDecoderCache`` of two ``DynamicCache`` built from them, flat
-presents out. Exported by the TorchScript exporter (``dynamo=False``, opset 18), eager attention.
+presents out. Exported by both torch exporters (``dynamo=False`` and ``dynamo=True``, opset 18, eager
+attention), with the same input and output names and dims.
 
 Checks (a failure deletes the file and raises): every file in ONNX Runtime against its torch module at shapes
 other than the export's (atol 1e-4), including a decode step on an empty self-attention cache; and a greedy
