@@ -248,7 +248,7 @@ class FuseTransformer(Pass):
             build(engine)
         chosen = first_verified()
         for report in candidates.values():
-            if report["verified"] is None:  # null in the report: built and counted, never run
+            if report["verified"] is None and "skipped" not in report:  # null: built and counted, never run
                 report["unchecked"] = f"not verified: {chosen} scored higher and verified"
         candidates = {e: candidates[e] for e in opts.engines}  # reported in the order asked for
         notes["candidates"] = candidates
