@@ -193,7 +193,7 @@ def _stages(job: dict[str, Any]) -> str:
     timings = job.get("timings")
     if not timings:
         return "not recorded (no `timings` in that revision's report)"
-    names = ("load", "inputs", "baseline", "passes", "finalize", "gate", "artifact", "report")
+    names = ("load", "inputs", "baseline", "passes", "finalize", "gate", "artifact", "decoder", "report")
     parts = [f"{n} {timings[f'{n}_s']:.1f}" for n in names if timings.get(f"{n}_s") is not None]
     steps: dict[str, float] = {}
     for entry in timings.get("passes") or []:
