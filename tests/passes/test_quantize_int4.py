@@ -130,9 +130,12 @@ def test_quantize_int4_names_its_lm_head_choice_when_lm_head_is_auto(llama_defau
     assert len(head_nodes) == 1
     if decision.startswith("int8"):
         assert head_nodes[0].op_type == "MatMulNBits" and head_nodes[0].attributes["bits"].value == 8
+        level = head_nodes[0].attributes["accuracy_level"].value
+        assert decision.startswith(f"int8 (accuracy_level {level})")
+        assert result.notes["lm_head_vs_float"][f"int8 level {level}"] <= 1
     else:
         assert decision.startswith("float") and head_nodes[0].op_type == "MatMul"
-    assert set(result.notes["lm_head_latency_ms"]) == {"float", "int8"}
+    assert set(result.notes["lm_head_latency_ms"]) == {"float", "int8 level 4", "int8 level 0"}
 
 
 def test_lm_heads_finds_the_head_by_structure_when_its_name_says_nothing():
