@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from core.config import DecoderBenchmark, JobConfig
-from core.inputs import InputSet, InputSynthesis
+from core.inputs import InputRole, InputSet, InputSpec, InputSynthesis
 from core.recipe import read_recipe
 from workers.benchmark import BenchmarkParams, SessionPool, compare
 from workers.decoder_memory import measure_memory
@@ -66,10 +66,15 @@ class Plan:
     mask_dims: list[str]
     cache: dict[str, str]  # past input -> present output
     max_positions: int | None
+    # A seq2seq decoder's dims over the encoder's sequence (encoder states, the cross-attention cache and
+    # mask): one source length for the whole run, never growing with the decoder's tokens.
+    encoder_dims: list[str] = dataclasses.field(default_factory=list)
+    encoder_length: int = 128
 
     def feeds(self, new: int, past: int, seed: int) -> dict[str, np.ndarray]:
         """Every input for ``new`` tokens after a past of ``past`` (the past random, for a prefill)."""
         sizes = {self.sequence_dim: new, self.past_dim: past, **dict.fromkeys(self.mask_dims, past + new)}
+        sizes.update(dict.fromkeys(self.encoder_dims, self.encoder_length))
         if self.batch_dim is not None:
             sizes[self.batch_dim] = 1
         return self.synthesis.feeds_for_sizes(sizes, np.random.default_rng(seed))
@@ -125,8 +130,9 @@ def make_plan(model: ir.Model, seed: int = 0) -> Plan | str:
     masks = [
         str(specs[n].dims[-1])
         for n, r in roles.items()
-        if r.role == "attention_mask" and specs[n].dims and isinstance(specs[n].dims[-1], str)
+        if r.role == "attention_mask" and not r.cross and specs[n].dims and isinstance(specs[n].dims[-1], str)
     ]
+    encoder = {str(d) for d in (_encoder_dim(specs[n], r) for n, r in roles.items()) if isinstance(d, str)}
     outputs = [v.name or "" for v in model.graph.outputs]
     cache = cache_pairs(pasts, outputs)
     if isinstance(cache, str):
@@ -136,10 +142,22 @@ def make_plan(model: ir.Model, seed: int = 0) -> Plan | str:
         batch,
         str(specs[ids].dims[1]),
         str(next(iter(past_dims))),
-        [d for d in masks if d not in (specs[ids].dims[1], *past_dims)],
+        [d for d in masks if d not in (specs[ids].dims[1], *past_dims, *encoder)],
         cache,
         synthesis.facts.max_positions,
+        sorted(encoder - {specs[ids].dims[1], *past_dims}),
     )
+
+
+def _encoder_dim(spec: InputSpec, role: InputRole) -> object:
+    """The dim of ``spec`` over the encoder's sequence, where its role has one (None otherwise)."""
+    if role.role == "encoder_states" and spec.rank == 3:
+        return spec.dims[1]
+    if role.role == "attention_mask" and role.cross and spec.rank:
+        return spec.dims[-1]
+    if role.role == "cross_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
+        return spec.dims[role.past_axis]
+    return None
 
 
 def weight_bytes(model: ir.Model) -> dict[str, int]:
@@ -440,6 +458,12 @@ def _measure(
     del models
     notes: list[str] = []
     lengths, prompt, tokens = _lengths(options, plan.max_positions, notes)
+    if plan.encoder_dims:
+        plan.encoder_length = lengths[0]
+        notes.append(
+            f"seq2seq decoder: the encoder's sequence ({', '.join(plan.encoder_dims)}: encoder states, the "
+            f"cross-attention cache and mask) is {plan.encoder_length} throughout, the shortest prompt length"
+        )
     params = BenchmarkParams(
         warmup=0,  # _prefill's estimate runs are the warm-up
         min_runs=PREFILL_MIN_BLOCKS,

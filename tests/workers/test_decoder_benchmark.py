@@ -28,6 +28,7 @@ from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
 from workers.report import validate_report
 
 DECODERS = MODELS / "decoders"
+SEQ2SEQ = DECODERS.parent / "seq2seq"
 SMALL = {"prompt_lengths": [16, 48], "new_tokens": 8, "time_budget_s": 10}
 JOBS = {
     "llama_past_ts.onnx": SMALL,
@@ -162,6 +163,24 @@ def test_plan_refuses_with_a_reason_when_the_export_has_no_cache() -> None:
     feeds = plan.feeds(5, 3, seed=0)
     assert feeds["attention_mask"].shape == (1, 8) and feeds["past_key_values.0.key"].shape[2] == 3
     assert feeds["position_ids"].tolist() == [[3, 4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("arch", ["whisper", "t5", "bart"])
+def test_plan_keeps_a_seq2seq_decoders_encoder_length_while_its_self_cache_grows(arch: str) -> None:
+    """Optimum's decoder_with_past: the cross-attention cache, encoder states and encoder mask span the
+    source, which does not grow with the generated tokens; only the self-attention cache and mask do."""
+    plan = make_plan(ir.load(SEQ2SEQ / arch / "decoder_with_past_model.onnx"))
+    assert not isinstance(plan, str), plan
+    assert plan.encoder_dims and not set(plan.encoder_dims) & {*plan.mask_dims, plan.past_dim, plan.sequence_dim}
+    plan.encoder_length = 20
+    first, later = plan.feeds(1, 4, seed=0), plan.feeds(1, 9, seed=1)
+    for feeds, past in ((first, 4), (later, 9)):
+        assert all(v.shape[2] == 20 for k, v in feeds.items() if ".encoder." in k), arch
+        assert all(v.shape[2] == past for k, v in feeds.items() if ".decoder." in k), arch
+        for name in ("encoder_hidden_states", "encoder_attention_mask"):
+            if name in feeds:
+                assert feeds[name].shape[1] == 20, (arch, name)
+    assert plan.cache and not any(".encoder." in past for past in plan.cache)
 
 
 def test_cache_pairs_match_by_name_then_order_and_refuse_otherwise() -> None:
