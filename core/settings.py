@@ -216,8 +216,24 @@ class PipelineSettings(_Section):
         0, ge=0, description="ONNX Runtime intra-op threads for verification and benchmarks (0: ORT decides)."
     )
     verify_shape_sets: int = Field(3, ge=1, description="Input shape sets generated to verify each model.")
-    benchmark_warmup: int = Field(5, ge=0, description="Untimed runs before the benchmark of each model.")
-    benchmark_min_runs: int = Field(10, ge=1, description="Least timed runs per model and shape.")
+    benchmark_warmup: int = Field(
+        5,
+        ge=0,
+        description="Most untimed runs of each model per shape before it is benchmarked (fewer once a run is within "
+        "10% of the one before it).",
+    )
+    benchmark_min_runs: int = Field(
+        10,
+        ge=1,
+        description="Least timed runs per model and shape, unless benchmark_min_seconds pass first (never fewer than "
+        "5 then).",
+    )
+    benchmark_min_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="Benchmark floor in time per shape, seconds: once at least 5 timed runs per model have taken "
+        "this long, a settled answer may stop before benchmark_min_runs (0: benchmark_min_runs alone).",
+    )
     benchmark_max_seconds: float = Field(
         10.0, gt=0, description="Benchmark time budget per model and shape, seconds (min_runs still apply)."
     )

@@ -16,9 +16,18 @@ outputs checked against the run without the graph, then an interleaved A/B) and 
 faster beyond noise; the choice and its reason go into ``Comparison.execution`` (the report's benchmark
 section) and ``Comparison.recipe_b`` (the session recipe that gives users the graph).
 
-Stopping, per input set: after ``warmup`` untimed runs of each (a session also runs every set once when it is
-built, and a pooled session that has already run a set ``warmup`` times is not warmed up on it again), at least
-``min_runs`` timed blocks, then more
+Warm-up, per input set: up to ``warmup`` untimed runs of each model, fewer once one run is within
+``WARMUP_SETTLE`` (10%) of the run before it (``Runs.warm_up``). A session runs every set once when it is built
+(its arena grows to the largest set, its thread pool starts), and that first run, timed, is the first one
+compared; a pooled session that has already run a set ``warmup`` times is not warmed up on it again. Measured
+on ViT and Whisper's encoder at bench size (batch 1, 2 and 4), the first run of a set can be 1.5x the later
+ones and the second is already among them: the cap of 5 cost four runs of 0.4-2 s per model and set.
+
+Stopping, per input set: at least ``min_runs`` timed blocks, or, when the first ``MIN_SETTLE_PAIRS`` (5) blocks
+and more have taken ``min_seconds`` (``benchmark_min_seconds``), as many as that took, whichever comes first
+(``floor_reached``: ten blocks of runs of seconds would cost minutes, while the stopping rule needs five pairs
+and a floor in time still spans the host's drift; an answer still open when the budget is spent gets
+``min_runs`` blocks all the same); then more
 only while the answer is still open: the run stops as soon as the 95% bootstrap interval of the median paired
 ratio (core/verdict.py) is narrower than the decision needs (``settled``: wholly below 1 - 3%, clearly
 faster; wholly above 1 + 3%, clearly slower; wholly inside 1 +- 3%, within noise; wholly below 1 + 3%, not
@@ -74,6 +83,10 @@ MIN_SETTLE_PAIRS = 5
 FUTILITY_RISK = 0.05
 FUTILITY_MIN_PAIRS = 10
 _Z95 = 1.959964
+# Warm-up stops once a run is within this fraction of the run before it (module docstring): ORT's arena and
+# thread pool settle in the first run or two, and a difference below the run-to-run noise of a loaded host
+# (10-30% on the 2 shared CPUs this was measured on) is no sign of a session still warming up.
+WARMUP_SETTLE = 0.10
 
 
 @dataclasses.dataclass
@@ -86,6 +99,9 @@ class BenchmarkParams:
     intra_op_threads: int = 0
     io_binding: bool | None = None  # None: by target (GPU targets bind, CPU runs plain ``run``)
     cuda_graph: bool = True  # on target cuda with I/O binding: try the candidate as a CUDA graph
+    # The floor in time: min_runs blocks, or MIN_SETTLE_PAIRS blocks and more once they took this long,
+    # whichever comes first (``floor_reached``); 0 keeps the floor in blocks alone.
+    min_seconds: float = 0.0
 
     @property
     def uses_io_binding(self) -> bool:
@@ -114,7 +130,21 @@ class BenchmarkParams:
             max_runs=max(settings.benchmark_min_runs, 10 * settings.benchmark_min_runs),
             target=target,
             intra_op_threads=settings.intra_op_threads,
+            min_seconds=settings.benchmark_min_seconds,
         )
+
+
+def floor_reached(blocks: int, elapsed_s: float, params: BenchmarkParams) -> bool:
+    """Whether ``blocks`` timed blocks, taken in ``elapsed_s``, meet the floor the stopping rules apply from:
+    ``min_runs`` blocks, or at least ``MIN_SETTLE_PAIRS`` that took ``min_seconds`` or more.
+
+    The floor in blocks guards against deciding on a short stretch of the host's drift; for runs of seconds
+    the same stretch is covered by fewer blocks, and ``settled`` never decides on fewer than five pairs
+    anyway (nor ``futile`` on fewer than ``FUTILITY_MIN_PAIRS``), so the floor in time loosens nothing
+    those rules require."""
+    if blocks >= params.min_runs:
+        return True
+    return params.min_seconds > 0 and blocks >= MIN_SETTLE_PAIRS and elapsed_s >= params.min_seconds
 
 
 def settled(verdict: Verdict, *, pairs: int) -> str | None:
@@ -290,13 +320,22 @@ class Runs:
         self._current: int | None = None
         # Runs made so far per input set: a pooled session already warm on a set is not warmed up again.
         self.ran: dict[int, int] = {}
+        # The last untimed run of each input set, ms (the session's first run, then each warm-up run).
+        self.last_ms: dict[int, float] = {}
 
-    def warm_up(self, index: int, warmup: int) -> None:
-        """Up to ``warmup`` untimed runs of input set ``index``, less the runs this session has made on it."""
+    def warm_up(self, index: int, warmup: int) -> int:
+        """Up to ``warmup`` untimed runs of input set ``index``, less the runs this session has made on it;
+        fewer once a run is within ``WARMUP_SETTLE`` of the one before it (``warmed``). Returns the runs made."""
         run, missing = self.select(index), max(0, warmup - self.ran.get(index, 0))
-        for _ in range(missing):
-            run()
-        self.count(index, missing)
+        made = 0
+        while made < missing:
+            took = _time_one(run)
+            made += 1
+            previous, self.last_ms[index] = self.last_ms.get(index), took
+            if warmed(previous, took):
+                break
+        self.count(index, made)
+        return made
 
     def count(self, index: int, runs: int) -> None:
         self.ran[index] = self.ran.get(index, 0) + runs
@@ -326,6 +365,11 @@ class Runs:
         return self._runs[0 if self.graph else index].outputs()
 
 
+def warmed(previous_ms: float | None, ms: float) -> bool:
+    """A run of ``ms`` after one of ``previous_ms`` (None: no run timed before it) shows a settled session."""
+    return previous_ms is not None and abs(ms - previous_ms) <= WARMUP_SETTLE * previous_ms
+
+
 def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
@@ -351,7 +395,7 @@ def _prepared(
     runs = Runs(session, feeds, params)
     peak = max(peak, _rss())
     for index in range(len(feeds)):
-        runs.select(index)()
+        runs.last_ms[index] = _time_one(runs.select(index))  # the cold run: what the first warm-up is compared to
         runs.count(index, 1)
         peak = max(peak, _rss())
     return runs, (peak - base) / (1 << 20)
@@ -516,7 +560,7 @@ def _timed_blocks(
     b_ms: list[float] = []
     start = time.perf_counter()
     block = 0
-    check_at = params.min_runs
+    check_at: int | None = None  # the block the stopping rules look next at, from the floor on
     while True:
         if (block + index) % 2 == 0:
             a_ms.append(_time_one(run_a))
@@ -527,9 +571,11 @@ def _timed_blocks(
         block += 1
         if block >= params.max_runs:
             return a_ms, b_ms, "max_runs"
-        if block < params.min_runs:
-            continue
         elapsed = time.perf_counter() - start
+        if check_at is None:
+            if not floor_reached(block, elapsed, params):
+                continue
+            check_at = block
         if block >= check_at:
             # The blocks the budget still allows at the pace so far (each block times one A and one B run).
             by_time = (params.max_seconds - elapsed) / (elapsed / block) if elapsed > 0 else params.max_runs
@@ -537,7 +583,9 @@ def _timed_blocks(
             if answer is not None:
                 return a_ms, b_ms, answer
             check_at = block + max(SETTLE_CHECK_BLOCKS, block // 4)
-        if elapsed >= params.max_seconds:
+        # The floor in time opens only the early stops of a settled (or, from 10 pairs, futile) answer: an answer
+        # still open when the budget is spent gets min_runs blocks, as before.
+        if elapsed >= params.max_seconds and block >= params.min_runs:
             return a_ms, b_ms, "time budget"
 
 

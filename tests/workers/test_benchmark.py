@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 
 from core.inputs import generate_input_sets
 from core.settings import PipelineSettings
 from core.verdict import MIN_MARGIN, LatencyStats, Verdict, slower_beyond_noise
+from workers import benchmark
 from workers.benchmark import (
     FUTILITY_MIN_PAIRS,
     MIN_SETTLE_PAIRS,
@@ -253,9 +255,10 @@ def test_session_pool_reuses_a_warm_session_until_the_file_changes_or_is_dropped
 
 
 def test_a_pooled_session_is_warmed_up_only_on_what_it_has_not_run_when_timed_again(
-    mlp_path: Path, slow_mlp_path: Path
+    mlp_path: Path, slow_mlp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # setup: the baseline's measure warms the original up; the A/B after it must not warm it up again
+    monkeypatch.setattr(benchmark, "WARMUP_SETTLE", -1.0)  # runs never settle: every warm-up runs to its cap
     sets = generate_input_sets(onnx.load(str(mlp_path)), 2)
     feeds = [s.feeds for s in sets]
     params = BenchmarkParams(warmup=4, min_runs=3, max_runs=3, max_seconds=0.0, intra_op_threads=1)
