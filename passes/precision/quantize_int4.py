@@ -28,8 +28,8 @@ What ORT leaves to the user, and this pass decides:
 * **Block size by measurement** (``block_size="auto"``): full int4 at 128 (ORT's default), 64, 32 and 16 (no
   longer than the longest K); the largest within the budget, else the one that flips the fewest greedy tokens,
   starts the mix. Larger blocks are also faster in prefill: with int8 compute (accuracy_level 4) every block
-  rescales its partial sums, and on a Qwen2.5-0.5B-shaped decoder at 1 thread a 128-token prefill took 0.90x
-  the fp32 CPU time at block 32, 0.98x at 64 and 1.27x at 128 (``bench/README.md``, issue 19).
+  rescales its partial sums: on a Qwen2.5-0.5B-shaped decoder at 1 thread a 128-token prefill ran 0.89x
+  the fp32 upload's speed (CPU time) at block 32, 0.97x at 64 and 1.23x at 128 (``bench/README.md``, issue 19).
 * **Token tables** (``embeddings``): a Gather of a constant table becomes ``GatherBlockQuantized``, 8-bit by
   default (auto: where the budget still holds). A table the lm_head holds too (tied embeddings; exporters
   write the head's copy transposed) reads the quantized head's weights through a Reshape, at the head's bits:
