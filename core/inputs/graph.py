@@ -141,7 +141,21 @@ def _const_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     if value.const_value is not None and value.shape is not None and all(isinstance(d, int) for d in value.shape):
         return tuple(int(d) for d in value.shape)
     array = const_array(value)
-    return None if array is None else tuple(array.shape)
+    if array is not None:
+        return tuple(array.shape)
+    # A constant reshaped (quantize_int4's token table reading the tied lm_head's packed weights as
+    # [rows, packed columns]): the shape without the bytes.
+    node = value.producer()
+    if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    source, target = _const_shape(node.inputs[0]), const_array(node.inputs[1])
+    if source is None or target is None or node.attributes.get_int("allowzero", 0):
+        return None
+    dims = [source[i] if d == 0 else int(d) for i, d in enumerate(target.tolist())]
+    if dims.count(-1) == 1:
+        known = int(np.prod([d for d in dims if d != -1]))
+        dims[dims.index(-1)] = int(np.prod(source)) // known if known else 0
+    return tuple(dims) if all(d >= 0 for d in dims) else None
 
 
 def _aliases(graph: ir.Graph, names: set[str]) -> dict[str, str]:

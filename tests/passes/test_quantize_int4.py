@@ -361,6 +361,11 @@ def test_quantize_int4_stores_a_tied_table_once_and_an_untied_one_8bit_when_embe
             assert cosine(got, want) > 0.98
             np.testing.assert_allclose(session(result.model, optimized=True).run(["logits"], feeds)[0], got, atol=1e-4)
     assert tied.notes["weight_bytes"]["after"] < 0.35 * tied.notes["weight_bytes"]["before"]
+    # the pipeline still reads input_ids as token ids below the vocabulary through the shared table's Reshape
+    from core.inputs.graph import analyze
+
+    role = analyze(tied.model).roles["input_ids"]
+    assert (role.role, role.high) == ("token_ids", 256)
 
 
 def test_quantize_int4_leaves_the_token_tables_float_when_embeddings_is_float():
