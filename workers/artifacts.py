@@ -107,7 +107,7 @@ def external_files(path: Path) -> list[str]:
     where they came from."""
     proto = onnx.load(str(path), load_external_data=False)
     locations: list[str] = []
-    for tensor in onnx.external_data_helper._get_all_tensors(proto):
+    for tensor in _tensors(proto.graph):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             for entry in tensor.external_data:
                 if entry.key == "location" and entry.value not in locations:
@@ -186,6 +186,33 @@ def _copy_atomically(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def _copy_relocated(src: Path, dst: Path, old: str, new: str) -> None:
+    """Copy the model at ``src`` (weights not read) to ``dst`` with every external-data location ``old``
+    renamed ``new``: the artifact's ``artifact.onnx.data`` is handed back as ``model.onnx.data``."""
+    proto = onnx.load(str(src), load_external_data=False)
+    for tensor in _tensors(proto.graph):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    onnx.save(proto, str(tmp))
+    os.replace(tmp, dst)
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterable[onnx.TensorProto]:
+    """Every tensor of ``graph`` and its subgraphs: initializers and tensor attributes (Constant's value)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _tensors(sub)
+
+
 def place(
     *,
     use_original: bool,
@@ -202,6 +229,7 @@ def place(
     and an output dir that is also the upload's dir never loses the upload before it is copied."""
     suffixes = sorted(side_suffixes)
     final_path = output_dir / MODEL_FILE
+    relocate: tuple[str, str] | None = None  # the artifact's weights file is renamed: its model must say so
     if use_original:
         files = [(source, final_path)] + [(source.parent / loc, output_dir / loc) for loc in source_external]
     else:
@@ -209,6 +237,7 @@ def place(
         data = artifact.with_name(artifact.name + ".data")
         if data.exists():
             files.append((data, output_dir / (MODEL_FILE + ".data")))
+            relocate = (data.name, MODEL_FILE + ".data")
     side = [] if use_original else [(artifact.with_suffix(sfx), final_path.with_suffix(sfx)) for sfx in suffixes]
     if not side:
         for suffix in suffixes:  # left over from an earlier attempt that kept the side file
@@ -218,11 +247,15 @@ def place(
         (source.parent / loc).resolve() for loc in source_external
     }:
         stale.unlink(missing_ok=True)  # left over from an earlier attempt in the same dir
-    for src, dst in files:
+    # Weights before the model that names them, so a reader that sees the model finds its data.
+    for src, dst in reversed(files):
         if src.resolve() == dst.resolve():
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        _copy_atomically(src, dst)
+        if relocate is not None and dst == final_path:
+            _copy_relocated(src, dst, *relocate)
+        else:
+            _copy_atomically(src, dst)
     for src, dst in side:
         _copy_atomically(src, dst)
     return final_path, [dst for _, dst in files[1:]], [dst for _, dst in side]

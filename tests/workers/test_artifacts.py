@@ -70,6 +70,37 @@ def test_place_copies_artifact_and_side_files_when_the_optimized_model_is_return
     assert not list(out.glob(".*.tmp"))  # copied under a temporary name, then renamed
 
 
+def test_place_hands_back_external_weights_as_model_onnx_data_when_the_artifact_is_over_the_threshold(
+    tmp_path: Path, mlp_path: Path, monkeypatch
+) -> None:
+    """A model over the protobuf limit is written as artifact.onnx + artifact.onnx.data and handed back as
+    model.onnx + model.onnx.data: the returned model must name the file it is handed back with."""
+    # setup
+    monkeypatch.setattr(artifacts, "EXTERNAL_DATA_THRESHOLD", 0)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    provenance = artifacts.Provenance("0" * 64, None, "job")
+    artifact = artifacts.write_stamped(_model(mlp_path), [], provenance, work / "artifact.onnx", {})
+    assert (work / "artifact.onnx.data").exists()
+    # execute
+    final, external, _side = artifacts.place(
+        use_original=False,
+        artifact=artifact,
+        source=mlp_path,
+        source_external=[],
+        output_dir=out,
+        side_suffixes=[],
+    )
+    # assert
+    assert external == [out / "model.onnx.data"] and artifacts.external_files(final) == ["model.onnx.data"]
+    returned, original = onnx.load(str(final)), onnx.load(str(mlp_path))
+    assert [onnx.numpy_helper.to_array(t).tolist() for t in returned.graph.initializer] == [
+        onnx.numpy_helper.to_array(t).tolist() for t in original.graph.initializer
+    ]
+    assert not list(out.glob(".*.tmp"))
+
+
 def test_place_returns_the_upload_byte_for_byte_and_drops_side_files_when_the_original_is_used(
     tmp_path: Path, mlp_path: Path
 ) -> None:
