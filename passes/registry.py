@@ -26,6 +26,7 @@ from passes.compute_order.upstream_slice import UpstreamSlice
 from passes.fusion.fuse_gqa import FuseGqa
 from passes.fusion.fuse_rotary import FuseRotary
 from passes.fusion.fuse_transformer import FuseTransformer
+from passes.fusion.pack_matmuls import PackMatmuls
 from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
 from passes.precision.float16 import Float16
 from passes.precision.mixed_precision import MixedPrecision
@@ -53,6 +54,7 @@ PASSES: tuple[type[Pass], ...] = (
     FuseRotary,
     FuseGqa,
     FuseTransformer,
+    PackMatmuls,
     UnfuseSkipLayerNorm,
     QuantizeDynamic,
     QuantizeStatic,
@@ -159,7 +161,7 @@ _FP16 = [*_CLEANUP, "fuse_transformer", "mixed_precision", "dead_node_eliminatio
 # Weight-only int4 moves a random-weight decoder's logits by ~0.1 relative L2 (cosine > 0.99 on the corpus
 # decoders, tests/models/decoders); the tensor tolerance is loose and quantize_int4 checks its own budget.
 INT4_TOLERANCE = Tolerance(atol=1e-1, rtol=1e-1, min_cosine=0.98, max_mismatch_ratio=0.1)
-_INT4 = [*_CLEANUP, "fuse_rotary", "fuse_gqa", "quantize_int4", "dead_node_elimination"]
+_INT4 = [*_CLEANUP, "fuse_rotary", "fuse_gqa", "pack_matmuls", "quantize_int4", "dead_node_elimination"]
 
 PRESETS: dict[str, Preset] = {
     p.name: p
