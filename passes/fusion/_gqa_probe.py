@@ -44,11 +44,23 @@ class MaskKind:
     proven: int  # the longest key length at which the mask was checked
 
 
-def _session(proto: onnx.ModelProto) -> ort.InferenceSession:
+def _session(proto: onnx.ModelProto, weights_dir: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
+    if weights_dir is not None:
+        # A model over the protobuf limit keeps its weights in a file beside the upload: loaded from bytes,
+        # ORT resolves their relative locations only against this folder (and refuses paths that escape it).
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", weights_dir)
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _weights_dir(model: ir.Model) -> str | None:
+    """The folder of ``model``'s external weights (None when every initializer is in memory)."""
+    for value in model.graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            return str(value.const_value.base_dir)
+    return None
 
 
 _FED = frozenset({"attention_mask", "position_ids", "token_ids", "int", "past_key_values"})
@@ -139,7 +151,7 @@ def measure_shapes(model: ir.Model, feeder: Feeder, values: list[ir.Value]) -> d
             value.name = f"fuse_gqa/probe_{index}"
     proto = _with_outputs(model, values, prune=False)
     try:
-        session = _session(proto)
+        session = _session(proto, _weights_dir(model))
         names = list(dict.fromkeys(v.name for v in values))
         got = session.run(names, {i.name: feeder.feeds(1, 3, 2)[i.name] for i in session.get_inputs()})
     except ProbeError:
@@ -154,7 +166,7 @@ def probe_mask(model: ir.Model, feeder: Feeder, mask: ir.Value, max_length: int)
     where it is something else."""
     if feeder.mask_name is None:
         raise ProbeError("the graph has no single attention_mask input to derive seqlens_k from")
-    session = _session(_with_outputs(model, [mask], prune=True))
+    session = _session(_with_outputs(model, [mask], prune=True), _weights_dir(model))
     wanted = [i.name for i in session.get_inputs()]
     cases = [(b, s, p, _holes(b, p + s)) for b, s, p in _SMALL]
     checks = [(b, s, p, m) for b, s, p, m in cases if feeder.has_past or p == 0]
