@@ -20,8 +20,9 @@ Warm-up, per input set: up to ``warmup`` untimed runs of each model, fewer once 
 ``WARMUP_SETTLE`` (10%) of the run before it (``Runs.warm_up``). A session runs every set once when it is built
 (its arena grows to the largest set, its thread pool starts), and that first run, timed, is the first one
 compared; a pooled session that has already run a set ``warmup`` times is not warmed up on it again. Measured
-on ViT and Whisper's encoder at bench size (batch 1, 2 and 4), the first run of a set can be 1.5x the later
-ones and the second is already among them: the cap of 5 cost four runs of 0.4-2 s per model and set.
+(``python -m bench.warmup_settle``) on ViT and Whisper's encoder at bench size (batch 1, 2 and 4), the first
+run of a set can be 1.5x the later ones and the second is already among them: the cap of 5 cost four runs of
+0.4-2 s per model and set.
 
 Stopping, per input set: at least ``min_runs`` timed blocks, or, when the first ``MIN_SETTLE_PAIRS`` (5) blocks
 and more have taken ``min_seconds`` (``benchmark_min_seconds``), as many as that took, whichever comes first
