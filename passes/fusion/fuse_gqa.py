@@ -25,7 +25,11 @@ After::
 A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] enters GQA as ``Reshape(x, [0,0,-1])`` (no copy); a
 heads-first ``RotaryEmbedding`` of such a value (fuse_rotary's) is redone on that flat value with
 ``num_heads`` set, so no Transpose is left on either side of it; any other value through
-``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past.
+``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past. The export's own head split
+and merge around it (``Reshape`` to [B,S,N,D] before ``Reshape[0,0,-1]``, ``Reshape[0,0,H,D]`` before its
+``Reshape`` back to [B,S,H*D]) are then no-op pairs where the leading dims provably match, and are folded
+(``_gqa_reshapes``): the projection goes straight into RotaryEmbedding/GQA and GQA's output straight into
+the output projection (8 Reshapes per layer and their shape arithmetic fewer per decode step).
 
 Rotary inside GQA (``do_rotary=1`` on the packed QKV projection, as the model builder emits) is not done:
 the graphs take ``position_ids`` as an input, and ORT 1.32's CPU GroupQueryAttention ignores its
@@ -61,6 +65,7 @@ from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes.fusion import _gqa_rewrite as rewrite
 from passes.fusion._gqa_match import Site, match_sites
 from passes.fusion._gqa_probe import Feeder, MaskKind, ProbeError, measure_shapes, probe_mask
+from passes.fusion._gqa_reshapes import fold_head_reshapes
 
 LEFT_PADDING = (
     "GQA reads each row's length from seqlens_k = sum(attention_mask) - 1 and assumes right padding: a "
@@ -146,6 +151,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
                 rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
             else:
                 rewrite.rewrite_mha(model.graph, site, sizes)
+        folded = fold_head_reshapes(model.graph)
         common_passes.RemoveUnusedNodesPass()(model)
         model.graph.sort()
         model.opset_imports.setdefault("com.microsoft", 1)
@@ -158,6 +164,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             "fused_gqa": sum(op == "gqa" for _, _, op, _ in plans),
             "fused_mha": sum(op == "mha" for _, _, op, _ in plans),
             "windowed": sum(k.window is not None and op == "gqa" for _, _, op, k in plans),
+            "head_reshapes_folded": folded,
         }
         return PassResult(model, True, counts, declined, notes)
 

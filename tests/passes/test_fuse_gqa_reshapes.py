@@ -1,0 +1,61 @@
+"""fuse_gqa folds the export's head Reshapes around GroupQueryAttention (``_gqa_reshapes``): on the TorchScript
+corpus decoders, after shape inference and fuse_rotary as the presets run them, every layer's q/k/v go from
+the projection straight into RotaryEmbedding/GQA and GQA's output straight into the output projection (no
+Reshape left in the graph), and the model stays exact against the original at other batch/prompt/cache sizes
+and on a growing cache. A pair whose leading dims cannot be proven stays: without shape inference (ranks
+unknown) nothing folds and the result is still exact."""
+
+from __future__ import annotations
+
+import json
+
+import onnx_ir as ir
+import pytest
+
+from passes._infra import PassContext, op_histogram
+from passes.cleanup.shape_inference import ShapeInference
+from passes.fusion.fuse_gqa import FuseGqa
+from passes.fusion.fuse_rotary import FuseRotary
+from tests.models.build_decoders import OUT
+from tests.passes.test_pack_matmuls import _assert_exact
+
+MANIFEST = json.loads((OUT / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "name", ["llama_past_ts", "qwen2_past_ts", "phi3_past_ts", "mistral_past_ts", "trained_llama_past_ts"]
+)
+def test_fuse_gqa_folds_head_reshapes_and_stays_exact_when_torchscript_decoder(name):
+    # setup
+    layers = MANIFEST["families"][name.removeprefix("trained_").split("_")[0]]["layers"]
+    original = ir.load(OUT / f"{name}.onnx")
+    model = ShapeInference()(ir.load(OUT / f"{name}.onnx"), PassContext()).model
+    model = FuseRotary()(model, PassContext()).model
+    # execute
+    result = FuseGqa()(model, PassContext())
+    # assert: q, k, v in and the output out, per layer
+    ops = op_histogram(result.model)
+    assert result.counts["fused_gqa"] == ops["com.microsoft::GroupQueryAttention"] == layers
+    assert result.counts["head_reshapes_folded"] == 4 * layers
+    assert "Reshape" not in ops
+    for node in result.model.graph:
+        if node.op_type == "GroupQueryAttention":
+            assert all(v.producer() is None or v.producer().op_type != "Reshape" for v in node.inputs if v)
+            assert {u.node.op_type for u in node.outputs[0].uses()} == {"MatMul"}
+    _assert_exact(original, result.model, name)
+
+
+def test_fuse_gqa_keeps_head_reshapes_and_stays_exact_when_ranks_unknown():
+    # setup: no shape inference: the projections' ranks are not annotated, so no pair can be proven
+    name = "llama_past_ts"
+    original = ir.load(OUT / f"{name}.onnx")
+    model = FuseRotary()(ir.load(OUT / f"{name}.onnx"), PassContext()).model
+    for value in (v for node in model.graph for v in node.outputs):
+        value.shape = None
+    # execute
+    result = FuseGqa()(model, PassContext())
+    # assert
+    assert result.counts["fused_gqa"] == MANIFEST["families"]["llama"]["layers"]
+    assert result.counts["head_reshapes_folded"] == 0
+    assert op_histogram(result.model)["Reshape"] > 0
+    _assert_exact(original, result.model, name)
