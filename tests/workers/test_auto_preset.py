@@ -70,8 +70,10 @@ def test_auto_preset_lists_candidates_and_keeps_the_fastest_when_run_on_mlp(
 def test_auto_preset_skips_candidates_when_the_time_budget_is_spent_on_roberta(
     tmp_path: Path, auto_settings: PipelineSettings
 ) -> None:
+    # A budget no first candidate fits in (passes, verification and a benchmark take far longer than 10 ms), so
+    # the test does not depend on how fast this host runs the first one.
     result = _run(
-        MODELS / "hf_roberta_cls.onnx", tmp_path / "out", JobConfig(preset="auto", time_budget_s=1), auto_settings
+        MODELS / "hf_roberta_cls.onnx", tmp_path / "out", JobConfig(preset="auto", time_budget_s=0.01), auto_settings
     )
     candidates = result.report["candidates"]
     assert candidates[0]["status"] in ("chosen", "rejected")
