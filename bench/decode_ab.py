@@ -1,0 +1,106 @@
+"""One decode step of several decoder artifacts timed against each other in one process (issue 19's A/Bs).
+
+Run ``python -m bench.decode_ab MODEL.onnx [MODEL.onnx ...] [--threads 1] [--past 128] [--blocks 40]
+[--calls 20] [--profile]``. Each model is fed one token (id 17) at position ``--past`` after a random cache of
+``--past`` positions (inputs by name: ``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.*``;
+the builder's graphs have no position ids); one block runs ``--calls`` calls of every model, the order rotated
+per block and reversed every other block; printed: median and quartiles of the per-call ms over the blocks,
+and the load average. ``--profile`` instead runs ORT's profiler on each model and prints kernel time per op
+type per step (profiling inflates every figure; compare op types within one run only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+_KV_HEADS, _HEAD_DIM = 2, 64  # bench.decoders_genai's size
+
+
+def _feeds(sess: ort.InferenceSession, past: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {}
+    for value in sess.get_inputs():
+        name = value.name
+        if name == "input_ids":
+            feeds[name] = np.array([[17]], np.int64)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((1, past + 1), np.int64)
+        elif name == "position_ids":
+            feeds[name] = np.array([[past]], np.int64)
+        else:
+            dims = value.shape
+            kv = dims[1] if isinstance(dims[1], int) else _KV_HEADS
+            dim = dims[3] if isinstance(dims[3], int) else _HEAD_DIM
+            feeds[name] = rng.standard_normal((1, kv, past, dim)).astype(np.float32)
+    return feeds
+
+
+def _session(path: str, threads: int, profile_prefix: str | None = None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    if profile_prefix:
+        options.enable_profiling, options.profile_file_prefix = True, profile_prefix
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def profile(path: str, threads: int, past: int, steps: int) -> None:
+    sess = _session(path, threads, f"/tmp/decode_ab_{os.getpid()}")
+    feeds = _feeds(sess, past)
+    for _ in range(steps):
+        sess.run(None, feeds)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    spent: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            spent[event["args"]["op_name"]] += event["dur"]
+            count[event["args"]["op_name"]] += 1
+    print(f"{path}: kernel time per step {sum(spent.values()) / steps / 1e3:.3f} ms")
+    for op, us in spent.most_common():
+        print(f"  {op:36s} {us / steps / 1e3:7.3f} ms  {count[op] / steps:.0f} nodes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--past", type=int, default=128)
+    parser.add_argument("--blocks", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    if args.profile:
+        for path in args.models:
+            profile(path, args.threads, args.past, args.blocks * 2)
+        return 0
+    sessions = [_session(p, args.threads) for p in args.models]
+    feeds = [_feeds(s, args.past) for s in sessions]
+    for sess, feed in zip(sessions, feeds, strict=True):
+        for _ in range(5):
+            sess.run(None, feed)
+    times: list[list[float]] = [[] for _ in sessions]
+    for block in range(args.blocks):
+        order = list(range(len(sessions)))
+        order = order[block % len(order) :] + order[: block % len(order)]
+        for k in order[::-1] if block % 2 else order:
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                sessions[k].run(None, feeds[k])
+            times[k].append((time.perf_counter() - t0) / args.calls * 1e3)
+    for path, ms in zip(args.models, times, strict=True):
+        q1, med, q3 = np.percentile(ms, [25, 50, 75])
+        print(f"{args.threads}t past {args.past}: {med:7.3f} ms (quartiles {q1:.3f} / {q3:.3f})  {path}")
+    print("load average", " / ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
