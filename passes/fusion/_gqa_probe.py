@@ -19,8 +19,12 @@ length up to which the mask was proven causal.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -44,6 +48,11 @@ class MaskKind:
     proven: int  # the longest key length at which the mask was checked
 
 
+# Weights past this many bytes in memory cannot go through one protobuf message (2 GB), which the probes'
+# copies and sessions do: such a model is written out once with its weights in a file (``_weights_apart``).
+_PROTOBUF_LIMIT = 1_800_000_000
+
+
 def _session(proto: onnx.ModelProto, weights_dir: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -53,6 +62,26 @@ def _session(proto: onnx.ModelProto, weights_dir: str | None = None) -> ort.Infe
         # ORT resolves their relative locations only against this folder (and refuses paths that escape it).
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", weights_dir)
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@contextlib.contextmanager
+def _weights_apart(model: ir.Model) -> Iterator[tuple[ir.Model, str | None]]:
+    """``model`` and the folder of its external weights; a model holding more than protobuf's limit in memory
+    (the pipeline loads an upload's weights so) is written out once to a scratch folder and read back lazily,
+    so the probes copy and serialize a graph that only refers to its weights."""
+    folder = _weights_dir(model)
+    in_memory = sum(
+        int(v.const_value.nbytes)
+        for v in model.graph.initializers.values()
+        if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor)
+    )
+    if in_memory < _PROTOBUF_LIMIT:
+        yield model, folder
+        return
+    with tempfile.TemporaryDirectory(prefix="fuse_gqa-probe-") as scratch:
+        path = Path(scratch) / "probe.onnx"
+        ir.save(model, path, external_data="probe.onnx.data", size_threshold_bytes=1024)
+        yield ir.load(path), scratch
 
 
 def _weights_dir(model: ir.Model) -> str | None:
@@ -149,9 +178,9 @@ def measure_shapes(model: ir.Model, feeder: Feeder, values: list[ir.Value]) -> d
     for index, value in enumerate(values):
         if not value.name:
             value.name = f"fuse_gqa/probe_{index}"
-    proto = _with_outputs(model, values, prune=False)
     try:
-        session = _session(proto, _weights_dir(model))
+        with _weights_apart(model) as (light, folder):
+            session = _session(_with_outputs(light, values, prune=False), folder)
         names = list(dict.fromkeys(v.name for v in values))
         got = session.run(names, {i.name: feeder.feeds(1, 3, 2)[i.name] for i in session.get_inputs()})
     except ProbeError:
@@ -166,7 +195,8 @@ def probe_mask(model: ir.Model, feeder: Feeder, mask: ir.Value, max_length: int)
     where it is something else."""
     if feeder.mask_name is None:
         raise ProbeError("the graph has no single attention_mask input to derive seqlens_k from")
-    session = _session(_with_outputs(model, [mask], prune=True), _weights_dir(model))
+    with _weights_apart(model) as (light, folder):
+        session = _session(_with_outputs(light, [mask], prune=True), folder)
     wanted = [i.name for i in session.get_inputs()]
     cases = [(b, s, p, _holes(b, p + s)) for b, s, p in _SMALL]
     checks = [(b, s, p, m) for b, s, p, m in cases if feeder.has_past or p == 0]

@@ -53,3 +53,17 @@ def test_fuse_gqa_fuses_every_layer_when_the_weights_are_external(tmp_path: Path
         want, got = reference.run(None, feeds), candidate.run(None, feeds)
         for a, b in zip(want, got, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_fuse_gqa_fuses_when_the_weights_in_memory_are_past_the_protobuf_limit(monkeypatch) -> None:
+    """The pipeline loads a large upload's weights into memory, where a session cannot be built from bytes
+    (protobuf's 2 GB): the probes write the model out once instead. The limit is lowered to take that path."""
+    from passes.fusion import _gqa_probe
+
+    monkeypatch.setattr(_gqa_probe, "_PROTOBUF_LIMIT", 0)
+    model = FuseRotary()(ir.load(DECODERS / "llama_past_ts.onnx"), PassContext()).model
+
+    result = FuseGqa()(model, PassContext())
+
+    assert result.modified, result.non_matches
+    assert op_histogram(result.model).get("com.microsoft::GroupQueryAttention") == 2
