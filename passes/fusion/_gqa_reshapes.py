@@ -10,7 +10,8 @@ the proof follows dims 0 and 1 back through the ops that keep them (a MatMul by 
 whose shape keeps them) to one common value. A pair it cannot prove stays. With a constant
 ``[0, 0, ...]`` shape (leading dims copied) the proof is immediate. It removes, per layer and decode step, 8
 Reshapes and the shape arithmetic feeding them (Shape, Gather, Unsqueeze, Concat), a few microseconds
-each beside ~30 us int4 GEMVs. Dynamo exports build those shapes another way and are not folded yet.
+each beside ~30 us int4 GEMVs. Dynamo exports take those dims from other inputs (the cache's batch, the
+ids' length): equal there by the signature's dim names, which the proof accepts (``_same_symbol``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ def _is_reshape(node: ir.Node | None) -> bool:
         node is not None
         and node.op_type == "Reshape"
         and node.domain in _ONNX
-        and not node.attributes.get_int("allowzero", 0)
         and len(node.inputs) == 2
         and node.inputs[0] is not None
         and node.inputs[1] is not None
@@ -83,13 +83,30 @@ def _keeps_leading(reshape: ir.Node) -> bool:
     if entries is None or len(entries) < 2:
         return False
     root = _root(reshape.inputs[0])
+    copies_zero = not reshape.attributes.get_int("allowzero", 0)
     for position in _LEADING:
         entry = entries[position]
-        if entry == 0:  # allowzero 0: copied from the input
+        if entry == 0 and copies_zero:  # 0 copies the input's dim (a literal 0 under allowzero=1)
             continue
-        if not (isinstance(entry, tuple) and entry[1] == position and entry[0] is root):
+        if not isinstance(entry, tuple):
+            return False
+        if not (entry[0] is root and entry[1] == position) and not _same_symbol(entry, root, position):
             return False
     return True
+
+
+def _same_symbol(entry: tuple, root: ir.Value, position: int) -> bool:
+    """Dim ``entry[1]`` of ``entry[0]`` and dim ``position`` of ``root`` are one named symbol: dynamo exports
+    take a head split's batch from one input (a past cache) and its length from another (the token ids), which
+    the graph's signature declares equal by name (``batch``, ``sequence``) and shape inference carries to the
+    projections. Unnamed or differently named dims prove nothing."""
+    source, index = entry
+    if source.shape is None or root.shape is None or index >= len(source.shape) or position >= len(root.shape):
+        return False
+    a, b = source.shape[index], root.shape[position]
+    if isinstance(a, int) or isinstance(b, int):
+        return False  # a static leading dim may be one export's example size: no claim for other inputs
+    return a.value is not None and a.value == b.value
 
 
 def _constant(value: ir.Value | None) -> np.ndarray | None:

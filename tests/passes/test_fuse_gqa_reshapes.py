@@ -1,5 +1,5 @@
 """fuse_gqa folds the export's head Reshapes around GroupQueryAttention (``_gqa_reshapes``): on the TorchScript
-corpus decoders, after shape inference and fuse_rotary as the presets run them, every layer's q/k/v go from
+and dynamo corpus decoders, after shape inference and fuse_rotary as the presets run them, every layer's q/k/v go from
 the projection straight into RotaryEmbedding/GQA and GQA's output straight into the output projection (no
 Reshape left in the graph), and the model stays exact against the original at other batch/prompt/cache sizes
 and on a growing cache. A pair whose leading dims cannot be proven stays: without shape inference (ranks
@@ -22,10 +22,13 @@ from tests.passes.test_pack_matmuls import _assert_exact
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
 
 
-@pytest.mark.parametrize(
-    "name", ["llama_past_ts", "qwen2_past_ts", "phi3_past_ts", "mistral_past_ts", "trained_llama_past_ts"]
-)
-def test_fuse_gqa_folds_head_reshapes_and_stays_exact_when_torchscript_decoder(name):
+TORCHSCRIPT = ["llama_past_ts", "qwen2_past_ts", "phi3_past_ts", "mistral_past_ts", "trained_llama_past_ts"]
+# dynamo takes the head split's batch from a past cache and its length from the ids (Reshape allowzero=1)
+DYNAMO = ["llama_past_dynamo", "qwen2_past_dynamo", "phi3_past_dynamo", "mistral_past_dynamo"]
+
+
+@pytest.mark.parametrize("name", TORCHSCRIPT + DYNAMO)
+def test_fuse_gqa_folds_head_reshapes_and_stays_exact_when_decoder(name):
     # setup
     layers = MANIFEST["families"][name.removeprefix("trained_").split("_")[0]]["layers"]
     original = ir.load(OUT / f"{name}.onnx")
@@ -58,4 +61,23 @@ def test_fuse_gqa_keeps_head_reshapes_and_stays_exact_when_ranks_unknown():
     assert result.counts["fused_gqa"] == MANIFEST["families"]["llama"]["layers"]
     assert result.counts["head_reshapes_folded"] == 0
     assert op_histogram(result.model)["Reshape"] > 0
+    _assert_exact(original, result.model, name)
+
+
+def test_fuse_gqa_keeps_head_reshapes_when_dims_named_differently():
+    # setup: the dynamo export takes the heads' batch from the past cache; name that input's batch otherwise,
+    # so nothing ties it to the projections' batch any more
+    name = "llama_past_dynamo"
+    original = ir.load(OUT / f"{name}.onnx")
+    model = ir.load(OUT / f"{name}.onnx")
+    for value in model.graph.inputs:
+        if value.name.startswith("past_key_values."):
+            value.shape = ir.Shape(["cache_batch", *list(value.shape)[1:]])
+    model = ShapeInference()(model, PassContext()).model
+    model = FuseRotary()(model, PassContext()).model
+    # execute
+    result = FuseGqa()(model, PassContext())
+    # assert: q/k/v pairs (batch from the cache) stay; the output pair reads the same cache dim: stays too
+    assert result.counts["fused_gqa"] == MANIFEST["families"]["llama"]["layers"]
+    assert result.counts["head_reshapes_folded"] == 0
     _assert_exact(original, result.model, name)
