@@ -19,6 +19,9 @@ JOBS = 12
 LEASE = 10
 RECONCILE = 2
 MAX_ATTEMPTS = 3
+# Each attempt sleeps this long in its child, so the backlog outlasts two leases by the sleeps alone
+# (12 jobs / 2 workers x 3.5 s = 21 s > 2 x 10 s), however fast the pipeline itself gets.
+CHILD_SLEEP = 3.5
 # Outcomes a kill may cause: a child SIGKILLed from outside looks like the kernel's OOM killer
 # (RESOURCE_LIMIT_EXCEEDED, terminal); a job killed max_attempts times fails WORKER_LOST.
 KILL_OUTCOMES = {"RESOURCE_LIMIT_EXCEEDED", "WORKER_LOST"}
@@ -28,7 +31,7 @@ KILL_OUTCOMES = {"RESOURCE_LIMIT_EXCEEDED", "WORKER_LOST"}
 def chaos(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_chaos(
         jobs=JOBS, workers=2, variants=2, kill_every=(4.0, 7.0), lease_seconds=LEASE, reconcile_seconds=RECONCILE,
-        max_attempts=MAX_ATTEMPTS, child_sleep=1.0, timeout=200.0, seed=1234, log=print,
+        max_attempts=MAX_ATTEMPTS, child_sleep=CHILD_SLEEP, timeout=200.0, seed=1234, log=print,
         tmp_parent=Path(tmp_path_factory.mktemp("chaos")),
     )  # fmt: skip
 
@@ -70,6 +73,7 @@ def test_chaos_enqueues_again_only_what_kills_lost_when_backlog_outlasts_two_lea
     # 12 jobs on 2 workers take far longer than 2 x lease, so every queued job goes stale while its message
     # waits. Re-enqueueing on staleness alone added each of them to the queue again every round (bug 3 in
     # docs/reliability.md); now only a message that a killed worker took with it is enqueued again.
+    assert JOBS / 2 * CHILD_SLEEP > 2 * LEASE  # the premise, by construction
     assert chaos["chaos_seconds"] > 2 * LEASE
     worker_kills = chaos["kills_by_kind"]["worker"] + chaos["kills_by_kind"]["group"]
     assert chaos["reconciler_reenqueued"] <= worker_kills, chaos["reconciler_reenqueued"]
