@@ -188,9 +188,9 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "int4",
-            "Decoder fusions (RotaryEmbedding, GroupQueryAttention), then weight-only int4 MatMulNBits (block size "
-            "and accuracy_level measured), the lm_head float or 8-bit, the int4/8-bit mix chosen by the greedy "
-            "tokens each MatMul flips (CPU decoders).",
+            "Decoder fusions (RotaryEmbedding, GroupQueryAttention), q/k/v and gate/up packed, then weight-only int4 "
+            "MatMulNBits (block size and accuracy_level measured), the lm_head and token tables float or 8-bit, the "
+            "int4/8-bit mix chosen by the greedy tokens each MatMul flips (CPU decoders).",
             _INT4,
             INT4_TOLERANCE,
         ),
