@@ -390,7 +390,7 @@ def _dynamo_shapes(arch: Arch, kind: str) -> tuple[Any, ...]:
 def export(module: Any, arch: Arch, kind: str, path: Path, exporter: str = "ts") -> onnx.ModelProto:
     import torch
 
-    from tests.models.build_decoders import versions
+    from tests.models.build_decoders import check_plain_onnx, versions
     from tests.models.build_hf import _clean
 
     args = _torch_args(arch, kind, EXPORT["batch"], EXPORT["dec"], EXPORT["past"], EXPORT["enc"], seed=0)
@@ -421,13 +421,7 @@ def export(module: Any, arch: Arch, kind: str, path: Path, exporter: str = "ts")
         "onnxforge.versions": json.dumps(versions(), sort_keys=True),
     }
     proto = _clean(proto, f"{arch.name}_{kind}_{exporter}", meta)
-    onnx.checker.check_model(proto, full_check=True)
-    foreign = sorted({n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
-    if foreign or len(proto.functions):
-        raise AssertionError(f"not plain ONNX: domains {foreign}, {len(proto.functions)} functions")
-    got_in, got_out = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
-    if got_in != input_names(arch, kind) or got_out != output_names(arch, kind):
-        raise AssertionError(f"signature {got_in} -> {got_out}")
+    check_plain_onnx(proto, input_names(arch, kind), output_names(arch, kind))
     return proto
 
 
@@ -444,6 +438,8 @@ def verify(module: Any, arch: Arch, kind: str, path: Path) -> float:
     import onnxruntime as ort
     import torch
 
+    from tests.models.build_decoders import compare_with_torch
+
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names_in, names_out = input_names(arch, kind), output_names(arch, kind)
     worst = 0.0
@@ -452,12 +448,8 @@ def verify(module: Any, arch: Arch, kind: str, path: Path) -> float:
         with torch.no_grad():
             ref = module(*args)
         got = session.run(names_out, {n: a.numpy() for n, a in zip(names_in, args, strict=True)})
-        for name, r, o in zip(names_out, ref, got, strict=True):
-            label = f"{arch.name}/{path.name}.{name} at batch {batch}, dec {dec}, past {past}, enc {enc}"
-            if tuple(r.shape) != o.shape:
-                raise AssertionError(f"{label}: shape {o.shape} != torch {tuple(r.shape)}")
-            np.testing.assert_allclose(o, r.numpy(), atol=ATOL, rtol=0, err_msg=label)
-            worst = max(worst, float(np.max(np.abs(o - r.numpy()))) if o.size else 0.0)
+        names = [f"{arch.name}/{path.name}.{n}" for n in names_out]
+        worst = max(worst, compare_with_torch(names, ref, got, f"batch {batch}, dec {dec}, past {past}, enc {enc}"))
     return worst
 
 
