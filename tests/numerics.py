@@ -35,7 +35,8 @@ def to_proto(model: ModelLike) -> onnx.ModelProto:
     return onnx.load(str(model))
 
 
-def _session(model: ModelLike) -> ort.InferenceSession:
+def reference_session(model: ModelLike) -> ort.InferenceSession:
+    """A CPU session of the graph as written (``ORT_DISABLE_ALL``), from a file, a proto or an IR model."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
@@ -44,6 +45,12 @@ def _session(model: ModelLike) -> ort.InferenceSession:
     else:
         source = to_proto(model).SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def run_named(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of ``session`` on ``feeds``, by name."""
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, dict(feeds)), strict=True))
 
 
 def _input_dims(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
@@ -114,7 +121,7 @@ def assert_equivalent(
 
     ``shapes``: explicit input shape sets to try in addition to ``n_random`` derived ones.
     """
-    ref_session, opt_session = _session(original), _session(optimized)
+    ref_session, opt_session = reference_session(original), reference_session(optimized)
     ref_names = [o.name for o in ref_session.get_outputs()]
     opt_names = [o.name for o in opt_session.get_outputs()]
     assert ref_names == opt_names, f"output names differ: {ref_names} vs {opt_names}"

@@ -11,7 +11,6 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from tests.models.build_decoders import (
@@ -23,6 +22,7 @@ from tests.models.build_decoders import (
     output_names,
     presents_as_past,
 )
+from tests.numerics import reference_session, run_named
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
 BUILT = [e for e in MANIFEST["files"] if "error" not in e]
@@ -30,15 +30,7 @@ PAST = [e["file"] for e in BUILT if e["cache"] == "past"]
 
 
 def session(name):
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(OUT / name), options, providers=["CPUExecutionProvider"])
-
-
-def run(sess, feeds):
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds), strict=True))
+    return reference_session(OUT / name)
 
 
 def test_decoder_corpus_has_every_family_with_and_without_cache_when_built():
@@ -71,13 +63,13 @@ def test_decoder_cache_gives_the_full_prefill_logits_when_decoding_step_by_step(
     sess = session(name)
     signature = Signature.of(OUT / name)
     tokens = np.random.default_rng(5).integers(0, signature.vocab, size=(2, 9), dtype=np.int64)
-    full = run(sess, decoder_feeds(signature, 2, 9, 0, tokens=tokens))
+    full = run_named(sess, decoder_feeds(signature, 2, 9, 0, tokens=tokens))
     # execute
-    out = run(sess, decoder_feeds(signature, 2, 6, 0, tokens=tokens[:, :6]))
+    out = run_named(sess, decoder_feeds(signature, 2, 6, 0, tokens=tokens[:, :6]))
     steps = [out["logits"][:, -1]]
     for pos in range(6, 9):
         feeds = decoder_feeds(signature, 2, 1, pos, tokens=tokens[:, pos : pos + 1], past_values=presents_as_past(out))
-        out = run(sess, feeds)
+        out = run_named(sess, feeds)
         steps.append(out["logits"][:, -1])
     # assert
     np.testing.assert_allclose(np.stack(steps, 1), full["logits"][:, 5:], atol=1e-4, rtol=0)
@@ -91,9 +83,9 @@ def test_decoder_without_cache_matches_the_cached_export_when_past_is_empty(entr
         pytest.skip(f"{past_name} did not export (see manifest.json)")
     signature = Signature.of(OUT / past_name)
     feeds = decoder_feeds(signature, 3, 7, 0, seed=11)
-    with_cache = run(session(past_name), feeds)["logits"]
+    with_cache = run_named(session(past_name), feeds)["logits"]
     plain = session(entry["file"])
-    without = run(plain, {i.name: feeds[i.name] for i in plain.get_inputs()})["logits"]
+    without = run_named(plain, {i.name: feeds[i.name] for i in plain.get_inputs()})["logits"]
     np.testing.assert_allclose(without, with_cache, atol=1e-5, rtol=0)
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from core.config import JobConfig
@@ -41,6 +40,7 @@ from tests.models.build_seq2seq import (
     output_names,
     seq2seq_feeds,
 )
+from tests.numerics import reference_session, run_named
 from workers.pipeline import PipelineRequest, run_pipeline
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
@@ -49,18 +49,6 @@ FILES = sorted(ENTRIES)
 DECODERS = [f for f in FILES if ENTRIES[f]["kind"] != "encoder"]
 CHAINS = sorted({(e["arch"], e["exporter"]) for e in ENTRIES.values()})
 ATOL = 1e-4
-
-
-def session(path: Path) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds), strict=True))
 
 
 def arch_kind(file: str) -> tuple[str, str]:
@@ -102,16 +90,16 @@ def test_seq2seq_file_matches_manifest_and_optimum_signature_when_loaded(file):
 def test_cache_chain_gives_the_cache_free_decoder_logits_when_generating_greedily(name, exporter):
     # setup: the three files of one architecture and exporter; an encoder batch of 2 (row 1 padded for T5/BART)
     arch = ARCHS[name]
-    sessions = {kind: session(path_of(name, exporter, kind)) for kind in KINDS}
+    sessions = {kind: reference_session(path_of(name, exporter, kind)) for kind in KINDS}
     encoder_feeds = seq2seq_feeds(arch, "encoder", 2, enc=10, seed=3)
     # execute: encoder, decoder on the start token, then 5 decode steps on the returned caches
     tokens, logits = greedy_chain(arch, sessions, encoder_feeds)
     # assert: the cache-free decoder on the whole generated sequence gives every step's logits
-    states = run(sessions["encoder"], encoder_feeds)["last_hidden_state"]
+    states = run_named(sessions["encoder"], encoder_feeds)["last_hidden_state"]
     feeds = {"input_ids": tokens, "encoder_hidden_states": states}
     if not arch.audio:
         feeds["encoder_attention_mask"] = encoder_feeds["attention_mask"]
-    whole = run(sessions["decoder"], feeds)
+    whole = run_named(sessions["decoder"], feeds)
     np.testing.assert_allclose(logits, whole["logits"], atol=1e-5, rtol=0)
     assert whole["present.0.encoder.key"].shape == (2, arch.heads, states.shape[1], arch.head_dim)
 
@@ -207,14 +195,14 @@ def test_generated_sets_share_one_encoder_length_and_grow_the_self_cache_when_sy
     arch, kind = arch_kind(file)
     path = OUT / file
     synthesis = InputSynthesis(onnx.load(str(path)))
-    sess = session(path)
+    sess = reference_session(path)
     # execute
     sets = synthesis.generate(3)
     # assert: every set runs on the original; its encoder-side inputs agree on one nonzero length
     pasts = []
     for input_set in sets:
         feeds = input_set.feeds
-        out = run(sess, feeds)
+        out = run_named(sess, feeds)
         assert input_set.provenance["why"].startswith("seq2seq decoder")  # the report says why
         lengths = set()
         if "encoder_hidden_states" in feeds:
@@ -249,7 +237,7 @@ def test_sizes_bound_by_a_caller_tie_every_encoder_side_input_when_fed_for_sizes
     lengths = {v.shape[1] for n, v in feeds.items() if n.startswith("encoder_")}
     lengths |= {v.shape[2] for n, v in feeds.items() if ".encoder." in n}
     assert lengths == {5}
-    run(session(OUT / file), feeds)
+    run_named(reference_session(OUT / file), feeds)
 
 
 # -------------------------------------------------------------------------------------------- pipeline
@@ -288,14 +276,19 @@ def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(na
         }
         # exact at shapes the job never generated
         feeds = seq2seq_feeds(arch, kind, 3, dec=2, past=5, enc=10, seed=9)
-        want, got = run(session(path_of(name, exporter, kind)), feeds), run(session(artifact), feeds)
+        want, got = (
+            run_named(reference_session(path_of(name, exporter, kind)), feeds),
+            run_named(reference_session(artifact), feeds),
+        )
         assert want.keys() == got.keys()
         for key, expected in want.items():
             np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{kind}: {key}")
     # assert: greedy generation through the three artifacts is generation through the three uploads
     encoder_feeds = seq2seq_feeds(arch, "encoder", 2, enc=10, seed=4)
-    tokens, logits = greedy_chain(arch, {k: session(path_of(name, exporter, k)) for k in KINDS}, encoder_feeds)
-    got_tokens, got_logits = greedy_chain(arch, {k: session(p) for k, p in artifacts.items()}, encoder_feeds)
+    tokens, logits = greedy_chain(
+        arch, {k: reference_session(path_of(name, exporter, k)) for k in KINDS}, encoder_feeds
+    )
+    got_tokens, got_logits = greedy_chain(arch, {k: reference_session(p) for k, p in artifacts.items()}, encoder_feeds)
     np.testing.assert_array_equal(got_tokens, tokens)
     np.testing.assert_allclose(got_logits, logits, atol=ATOL, rtol=0)
 
@@ -321,7 +314,7 @@ def test_whisper_decoder_with_past_goes_through_the_http_api_and_the_cli_when_no
     artifact.write_bytes(httpx.get(f"{api.url}/v1/jobs/{job['id']}/artifact", timeout=60).content)
     arch = ARCHS["whisper"]
     feeds = seq2seq_feeds(arch, "decoder_with_past", 2, dec=1, past=6, enc=arch.frames // 2, seed=12)
-    want, got = run(session(source), feeds), run(session(artifact), feeds)
+    want, got = run_named(reference_session(source), feeds), run_named(reference_session(artifact), feeds)
     for key, expected in want.items():
         np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=key)
     # and the CLI on the same file and config completes, exact too
@@ -333,6 +326,6 @@ def test_whisper_decoder_with_past_goes_through_the_http_api_and_the_cli_when_no
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    got = run(session(local), feeds)
+    got = run_named(reference_session(local), feeds)
     for key, expected in want.items():
         np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"cli {key}")

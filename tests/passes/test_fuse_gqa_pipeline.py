@@ -8,34 +8,21 @@ Slower than the pass tests: a whole job with benchmarks (a few seconds per model
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from core.config import JobConfig
 from core.settings import PipelineSettings
 from passes._infra import op_histogram
 from tests.models.build_decoders import OUT, Signature, decoder_feeds, presents_as_past
+from tests.numerics import reference_session, run_named
 from workers.pipeline import PipelineRequest, run_pipeline
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
 ATOL = 1e-4
-
-
-def _session(path: Path) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def _run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds), strict=True))
 
 
 @pytest.mark.parametrize("name", ["llama_past_ts", "qwen2_nopast_dynamo"])
@@ -63,9 +50,9 @@ def test_fast_job_without_samples_fuses_groupqueryattention_and_stays_exact_when
     assert "com.microsoft::MultiHeadAttention" not in ops and "Softmax" not in ops
     # and exact at shapes the job never used: prefill 3 x 5, then decode steps on the artifact's own cache
     signature = Signature.of(source)
-    reference, candidate = _session(source), _session(artifact)
+    reference, candidate = reference_session(source), reference_session(artifact)
     feeds = decoder_feeds(signature, 3, 5, 0, seed=11)
-    want, got = _run(reference, feeds), _run(candidate, feeds)
+    want, got = run_named(reference, feeds), run_named(candidate, feeds)
     for key, expected in want.items():
         np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=key)
     if not signature.layers:
@@ -73,8 +60,10 @@ def test_fast_job_without_samples_fuses_groupqueryattention_and_stays_exact_when
     for step in range(3):
         past = 5 + step
         ids = np.random.default_rng(step).integers(0, signature.vocab, size=(3, 1), dtype=np.int64)
-        want = _run(reference, decoder_feeds(signature, 3, 1, past, tokens=ids, past_values=presents_as_past(want)))
-        got = _run(candidate, decoder_feeds(signature, 3, 1, past, tokens=ids, past_values=presents_as_past(got)))
+        want = run_named(
+            reference, decoder_feeds(signature, 3, 1, past, tokens=ids, past_values=presents_as_past(want))
+        )
+        got = run_named(candidate, decoder_feeds(signature, 3, 1, past, tokens=ids, past_values=presents_as_past(got)))
         for key, expected in want.items():
             np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{key} at past {past}")
     assert onnx.load(str(artifact)).graph.output[0].name == "logits"
