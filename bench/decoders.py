@@ -172,11 +172,19 @@ def preset_artifact(
     """The artifact of ``preset`` (a ``PRESET_VARIANTS`` entry) from ``run_pipeline``, in-process, as the CLI
     and the service call it: no samples, the passes' default options (plus ``job``'s keys), the server's
     default pipeline settings. The passes are whatever the preset lists when the script runs."""
+    return job_artifact(src, preset, {**(job or {}), **job_of(preset)}, root, reuse)
+
+
+def job_artifact(
+    src: Path, label: str, config: dict[str, Any], root: Path, reuse: bool = False
+) -> tuple[Path, dict[str, Any]]:
+    """The artifact of a job with ``config`` (the API's JSON) through ``run_pipeline``, in-process, into
+    ``root/<src stem>.<label>``; with ``reuse``, the one already there."""
     from core.config import JobConfig
     from core.settings import get_settings
     from workers.pipeline import PipelineRequest, run_pipeline
 
-    out = root / f"{src.stem}.{preset.replace(' ', '_')}"
+    out = root / f"{src.stem}.{label.replace(' ', '_')}"
     model = out / "model.onnx"
     if reuse and model.exists():
         return model, {"job_s": float("nan"), "reused": True, "ops": contrib_ops(model)}
@@ -184,10 +192,7 @@ def preset_artifact(
     t0 = time.perf_counter()
     result = run_pipeline(
         PipelineRequest(
-            model_path=src,
-            output_dir=out,
-            config=JobConfig.parse({**(job or {}), **job_of(preset)}),
-            settings=get_settings().pipeline,
+            model_path=src, output_dir=out, config=JobConfig.parse(config), settings=get_settings().pipeline
         )
     )
     passes = result.report.get("passes", [])

@@ -59,7 +59,7 @@ if str(REPO) not in sys.path:
 import onnx  # noqa: E402
 
 from bench._report import machine_line, unmarked, write_blocks  # noqa: E402
-from bench.decoders import contrib_ops, describe, preset_artifact, session  # noqa: E402
+from bench.decoders import contrib_ops, describe, job_artifact, preset_artifact, session  # noqa: E402
 from core.inputs.graph import analyze  # noqa: E402
 from passes.precision import _quantization as q  # noqa: E402
 from tests.models import build_decoders as bd  # noqa: E402
@@ -118,27 +118,7 @@ def matched_job() -> dict[str, Any]:
 
 def matched_artifact(src: Path, root: Path, reuse: bool, job: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     """``MATCHED``'s artifact through the engine as a job, like ``bench.decoders.preset_artifact``."""
-    from core.config import JobConfig
-    from core.settings import get_settings
-    from workers.pipeline import PipelineRequest, run_pipeline
-
-    out = root / f"{src.stem}.{MATCHED.replace(' ', '_')}"
-    model = out / "model.onnx"
-    if reuse and model.exists():
-        return model, {"job_s": float("nan"), "reused": True, "ops": contrib_ops(model)}
-    import shutil
-
-    shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
-    config = JobConfig.parse({**job, **matched_job()})
-    result = run_pipeline(PipelineRequest(src, out, config, get_settings().pipeline))
-    passes = result.report.get("passes", [])
-    return Path(result.model_path), {
-        "job_s": time.perf_counter() - t0,
-        "used_original": result.used_original,
-        "applied": [p["name"] for p in passes if p.get("status") == "applied"],
-        "ops": contrib_ops(Path(result.model_path)),
-    }
+    return job_artifact(src, MATCHED, {**job, **matched_job()}, root, reuse)
 
 
 # ---------------------------------------------------------------------------------------------- building
