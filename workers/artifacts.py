@@ -25,15 +25,13 @@ import onnx
 import onnx_ir as ir
 
 from core.errors import InvalidModelError
+from core.model_files import save_model
 from core.recipe import RECIPE_KEY
 from core.version import __version__
 from passes._infra import Pass
 from workers.model_check import check_model
 
 MODEL_FILE = "model.onnx"
-# Above this many bytes of tensors, models are written with their weights in MODEL_FILE + ".data":
-# a single protobuf cannot exceed 2 GiB.
-EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 META_PREFIX = "onnxforge."
 # Written by passes and kept through stamp: tune_session's recipe, and prepost's note that the artifact needs
 # onnxruntime-extensions and how to register it (a consumer cannot load the model without it).
@@ -66,24 +64,12 @@ def load_ir(path: Path) -> ir.Model:
     return ir.serde.deserialize_model(onnx.load(str(path), load_external_data=True))
 
 
-def _tensor_bytes(model: ir.Model) -> int:
-    total = 0
-    for value in model.graph.initializers.values():
-        if value.const_value is not None:
-            total += int(value.const_value.nbytes)
-    return total
-
-
 def save_ir(model: ir.Model, path: Path) -> list[Path]:
-    """Write ``model`` to ``path``; weights go to ``<name>.data`` beside it above the 2 GiB-ish threshold."""
+    """Write ``model`` to ``path``; weights go to ``<name>.data`` beside it above the protobuf limit."""
     data = path.with_name(path.name + ".data")
     with contextlib.suppress(FileNotFoundError):
         data.unlink()
-    if _tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD:
-        ir.save(model, path, external_data=data.name, size_threshold_bytes=1024)
-        return [data]
-    ir.save(model, path)
-    return []
+    return [data] if save_model(model, path) else []
 
 
 def write_side_files(path: Path, side_files: dict[str, bytes], *, stale: Iterable[str] = ()) -> None:

@@ -33,6 +33,7 @@ import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 
 from core.inputs import InputRole, analyze
+from core.model_files import PROTOBUF_SAFE_BYTES
 
 MASKED = -1e4
 _SMALL = ((2, 5, 0), (2, 1, 6), (1, 3, 4))  # (batch, new tokens, past)
@@ -46,11 +47,6 @@ class ProbeError(Exception):
 class MaskKind:
     window: int | None  # keys a query may see counting itself; None: no window up to ``proven``
     proven: int  # the longest key length at which the mask was checked
-
-
-# Weights past this many bytes in memory cannot go through one protobuf message (2 GB), which the probes'
-# copies and sessions do: such a model is written out once with its weights in a file (``_weights_apart``).
-_PROTOBUF_LIMIT = 1_800_000_000
 
 
 def _session(proto: onnx.ModelProto, weights_dir: str | None = None) -> ort.InferenceSession:
@@ -75,7 +71,7 @@ def _weights_apart(model: ir.Model) -> Iterator[tuple[ir.Model, str | None]]:
         for v in model.graph.initializers.values()
         if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor)
     )
-    if in_memory < _PROTOBUF_LIMIT:
+    if in_memory < PROTOBUF_SAFE_BYTES:  # the probes' copies and sessions go through one protobuf message
         yield model, folder
         return
     with tempfile.TemporaryDirectory(prefix="fuse_gqa-probe-") as scratch:

@@ -9,6 +9,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_common
 
+from core.model_files import save_model
 from passes.prepost._prepost_options import PoolPost, TopKPost, fail
 
 if TYPE_CHECKING:
@@ -121,8 +122,4 @@ def build(
 
 
 def save(model: ir.Model, path: Path) -> None:
-    total = sum(int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None)
-    if total > 1_800_000_000:
-        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
-    else:
-        ir.save(model, path)
+    save_model(model, path)

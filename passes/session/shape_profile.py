@@ -53,6 +53,7 @@ import onnx_ir as ir
 from pydantic import Field, field_validator
 
 from core.inputs import InputSynthesis
+from core.model_files import save_model
 from core.recipe import RECIPE_KEY
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes.session._shape_profile_measure import (
@@ -84,7 +85,6 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 DEFAULT_BATCH_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
 DEFAULT_MIN_SEQUENCE = 8
 DEFAULT_MAX_SEQUENCE = 512  # without a position table
-EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
 
 class ShapeProfileOptions(PassOptions):
@@ -321,11 +321,7 @@ def _save_copy(model: ir.Model, path: Path) -> None:
     """The model as the children load it, without an earlier recipe (each candidate brings its own)."""
     saved = model.metadata_props.pop(RECIPE_KEY, None)
     try:
-        size = sum(int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None)
-        if size > EXTERNAL_DATA_THRESHOLD:
-            ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
-        else:
-            ir.save(model, path)
+        save_model(model, path)
     finally:
         if saved is not None:
             model.metadata_props[RECIPE_KEY] = saved

@@ -60,7 +60,7 @@ def test_fuse_gqa_fuses_when_the_weights_in_memory_are_past_the_protobuf_limit(m
     (protobuf's 2 GB): the probes write the model out once instead. The limit is lowered to take that path."""
     from passes.fusion import _gqa_probe
 
-    monkeypatch.setattr(_gqa_probe, "_PROTOBUF_LIMIT", 0)
+    monkeypatch.setattr(_gqa_probe, "PROTOBUF_SAFE_BYTES", 0)
     model = FuseRotary()(ir.load(DECODERS / "llama_past_ts.onnx"), PassContext()).model
 
     result = FuseGqa()(model, PassContext())

@@ -8,6 +8,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from core import model_files
 from core.recipe import RECIPE_KEY
 from passes._infra import Pass
 from tests.workers.conftest import DropReluChain, Idle
@@ -76,7 +77,7 @@ def test_place_hands_back_external_weights_as_model_onnx_data_when_the_artifact_
     """A model over the protobuf limit is written as artifact.onnx + artifact.onnx.data and handed back as
     model.onnx + model.onnx.data: the returned model must name the file it is handed back with."""
     # setup
-    monkeypatch.setattr(artifacts, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(model_files, "PROTOBUF_SAFE_BYTES", 0)
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     out.mkdir()
