@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from core.config import DecoderBenchmark, JobConfig
-from core.inputs import InputRole, InputSet, InputSpec, InputSynthesis
+from core.inputs import InputSet, InputSynthesis
 from core.recipe import read_recipe
 from workers.benchmark import BenchmarkParams, SessionPool, compare
 from workers.decoder_memory import measure_memory
@@ -132,7 +132,9 @@ def make_plan(model: ir.Model, seed: int = 0) -> Plan | str:
         for n, r in roles.items()
         if r.role == "attention_mask" and not r.cross and specs[n].dims and isinstance(specs[n].dims[-1], str)
     ]
-    encoder = {str(d) for d in (_encoder_dim(specs[n], r) for n, r in roles.items()) if isinstance(d, str)}
+    encoder = {
+        str(specs[n].dims[axis]) for n, axis in synthesis.encoder_axes().items() if isinstance(specs[n].dims[axis], str)
+    }
     outputs = [v.name or "" for v in model.graph.outputs]
     cache = cache_pairs(pasts, outputs)
     if isinstance(cache, str):
@@ -147,17 +149,6 @@ def make_plan(model: ir.Model, seed: int = 0) -> Plan | str:
         synthesis.facts.max_positions,
         sorted(encoder - {specs[ids].dims[1], *past_dims}),
     )
-
-
-def _encoder_dim(spec: InputSpec, role: InputRole) -> object:
-    """The dim of ``spec`` over the encoder's sequence, where its role has one (None otherwise)."""
-    if role.role == "encoder_states" and spec.rank == 3:
-        return spec.dims[1]
-    if role.role == "attention_mask" and role.cross and spec.rank:
-        return spec.dims[-1]
-    if role.role == "cross_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
-        return spec.dims[role.past_axis]
-    return None
 
 
 def weight_bytes(model: ir.Model) -> dict[str, int]:

@@ -158,7 +158,7 @@ class InputSynthesis:
                 break
         if self.facts.has_past:
             seq = self._bound_new_tokens(bound, seq)
-        encoder = self._encoder_axes()
+        encoder = self.encoder_axes()
         enc_len = self._encoder_length(bound, overrides, index, guess) if encoder else 0
         for spec in self.specs:
             dim = spec.dims[encoder[spec.name]] if spec.name in encoder else None
@@ -197,7 +197,7 @@ class InputSynthesis:
             shapes[name] = tuple(fixed)
         return shapes
 
-    def _encoder_axes(self) -> dict[str, int]:
+    def encoder_axes(self) -> dict[str, int]:
         """Input -> its axis over the encoder's sequence: encoder states (axis 1), a cross-attention mask (its
         last), a cross-attention cache (its length axis). One length binds them all."""
         out = {}
@@ -217,7 +217,7 @@ class InputSynthesis:
         """The encoder's sequence length of set ``index``: what the caller bound or the graph fixes on any
         input over it, else ``12 << index`` (unlike the decoder's lengths, so a mixed-up axis fails)."""
         by_name = {s.name: s for s in self.specs}
-        for name, axis in self._encoder_axes().items():
+        for name, axis in self.encoder_axes().items():
             dim = by_name[name].dims[axis]
             if name in overrides and len(overrides[name]) > axis:
                 return int(overrides[name][axis])
@@ -385,7 +385,7 @@ class InputSynthesis:
         )
 
     def _seq2seq_why(self, shapes: Mapping[str, tuple[int, ...]]) -> str:
-        encoder = self._encoder_axes()
+        encoder = self.encoder_axes()
         enc = next((shapes[n][axis] for n, axis in encoder.items() if len(shapes[n]) > axis), 0)
         ids = next((s for n, s in shapes.items() if self._role(n).role == "token_ids" and s), (1, 0))
         call = f"{ids[0]} row(s) of {ids[-1]} token(s)"
@@ -420,7 +420,7 @@ class InputSynthesis:
         table) or derived (sums, a mask over past + new tokens) are left out."""
         out: dict[str, dict[str, Any]] = {}
         derived: set[str] = set()
-        encoder = self._encoder_axes()
+        encoder = self.encoder_axes()
         encoder_dim = None  # the first dim over the encoder's sequence is free; the others follow it
         for spec in self.specs:
             role = self._role(spec.name)
