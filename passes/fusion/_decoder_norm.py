@@ -47,6 +47,18 @@ def _last_axis(mean: ir.Node, power: ir.Node) -> bool:
     return axes is not None and shape is not None and axes == [len(shape) - 1]
 
 
+def _dtype(root: ir.Value | None, reciprocal: ir.Node) -> ir.DataType | None:
+    """The root's type: annotated, else the epsilon constant's (an export without value_info, T5's dynamo
+    files, annotates nothing before shape inference; ``Add(mean, eps)`` has one type)."""
+    if root is None:
+        return None
+    if root.dtype is not None or reciprocal.outputs[0].dtype is not None:
+        return root.dtype or reciprocal.outputs[0].dtype
+    add = root.producer().inputs[0].producer()  # Sqrt(Add(..)), as _rms_sqrt found it
+    eps = next((v.const_value for v in add.inputs if v is not None and v.const_value is not None), None)
+    return eps.dtype if eps is not None and eps.dtype.is_floating_point() else None
+
+
 def divide_rms_norms(graph: ir.Graph) -> int:
     """Rewrite each RMS norm's ``Reciprocal(Sqrt(.))`` as ``Div(1, Sqrt(.))``; the number rewritten."""
     rewritten = 0
@@ -54,12 +66,13 @@ def divide_rms_norms(graph: ir.Graph) -> int:
         if node.op_type != "Reciprocal" or node.domain not in _ONNX:
             continue
         root = _rms_sqrt(node)
-        if root is None or root.dtype is None or node.outputs[0] in graph.outputs:
+        dtype = _dtype(root, node)
+        if root is None or dtype is None or node.outputs[0] in graph.outputs:
             continue
-        one = ir.node("Constant", [], {"value": ir.tensor(np.array(1, root.dtype.numpy()))}, name=f"{node.name}/one")
+        one = ir.node("Constant", [], {"value": ir.tensor(np.array(1, dtype.numpy()))}, name=f"{node.name}/one")
         div = ir.node("Div", [one.outputs[0], root], name=f"{node.name}/as_div")
         div.outputs[0].name = f"{node.outputs[0].name}/as_div"
-        div.outputs[0].dtype, div.outputs[0].shape = node.outputs[0].dtype or root.dtype, node.outputs[0].shape
+        div.outputs[0].dtype, div.outputs[0].shape = node.outputs[0].dtype or dtype, node.outputs[0].shape
         graph.insert_before(node, [one, div])
         ir.convenience.replace_all_uses_with(node.outputs[0], div.outputs[0])
         graph.remove(node, safe=True)

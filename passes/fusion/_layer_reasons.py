@@ -29,6 +29,9 @@ from passes.fusion import _tanh_gelu as tanh_gelu
 
 _ONNX = ("", "ai.onnx")
 _FOUND_CHARS = 400  # the found subgraph, cut: the report is read by people
+# How far below its anchor a rule's root node sits: an RMS norm's is the weight Mul six ops below its
+# Pow(x, 2) (ReduceMean, Add, Sqrt, Div/Reciprocal, Mul(x, .), Mul(weight)), past the default four.
+_ROOT_DEPTH = {"Pow": 6}
 EXPECTED = {
     "attention": "MatMul(q, Transpose(k)) scaled by a constant (Mul/Div on q, k or the scores), at most one "
     "additive mask (or a Where filling -inf/min), Softmax, MatMul(., v); q, k, v of shape [B, heads, S, head_dim] "
@@ -57,7 +60,7 @@ def layer_reasons(model: ir.Model, original: ir.Model, family: str, groups: set[
     for group, anchor in sites:
         layer = order.get((anchor.op_type, anchor.name), "?")
         kind = {"attention": "attention", "skip_layer_norm": "residual norm", "gelu": "GELU"}[group]
-        attempt = _closest(anchor, traced[group])
+        attempt = _closest(anchor, traced[group], _ROOT_DEPTH.get(anchor.op_type, 4))
         if group == "gelu":
             found = describe(_gelu_root(anchor).outputs[0])
         else:
@@ -84,8 +87,13 @@ def _groups_of(node: ir.Node) -> list[str]:
 
 
 def _is_residual(value: ir.Value | None) -> bool:
-    """An Add of two computed tensors: a residual sum, which a Skip norm would take in."""
+    """An Add of two computed tensors: a residual sum, which a Skip norm would take in. Looks through the
+    Cast T5's TorchScript export writes before a norm's statistics (``x.to(float32)``), which the fused
+    candidate no longer has: without it the original's anchors and the candidate's would not be the same and
+    a layer would be numbered "?"."""
     producer = value.producer() if value is not None else None
+    while producer is not None and producer.op_type == "Cast" and producer.inputs[0] is not None:
+        producer = producer.inputs[0].producer()
     if producer is None or producer.op_type != "Add" or producer.domain not in _ONNX:
         return False
     return all(v is not None and v.const_value is None and v.producer() is not None for v in producer.inputs)
@@ -115,8 +123,8 @@ def _neighbourhood(anchor: ir.Node, down: int = 4) -> list[ir.Node]:
     return found
 
 
-def _closest(anchor: ir.Node, attempts: dict[str, adapter.Attempt]) -> adapter.Attempt | None:
-    candidates = [attempts[n.name] for n in _neighbourhood(anchor) if n.name in attempts]
+def _closest(anchor: ir.Node, attempts: dict[str, adapter.Attempt], down: int = 4) -> adapter.Attempt | None:
+    candidates = [attempts[n.name] for n in _neighbourhood(anchor, down) if n.name in attempts]
     order = {"SUCCESS": 3, "REPLACEMENT_FAILED": 2, "CONDITION_FAILED": 1, "NO_MATCH": 0}
     return max(candidates, key=lambda a: (order.get(a.status, 0), a.matched), default=None)
 

@@ -1,17 +1,30 @@
-"""RMS normalization as the TorchScript exporter writes it at opset 17, fused like onnxscript's own rule does.
+"""RMS normalization in the forms the torch exporters write that onnxscript's rule does not read, fused like it.
 
-onnxscript's ``rms_normalization`` rule (0.7.2) reads ``ReduceMean`` with its axes as an input (opset 18) and
-the inverse root as ``Reciprocal``. ``torch.onnx.export(dynamo=False, opset_version=17)`` writes Llama's and
-T5's ``x * rsqrt(mean(x^2) + eps) * weight`` with the axes as an attribute and ``rsqrt`` as ``Div(1, Sqrt)``,
-so no RMS norm fused, and with none the residual + norm (``skip_rms_normalization``) could not fuse either::
+onnxscript's ``rms_normalization`` rule (0.7.2) reads one form: ``ReduceMean`` with its axes as an input
+(opset 18) and the inverse root as ``Reciprocal``. The exporters write more:
 
-    x --Pow(2)--ReduceMean(axes=[-1])--Add(eps)--Sqrt--Div(1, .)--Mul(x, .)--Mul(weight)-->
+* ``torch.onnx.export(dynamo=False)`` writes ``rsqrt`` as ``Div(1, Sqrt)``, with the axes as an attribute at
+  opset 17 (Llama, T5) and as an input at opset 18 (T5, BART-style seq2seq files exported at 18);
+* ``fuse_rotary`` rewrites the dynamo exporter's ``Reciprocal`` into ``Div(1, Sqrt)`` for ORT's session
+  (``_decoder_norm``), so after it a dynamo norm is the opset-18 ``Div`` form too;
+* ``Reciprocal`` with the axes as an attribute (opset 17) and ``x / Sqrt(..)`` (``_rms_norm``'s own
+  decomposition) are the other spellings of the same arithmetic;
+* onnxscript's own form is read too, and without the ``noop_with_empty_axes=0`` its pattern spells out (the
+  default, which an exporter may omit); ours runs first, so on such a norm onnxscript's count is 0.
+
+Without these no RMS norm fused, and with none the residual + norm (``skip_rms_normalization``) could not fuse
+either::
+
+    x --Pow(2)--ReduceMean(axes=[-1] | [-1])--Add(eps)--Sqrt--+--Div(1, .) | Reciprocal--Mul(x, .)--Mul(weight)-->
+                                                              +--Div(x, .)------------------------/
     ==>  SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=eps)
 
 The op is emitted in the ONNX domain exactly as onnxscript's rule emits it (``_rms_norm`` writes the leftovers
 back as standard ops, since ONNX has no schema for it). Exact up to ORT's kernel summing in another order.
-The same-type ``Cast`` nodes the exporter puts around the statistics are matched and dropped only where they
-cast to the input's own type. Built with onnxscript's exported pattern API.
+A ``Cast`` before the statistics stays where it is and the norm reads its output (T5's TorchScript export
+shares that Cast with the residual sum); one after them is dropped only where it casts back to the
+statistics' own type; the weight must be a vector over the normalized axis (the kernel's ``scale``),
+not a tensor that would broadcast otherwise. Built with onnxscript's exported pattern API.
 """
 
 from __future__ import annotations
@@ -29,50 +42,87 @@ def _scalar(value: ir.Value | None) -> float | None:
     return float(tensor.numpy().reshape(-1)[0])
 
 
-class RmsNormOpset17(pattern.RewriteRuleClassBase):
-    def __init__(self, name: str, weight_first: bool) -> None:
+def _axes(reduce: ir.Node) -> list[int] | None:
+    """ReduceMean's axes, from its attribute (opset < 18) or its constant second input (opset 18)."""
+    if len(reduce.inputs) > 1 and reduce.inputs[1] is not None:
+        tensor = reduce.inputs[1].const_value
+        return None if tensor is None else [int(a) for a in tensor.numpy().reshape(-1)]
+    return reduce.attributes.get_ints("axes", None)
+
+
+class RmsNormForms(pattern.RewriteRuleClassBase):
+    def __init__(self, name: str, weight_first: bool, axes_input: bool) -> None:
         super().__init__(name)
         self._weight_first = weight_first  # Mul(weight, normed) (Llama, T5) or Mul(normed, weight)
+        self._axes_input = axes_input  # ReduceMean(x, axes) (opset 18) or ReduceMean(x, axes=[..]) (opset 17)
 
-    def pattern(self, op, x, weight, epsilon, one):
-        cast = pattern.OrValue([op.Cast(x, _outputs=["cast_in"]), x])
-        mean = op.ReduceMean(op.Pow(cast, 2.0), _allow_other_attributes=True, _outputs=["mean"])
-        inverse = op.Div(one, op.Sqrt(op.Add(mean, epsilon)))
-        normed = op.Mul(cast, inverse)
+    def pattern(self, op, x, weight, epsilon, one, axes):  # noqa: PLR0917 - onnxscript passes the variables by position
+        # No Cast alternative before the statistics: T5's TorchScript export shares its same-type Cast with the
+        # residual Add, so the Cast cannot be consumed; the norm reads the Cast's output instead, which is exact.
+        square = op.Pow(x, 2.0)
+        if self._axes_input:
+            mean = op.ReduceMean(square, axes, _allow_other_attributes=True, _outputs=["mean"])
+        else:
+            mean = op.ReduceMean(square, _allow_other_attributes=True, _outputs=["mean"])
+        root = op.Sqrt(op.Add(mean, epsilon))
+        inverse = pattern.OrValue([op.Div(one, root), op.Reciprocal(root)])
+        normed = pattern.OrValue([op.Mul(x, inverse), op.Div(x, root)])
         normed = pattern.OrValue([op.Cast(normed, _outputs=["cast_out"]), normed])
         return op.Mul(weight, normed) if self._weight_first else op.Mul(normed, weight)
 
     def check(self, context, x: ir.Value, weight: ir.Value, **rest):
         result = pattern.MatchResult()
-        epsilon, one, mean = rest["epsilon"], rest["one"], rest["mean"]
+        epsilon, one, mean = rest["epsilon"], rest.get("one"), rest["mean"]
         if x.dtype not in _FLOATS:
             return result.fail(f"input of type {x.dtype}, expected float or double", x)
         if weight.dtype != x.dtype:
             return result.fail("the weight's type differs from the input's", weight)
-        for cast in ("cast_in", "cast_out"):
-            value = rest.get(cast)
-            if value is not None and value.dtype != x.dtype:
-                return result.fail(f"a Cast to {value.dtype}: the statistics are computed in another precision", value)
-        if _scalar(one) != 1.0:
+        cast = rest.get("cast_out")
+        if cast is not None and cast.dtype != x.dtype:
+            return result.fail(f"a Cast to {cast.dtype}: the statistics are computed in another precision", cast)
+        if one is not None and _scalar(one) != 1.0:
             return result.fail("Div(c, Sqrt(..)) with c != 1 is not an inverse root", one)
         if _scalar(epsilon) is None:
             return result.fail("epsilon is not a constant scalar", epsilon)
         reduce = mean.producer()
-        axes = reduce.attributes.get_ints("axes", None)
+        axes = _axes(reduce)
         rank = x.shape.rank() if x.shape is not None else None
-        if len(reduce.inputs) > 1 or axes is None or len(axes) != 1:
-            return result.fail("ReduceMean without one axes attribute (the opset 18 form is onnxscript's rule)", mean)
+        if axes is None or len(axes) != 1:
+            return result.fail("ReduceMean without one constant axis", mean)
         if axes[0] != -1 and (rank is None or axes[0] != rank - 1):
             return result.fail(f"ReduceMean over axis {axes[0]}, not the last one", mean)
         if not reduce.attributes.get_int("keepdims", 1):
             return result.fail("ReduceMean drops the reduced axis", mean)
+        if not _is_scale_vector(weight, x):
+            return result.fail(f"weight of shape {weight.shape}: not a vector over the last axis of {x.shape}", weight)
         return result
 
     def rewrite(self, op, x, weight, epsilon, **_):
         return op.SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=_scalar(epsilon), stash_type=x.dtype.value)
 
 
-# onnxscript's commute cannot copy a pattern holding an untagged OrValue: the two Mul orders are two rules.
+def _is_scale_vector(weight: ir.Value, x: ir.Value) -> bool:
+    """The weight multiplies the normalized axis only: shape [H] (or [1, .., H]), H the input's last dim where
+    known. A weight with a batch or sequence extent broadcasts differently from the kernel's scale."""
+    shape = weight.shape
+    if shape is None or shape.rank() == 0 or any(d != 1 for d in list(shape)[:-1]):
+        return False
+    x_last = x.shape[-1] if x.shape is not None and x.shape.rank() else None
+    last = shape[-1]
+    if isinstance(last, int) or isinstance(x_last, int):
+        return last == x_last
+    named = getattr(last, "value", None)  # a symbolic dim: the same name, never two unknowns
+    return named is not None and named == getattr(x_last, "value", None)
+
+
+# onnxscript's commute cannot copy a pattern holding an untagged OrValue: each Mul order and ReduceMean form is
+# its own rule.
+_VARIANTS = [(first, axes_input) for axes_input in (False, True) for first in (True, False)]
 rules = pattern.RewriteRuleSet(
-    [RmsNormOpset17.rule("RmsNormOpset17WeightFirst", True), RmsNormOpset17.rule("RmsNormOpset17WeightLast", False)]
+    [
+        RmsNormForms.rule(
+            f"RmsNormOpset{18 if axes_input else 17}Weight{'First' if first else 'Last'}", first, axes_input
+        )
+        for first, axes_input in _VARIANTS
+    ]
 )
