@@ -38,6 +38,14 @@ interval will not clear the floor in time), else when the time budget ``max_seco
 ``max_runs``. No early stop is taken on fewer than ``MIN_SETTLE_PAIRS`` pairs: the bootstrap interval of one
 pair has no width. Each set records what stopped it (``stopped_by``).
 
+A tie, for the gate of a latency-only preset (``BenchmarkParams.tie_stop``, workers/gate.py): every set is
+first timed to its floor, then the rules above look at each; when one is still open, the pooled estimate gains
+less than the 3% floor and no set is faster beyond its margin (``tie``), the comparison stops there
+(``stopped_by``: ``TIE_STOP``) and the gate hands back the upload, which cannot be slower than itself. An
+artifact within noise of the upload needs the interval's upper end under 1.03 to be handed back, which took
+38-47 blocks on ViT's batch 1 at bench size; on synthetic runs of 3-15% spread, three sets of a true tie took
+73-82 blocks in all within a 10 s budget each, 30-40 with this stop.
+
 Sessions: a ``SessionPool`` keeps each model's warm benchmark session for the job, so the original is built
 once (baseline, every A/B against it, the gate) and the model a pass was accepted as is the next pass's A
 without being rebuilt; the owner says which models to keep (``retain``) and closes it at the end.
@@ -83,6 +91,8 @@ MIN_SETTLE_PAIRS = 5
 # the budget, not the verdict.
 FUTILITY_RISK = 0.05
 FUTILITY_MIN_PAIRS = 10
+# What stopped the sets still open when the gate stopped on a tie (``tie``).
+TIE_STOP = "tie: the pooled estimate gains under the 3% floor, no set faster beyond noise"
 _Z95 = 1.959964
 # Warm-up stops once a run is within this fraction of the run before it (module docstring): ORT's arena and
 # thread pool settle in the first run or two, and a difference below the run-to-run noise of a loaded host
@@ -103,6 +113,10 @@ class BenchmarkParams:
     # The floor in time: min_runs blocks, or MIN_SETTLE_PAIRS blocks and more once they took this long,
     # whichever comes first (``floor_reached``); 0 keeps the floor in blocks alone.
     min_seconds: float = 0.0
+    # The gate's stop on a tie (``tie``): every input set is timed to its floor first, and an answer still open
+    # there whose pooled estimate gains less than the 3% floor, no set faster beyond noise, ends the comparison
+    # (the gate then hands back the upload). Off for the ledger's A/Bs, which decide a rollback only.
+    tie_stop: bool = False
 
     @property
     def uses_io_binding(self) -> bool:
@@ -193,6 +207,21 @@ def futile(verdict: Verdict, *, pairs: int, remaining: int) -> bool:
     return (1.0 - below if not verdict.slower else below) < FUTILITY_RISK
 
 
+def tie(verdicts: Sequence[Verdict], pooled: Verdict, answers: Sequence[str | None]) -> bool:
+    """Whether the floor's blocks of every input set (their ``verdicts``, the ``pooled`` one over all their
+    pairs, and what the stopping rules say of each: ``answers``, None while open) already show a tie that the
+    rest of the budget would only confirm at length.
+
+    True when some set is still open, the pooled estimate (median paired ratio) gains less than the 3% floor of
+    the "slower beyond noise" rule (the resolution below which nobody acts on a difference), and no set is
+    faster beyond its own margin (a gain on one shape is worth the budget, whatever the others show). Proving
+    such an artifact "not slower" takes as many blocks as the noise needs to bring the interval's upper end
+    under 1.03 (38-47 on ViT's batch 1 at bench size); handing back the upload instead is never slower."""
+    if all(answer is not None for answer in answers):
+        return False
+    return pooled.paired_ratio >= 1.0 - MIN_MARGIN and not any(v.faster for v in verdicts)
+
+
 def stop_reason(a_ms: Sequence[float], b_ms: Sequence[float], *, remaining: int, seed: int = 0) -> str | None:
     """Why the interleaved runs of one input set can stop now (``settled``, ``futile``), or None."""
     verdict = slower_beyond_noise(a_ms, b_ms, seed=seed)
@@ -251,6 +280,7 @@ class Comparison:
     params: BenchmarkParams
     cuda_graph: CudaGraphChoice = dataclasses.field(default_factory=CudaGraphChoice)
     recipe_b: dict[str, Any] | None = None  # the candidate's session recipe as measured (with the graph if used)
+    tie: bool = False  # stopped at the floor on a tie (``tie``): the gate hands back the upload
 
     @property
     def execution(self) -> dict[str, Any]:
@@ -294,6 +324,7 @@ class Comparison:
             "p50_ms_optimized": self.p50_b_ms,
             "params": dataclasses.asdict(self.params),
             "execution": self.execution,
+            "tie": self.tie,
             "shapes": [s.to_dict() for s in self.shapes],
         }
 
@@ -552,42 +583,100 @@ def try_cuda_graph(
     return choice, graph
 
 
-def _timed_blocks(
-    run_a: Callable[[], Any], run_b: Callable[[], Any], params: BenchmarkParams, index: int
-) -> tuple[list[float], list[float], str]:
-    """Interleaved blocks of one input set until the answer is settled, the budget spent or max_runs reached
-    (module docstring); returns the A and B times and what stopped them."""
-    a_ms: list[float] = []
-    b_ms: list[float] = []
-    start = time.perf_counter()
-    block = 0
+@dataclasses.dataclass
+class _Blocks:
+    """One input set's interleaved blocks so far: the gate's timing pauses at the floor and may go on later."""
+
+    a_ms: list[float] = dataclasses.field(default_factory=list)
+    b_ms: list[float] = dataclasses.field(default_factory=list)
+    elapsed_s: float = 0.0
     check_at: int | None = None  # the block the stopping rules look next at, from the floor on
+
+
+def _stop_after_block(state: _Blocks, params: BenchmarkParams, index: int) -> str | None:
+    """What stops the blocks of ``state`` now (module docstring), or None to run another block."""
+    block = len(state.a_ms)
+    if block >= params.max_runs:
+        return "max_runs"
+    elapsed = state.elapsed_s
+    if state.check_at is None:
+        if not floor_reached(block, elapsed, params):
+            return None
+        state.check_at = block
+    if block >= state.check_at:
+        # The blocks the budget still allows at the pace so far (each block times one A and one B run).
+        by_time = (params.max_seconds - elapsed) / (elapsed / block) if elapsed > 0 else params.max_runs
+        remaining = int(min(params.max_runs - block, by_time))
+        answer = stop_reason(state.a_ms, state.b_ms, remaining=remaining, seed=index)
+        if answer is not None:
+            return answer
+        state.check_at = block + max(SETTLE_CHECK_BLOCKS, block // 4)
+    # The floor in time opens only the early stops of a settled (or, from 10 pairs, futile) answer: an answer
+    # still open when the budget is spent gets min_runs blocks, as before.
+    if elapsed >= params.max_seconds and block >= params.min_runs:
+        return "time budget"
+    return None
+
+
+def _timed_blocks(
+    run_a: Callable[[], Any],
+    run_b: Callable[[], Any],
+    params: BenchmarkParams,
+    index: int,
+    state: _Blocks | None = None,
+    *,
+    until_floor: bool = False,
+) -> tuple[list[float], list[float], str | None]:
+    """Interleaved blocks of one input set until the answer is settled, the budget spent or max_runs reached
+    (module docstring); returns the A and B times and what stopped them. ``until_floor``: pause at the floor
+    (or max_runs) before any stopping rule is applied (what stopped them: None); ``state``: go on from such a
+    pause (whose rules the caller applied), its budget counting only the time spent in these blocks."""
+    state = _Blocks() if state is None else state
+    started = time.perf_counter() - state.elapsed_s
     while True:
-        if (block + index) % 2 == 0:
-            a_ms.append(_time_one(run_a))
-            b_ms.append(_time_one(run_b))
+        if (len(state.a_ms) + index) % 2 == 0:
+            state.a_ms.append(_time_one(run_a))
+            state.b_ms.append(_time_one(run_b))
         else:
-            b_ms.append(_time_one(run_b))
-            a_ms.append(_time_one(run_a))
-        block += 1
-        if block >= params.max_runs:
-            return a_ms, b_ms, "max_runs"
-        elapsed = time.perf_counter() - start
-        if check_at is None:
-            if not floor_reached(block, elapsed, params):
-                continue
-            check_at = block
-        if block >= check_at:
-            # The blocks the budget still allows at the pace so far (each block times one A and one B run).
-            by_time = (params.max_seconds - elapsed) / (elapsed / block) if elapsed > 0 else params.max_runs
-            answer = stop_reason(a_ms, b_ms, remaining=int(min(params.max_runs - block, by_time)), seed=index)
-            if answer is not None:
-                return a_ms, b_ms, answer
-            check_at = block + max(SETTLE_CHECK_BLOCKS, block // 4)
-        # The floor in time opens only the early stops of a settled (or, from 10 pairs, futile) answer: an answer
-        # still open when the budget is spent gets min_runs blocks, as before.
-        if elapsed >= params.max_seconds and block >= params.min_runs:
-            return a_ms, b_ms, "time budget"
+            state.b_ms.append(_time_one(run_b))
+            state.a_ms.append(_time_one(run_a))
+        state.elapsed_s = time.perf_counter() - started
+        block = len(state.a_ms)
+        if until_floor and (block >= params.max_runs or floor_reached(block, state.elapsed_s, params)):
+            return state.a_ms, state.b_ms, None
+        answer = _stop_after_block(state, params, index)
+        if answer is not None:
+            return state.a_ms, state.b_ms, answer
+
+
+def _time_sets(
+    runs_a: Runs, runs_b: Runs, count: int, params: BenchmarkParams
+) -> tuple[list[_Blocks], list[str | None], bool]:
+    """The interleaved blocks of ``count`` input sets of A and B (each set warmed up before its first block),
+    what stopped each, and whether the comparison stopped on a tie (``params.tie_stop``, ``tie``).
+
+    Without ``tie_stop`` each set is timed to its end in turn. With it, every set is first timed to its floor
+    (a pause, no rule applied there), so the tie is judged on all of them before any set spends its budget;
+    the rules then look at each set's floor as they would have, and only the sets still open go on."""
+    states = [_Blocks() for _ in range(count)]
+    stops: list[str | None] = []
+    for index in range(count):
+        runs_a.warm_up(index, params.warmup), runs_b.warm_up(index, params.warmup)
+        run_a, run_b = runs_a.select(index), runs_b.select(index)
+        stops.append(_timed_blocks(run_a, run_b, params, index, states[index], until_floor=params.tie_stop)[2])
+    if not params.tie_stop:
+        return states, stops, False
+    stops = [stop or _stop_after_block(states[i], params, i) for i, stop in enumerate(stops)]
+    verdicts = [slower_beyond_noise(s.a_ms, s.b_ms, seed=i) for i, s in enumerate(states)]
+    pooled = pooled_verdict([np.asarray(s.b_ms) / np.asarray(s.a_ms) for s in states])
+    tied = tie(verdicts, pooled, stops)
+    for index in range(count):
+        if tied:
+            stops[index] = stops[index] or TIE_STOP
+        elif stops[index] is None:  # warmed up already: its timed runs are counted only at the end
+            run_a, run_b = runs_a.select(index), runs_b.select(index)
+            stops[index] = _timed_blocks(run_a, run_b, params, index, states[index])[2]
+    return states, stops, tied
 
 
 def compare(
@@ -615,11 +704,10 @@ def compare(
         graph_choice, graph_runs = try_cuda_graph(path_b, runs_b, params, recipe_b)
         if graph_runs is not None:
             runs_b, measured_recipe = graph_runs, with_cuda_graph(recipe_b)
+    states, stops, tied = _time_sets(runs_a, runs_b, len(input_sets), params)
     results = []
     for index, input_set in enumerate(input_sets):
-        runs_a.warm_up(index, params.warmup), runs_b.warm_up(index, params.warmup)
-        run_a, run_b = runs_a.select(index), runs_b.select(index)
-        a_ms, b_ms, stopped_by = _timed_blocks(run_a, run_b, params, index)
+        a_ms, b_ms = states[index].a_ms, states[index].b_ms
         runs_a.count(index, len(a_ms))
         runs_b.count(index, len(b_ms))
         results.append(
@@ -629,13 +717,13 @@ def compare(
                 LatencyStats.from_samples(b_ms, mem_b),
                 slower_beyond_noise(a_ms, b_ms, seed=index),
                 np.asarray(b_ms) / np.asarray(a_ms),
-                stopped_by,
+                stops[index],
             )
         )
     del runs_a, runs_b
     if own:
         sessions.close()
-    return Comparison(results, mode, params, graph_choice, measured_recipe)
+    return Comparison(results, mode, params, graph_choice, measured_recipe, tie=tied)
 
 
 def measure(

@@ -7,6 +7,10 @@
                                                    │    the upload is returned (used_original), or the stage
                                                    │    right after the input change; with fail_on_regression
                                                    │    the job fails naming the guilty pass
+                                                   ├─ preset fast (full benchmark, rollback_slower on), a tie
+                                                   │    (no input set faster beyond 3% at the floor, an answer
+                                                   │    still open): the upload is returned, as above, never a
+                                                   │    failure (``decision.gate.tie``)
                                                    └─ else: optimized
 
 When the ledger left its last group to the gate (``Ledger.left_to_gate``: a group whose A/B would have compared
@@ -31,6 +35,13 @@ from passes._infra import Pass
 from workers.benchmark import BenchmarkParams, Comparison, compare
 from workers.ledger import Ledger, Outcome
 from workers.report import PassRecord
+
+# Presets whose only aim is latency ("kept only where it pays on the target", passes/registry.py): their full
+# gate stops on a tie (workers/benchmark.py, ``tie``) and hands back the upload. The others keep timing a tie to
+# its end, as their artifact is worth having for what it is (exact clean-up, smaller weights) when not slower;
+# so do jobs that opted out of timing-based choices (rollback_slower off) or of the full benchmark (whose quick
+# gate of 5 blocks is too short to call a tie on).
+TIE_RETURNS_UPLOAD = frozenset({"fast"})
 
 
 @dataclasses.dataclass
@@ -94,6 +105,8 @@ def decide(
         return GateResult(None, decision)
     progress("benchmarking", 0.0)
     params = full if config.benchmark else quick
+    if config.preset in TIE_RETURNS_UPLOAD and config.benchmark and ledger.setup.rollback_slower:
+        params = dataclasses.replace(params, tie_stop=True)  # on a tie the upload comes back: never slower
     reference = rebase.reference if rebase is not None else ledger.setup.source
     comparison = compare(
         reference,
@@ -108,6 +121,17 @@ def decide(
     decision["gate"].update(slower=comparison.slower, benchmark_mode=comparison.mode, speedup=comparison.speedup)
     benchmark = comparison.to_dict() if config.benchmark else None
     upload = comparison if rebase is None and ledger.input_sets is ledger.setup.input_sets else None
+    if not comparison.slower and comparison.tie:
+        decision["gate"]["tie"] = True
+        per_set = ", ".join(f"{sh.verdict.paired_ratio:.3f}" for sh in comparison.shapes)
+        decision.update(
+            result="original",
+            used_original=True,
+            reason=f"verified within tolerance, but no faster than the uploaded model beyond the 3% floor (pooled "
+            f"paired ratio {comparison.pooled.paired_ratio:.3f}, per input set {per_set}; no set faster beyond "
+            "noise): a tie, not timed further to prove it not slower; the uploaded model is returned",
+        )
+        return GateResult(benchmark, decision, _fall_back(ledger, decision), upload_timing=upload)
     if not comparison.slower:
         decision["reason"] = (
             f"verified within tolerance and not slower beyond noise (speedup {comparison.speedup:.3f}, "

@@ -13,13 +13,16 @@ import numpy as np
 import pytest
 
 from core.settings import PipelineSettings
+from core.verdict import Verdict
 from workers import benchmark
 from workers.benchmark import (
     FUTILITY_MIN_PAIRS,
     MIN_SETTLE_PAIRS,
+    TIE_STOP,
     BenchmarkParams,
     Runs,
     floor_reached,
+    tie,
     warmed,
 )
 
@@ -139,3 +142,76 @@ def test_warm_up_is_capped_when_runs_never_settle(monkeypatch: pytest.MonkeyPatc
 def test_warm_up_of_zero_makes_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     _scripted(monkeypatch, [])
     assert _built(300.0).warm_up(0, 0) == 0
+
+
+class _SyntheticRuns:
+    """A model's runs per input set for ``_time_sets``: ``centers[i]`` ms with a relative normal spread."""
+
+    def __init__(self, centers: list[float], spread: float, seed: int) -> None:
+        self.centers, self.spread = centers, spread
+        self.rng = np.random.default_rng(seed)
+        self.warmed: list[int] = []
+
+    def warm_up(self, index: int, _warmup: int) -> int:
+        self.warmed.append(index)
+        return 0
+
+    def select(self, index: int) -> Callable[[], float]:
+        return lambda: self.centers[index] * (1.0 + self.spread * float(self.rng.standard_normal()))
+
+
+def _verdict(paired_ratio: float, half_width: float = 0.05) -> Verdict:
+    lo, hi = paired_ratio - half_width, paired_ratio + half_width
+    margin = max(0.03, half_width)
+    return Verdict(paired_ratio, 1 / paired_ratio, margin, paired_ratio, (lo, hi), False, paired_ratio < 1 - margin)
+
+
+def test_tie_needs_an_open_answer_a_pooled_gain_under_the_floor_and_no_set_faster() -> None:
+    near = [_verdict(1.0), _verdict(0.96), _verdict(1.06)]
+    assert tie(near, _verdict(0.99), [None, "settled: not slower", None])
+    assert not tie(near, _verdict(0.965), [None, None, None])  # the pooled estimate gains beyond 3%
+    # One set faster beyond its margin: its gain is worth the budget, whatever the pooled estimate says.
+    assert not tie([_verdict(0.90), _verdict(1.0), _verdict(1.02)], _verdict(1.0), [None, None, None])
+    # Every set already answered at the floor: nothing is left to spend, the answer is the rules' own.
+    answered = ["settled: within noise", "settled: not slower", "futile: not slower whatever the budget left"]
+    assert not tie(near, _verdict(0.99), answered)
+
+
+def test_time_sets_stops_every_set_at_its_floor_when_a_noisy_tie_and_tie_stop(clock: _Clock) -> None:
+    # ViT at bench size on a loaded host: the same speed on three sets, pairs off by 20%; without the tie stop
+    # the sets run on until the interval clears 1.03 or the budget says futile.
+    params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
+    centers = [40.0, 80.0, 160.0]
+    a, b = _SyntheticRuns(centers, 0.15, 7), _SyntheticRuns(centers, 0.15, 8)
+    states, stops, tied = benchmark._time_sets(a, b, 3, params)  # type: ignore[arg-type]
+    assert tied and all(len(s.a_ms) == len(s.b_ms) == 10 for s in states)
+    assert all(stop == TIE_STOP or stop.startswith(("settled", "futile")) for stop in stops)
+    assert TIE_STOP in stops
+    assert a.warmed == b.warmed == [0, 1, 2]  # each set warmed up once
+    # The same runs without the tie stop: at least one set goes on past its floor.
+    plain = dataclasses.replace(params, tie_stop=False)
+    a, b = _SyntheticRuns(centers, 0.15, 7), _SyntheticRuns(centers, 0.15, 8)
+    states, stops, tied = benchmark._time_sets(a, b, 3, plain)  # type: ignore[arg-type]
+    assert not tied and TIE_STOP not in stops and max(len(s.a_ms) for s in states) > 10
+
+
+def test_time_sets_goes_on_past_the_floor_when_one_set_gains_beyond_the_floor(clock: _Clock) -> None:
+    # Batch 1 clearly faster, the larger sets a noisy tie: no tie, each set is timed to its own answer.
+    params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
+    a = _SyntheticRuns([40.0, 80.0, 160.0], 0.15, 9)
+    b = _SyntheticRuns([30.0, 80.0, 160.0], 0.15, 10)
+    states, stops, tied = benchmark._time_sets(a, b, 3, params)  # type: ignore[arg-type]
+    assert not tied and TIE_STOP not in stops
+    assert all(stop is not None for stop in stops) and a.warmed == [0, 1, 2]
+    # Resumed sets keep their floor's blocks and the A/B order of their block numbers.
+    assert all(len(s.a_ms) == len(s.b_ms) >= 10 for s in states)
+
+
+def test_time_sets_ends_as_the_rules_say_when_every_set_is_settled_at_the_floor(clock: _Clock) -> None:
+    # A quiet host and a real tie: every interval sits inside 0.97..1.03 at ten blocks; "within noise" is the
+    # rules' answer, the artifact is handed back as before (no tie).
+    params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
+    a, b = _SyntheticRuns([40.0, 80.0], 0.002, 11), _SyntheticRuns([40.0, 80.0], 0.002, 12)
+    states, stops, tied = benchmark._time_sets(a, b, 2, params)  # type: ignore[arg-type]
+    assert not tied and stops == ["settled: within noise"] * 2
+    assert [len(s.a_ms) for s in states] == [10, 10]

@@ -15,6 +15,7 @@ from core.config import JobConfig
 from core.settings import PipelineSettings
 from passes._infra import Pass, PassContext, PassResult
 from tests.workers.conftest import DropReluChain, FlipSign, Idle, resolver
+from workers.benchmark import TIE_STOP
 from workers.pipeline import STAGES, PipelineRequest, PipelineResult, run_pipeline
 from workers.report import validate_report
 
@@ -135,3 +136,37 @@ def test_baseline_times_the_upload_alone_when_no_pass_is_kept(tmp_path: Path, sl
     assert [s["runs"] for s in baseline["input_sets"]] == [5, 5]  # quick mode: ledger_runs each
     assert result.report["timings"]["sessions"]["built"] == 1
     assert validate_report(result.report) == []
+
+
+def _tie_job(model: Path, out: Path, config: JobConfig) -> PipelineResult:
+    settings = PipelineSettings(
+        verify_shape_sets=2, benchmark_warmup=1, benchmark_min_runs=10, benchmark_max_seconds=0.5, ledger_runs=5,
+        intra_op_threads=1,
+    )  # fmt: skip
+    request = PipelineRequest(model, out, config, settings, pass_resolver=resolver(DocString()))
+    return run_pipeline(request)
+
+
+def test_fast_gate_hands_back_the_upload_and_says_so_when_it_stops_on_a_tie(tmp_path: Path, mlp_path: Path) -> None:
+    """A doc string changes bytes, not speed: the gate's answer at the floor is a tie or already settled (a quiet
+    host); either way what the report says matches what came back."""
+    result = _tie_job(mlp_path, tmp_path, JobConfig(preset="fast"))
+    report, decision = result.report, result.report["decision"]
+    shapes = report["benchmark"]["shapes"]
+    assert validate_report(report) == []
+    if report["benchmark"]["tie"]:
+        assert decision["result"] == "original" and decision["used_original"] and decision["gate"]["tie"] is True
+        assert decision["failed_pass"] is None and "no faster than the uploaded model" in decision["reason"]
+        assert result.model_path.read_bytes() == mlp_path.read_bytes()
+        assert TIE_STOP in [s["stopped_by"] for s in shapes]
+        assert all(s["original"]["runs"] == 10 for s in shapes)  # each set stopped at its floor
+    else:
+        assert TIE_STOP not in [s["stopped_by"] for s in shapes] and "tie" not in decision["gate"]
+
+
+def test_gate_never_stops_on_a_tie_when_the_job_is_not_a_fast_preset(tmp_path: Path, mlp_path: Path) -> None:
+    """Passes named by the job (no preset): a tie is timed to its end and the artifact kept when not slower."""
+    result = _tie_job(mlp_path, tmp_path, JobConfig())
+    report = result.report
+    assert report["benchmark"]["tie"] is False and "tie" not in report["decision"]["gate"]
+    assert TIE_STOP not in [s["stopped_by"] for s in report["benchmark"]["shapes"]]
