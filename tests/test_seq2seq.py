@@ -4,7 +4,9 @@ files in Optimum's seq2seq-with-past layout (tests/models/seq2seq, built by test
 The files: unchanged since the build, Optimum's names, and their caches consistent in ONNX Runtime alone (a
 greedy generation through encoder, decoder and decoder_with_past gives the logits of the cache-free decoder
 on the whole sequence). The roles: read from the graph (encoder states, the fixed cross-attention cache, the
-mask over the encoder's sequence), names being only a hint. The generated sets: one encoder length across
+mask over the encoder's sequence), names being only a hint. The structure fuse_rotary reports: layers counted
+once (a layer's cross attention is no layer of its own), self and cross caches and attention told apart by the
+graph, whatever the names. The generated sets: one encoder length across
 the states, the mask and the cross-attention cache; the self-attention cache empty in one set and longer in
 a later one. The pipeline: a no-sample ``fast`` job on each file completes and stays exact, the artifacts
 chained through generation included; one job through the HTTP API and the CLI. No torch."""
@@ -20,11 +22,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 
 from core.config import JobConfig
 from core.inputs import InputSynthesis, analyze
 from core.settings import PipelineSettings
+from passes.fusion.fuse_rotary import FuseRotary
 from tests.conftest import FAST_PIPELINE, ROOT, service_env
 from tests.integration._flow import submit, wait
 from tests.models.build_seq2seq import (
@@ -184,6 +188,75 @@ def test_models_without_cross_attention_get_no_cross_roles_when_analyzed(path):
     facts = analyze(onnx.load(str(OUT.parent / path)))
     assert not facts.encoder_decoder
     assert not any(r.cross or r.role in ("encoder_states", "cross_key_values") for r in facts.roles.values())
+
+
+# ------------------------------------------------------------------------------------------------ structure
+
+
+def _structure(model: onnx.ModelProto | Path) -> dict:
+    """The structure fuse_rotary reports (``notes["decoder"]``, ``_decoder_structure.detect``)."""
+    loaded = ir.load(model) if isinstance(model, Path) else ir.serde.deserialize_model(model)
+    return FuseRotary()(loaded).notes["decoder"]
+
+
+@pytest.mark.parametrize("file", FILES)
+def test_structure_counts_layers_once_and_splits_self_from_cross_caches_when_read_from_the_graph(file):
+    # setup
+    arch, kind = ARCHS[ENTRIES[file]["arch"]], ENTRIES[file]["kind"]
+    # execute
+    found = _structure(OUT / file)
+    # assert: a layer's cross attention is not another layer; every field the graph fixes is there
+    assert {k: found[k] for k in ("layers", "heads", "kv_heads", "head_size", "hidden")} == {
+        "layers": arch.layers,
+        "heads": arch.heads,
+        "kv_heads": arch.heads,
+        "head_size": arch.head_dim,
+        "hidden": arch.hidden,
+    }
+    assert found["vocab"] == (None if arch.audio and kind == "encoder" else arch.vocab)  # no LM head, no table
+    assert found["rotary"] == "no rotary"
+    assert found["norm"] == ("rms" if arch.name == "t5" else "layernorm")
+    if kind == "encoder":
+        assert found["attention"] == {"self": arch.layers, "cross": 0}
+        assert found["cache"] is None
+        return
+    assert found["attention"] == {"self": arch.layers, "cross": arch.layers}
+    prefix = "present" if kind == "decoder" else "past_key_values"
+    layout = {"layout": "BNSH", "kv_heads": arch.heads, "head_size": arch.head_dim}
+    assert found["cache"] == {
+        **layout,
+        "names": f"{prefix}.{{layer}}.decoder.{{key|value}}",
+        "cross": {**layout, "names": f"{prefix}.{{layer}}.encoder.{{key|value}}"},
+    }
+
+
+@pytest.mark.parametrize("kind", ["decoder", "decoder_with_past"])
+def test_structure_reads_self_and_cross_caches_from_the_graph_when_names_say_nothing(kind):
+    # setup: T5's decoder with every cache renamed to neutral names, the cross caches listed first
+    model = onnx.load(str(path_of("t5", "ts", kind)))
+    rename = {}
+    for i in range(ARCHS["t5"].layers):
+        for side, new in (("decoder", "mem_a"), ("encoder", "mem_b")):
+            for kv in ("key", "value"):
+                rename[f"past_key_values.{i}.{side}.{kv}"] = f"cache_{new}.{i}.{kv}"  # analyze: a cache by name
+                rename[f"present.{i}.{side}.{kv}"] = f"out_{new}.{i}.{kv}"
+    for value in [*model.graph.input, *model.graph.output]:
+        value.name = rename.get(value.name, value.name)
+    for node in model.graph.node:
+        node.input[:] = [rename.get(n, n) for n in node.input]
+        node.output[:] = [rename.get(n, n) for n in node.output]
+    outputs = sorted(model.graph.output, key=lambda o: "mem_a" in o.name)  # cross first
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    onnx.checker.check_model(model)
+    # execute
+    found = _structure(model)
+    # assert: self caches are those the decoder's own tokens reach (or that grow), whatever their names
+    layers = ARCHS["t5"].layers
+    stem = "out" if kind == "decoder" else "cache"
+    assert found["layers"] == layers and found["attention"] == {"self": layers, "cross": layers}
+    assert found["cache"]["names"] == f"{stem}_mem_a.{{layer}}.{{key|value}}"
+    assert found["cache"]["cross"]["names"] == f"{stem}_mem_b.{{layer}}.{{key|value}}"
 
 
 # ---------------------------------------------------------------------------------------- generated sets
