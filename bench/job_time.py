@@ -63,8 +63,11 @@ from onnxruntime.transformers.optimizer import optimize_model
 
 started = time.perf_counter()
 if {model_type!r} is not None:
-    optimized = optimize_model({model!r}, model_type={model_type!r}, num_heads={heads}, hidden_size={hidden})
-    optimized.save_model_to_file({out!r})
+    try:
+        optimized = optimize_model({model!r}, model_type={model_type!r}, num_heads={heads}, hidden_size={hidden})
+        optimized.save_model_to_file({out!r})
+    except Exception as exc:  # the optimizer's refusal is part of the peer's time; the benchmark still runs
+        print("PEER-OPTIMIZER-FAILED", type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
 optimize_s = time.perf_counter() - started
 started = time.perf_counter()
 options = ort.SessionOptions()
@@ -127,7 +130,7 @@ def subject(name: str) -> Subject:
     )
 
 
-def run_peer(model: Subject, out: Path) -> dict[str, float]:
+def run_peer(model: Subject, out: Path) -> dict[str, Any]:
     feeds = out / "peer_feeds.npz"
     np.savez(feeds, **model.feeds)
     code = PEER.format(
@@ -145,7 +148,9 @@ def run_peer(model: Subject, out: Path) -> dict[str, float]:
     wall = time.perf_counter() - started
     line = next(x for x in done.stdout.splitlines() if x.startswith("PEER "))
     optimize_s, benchmark_s, p50_ms = (float(v) for v in line.split()[1:])
-    return {"wall_s": wall, "optimize_s": optimize_s, "benchmark_s": benchmark_s, "p50_ms": p50_ms}
+    failed = next((x.split(" ", 1)[1] for x in done.stdout.splitlines() if x.startswith("PEER-OPTIMIZER-FAILED")), None)
+    peer: dict[str, Any] = {"wall_s": wall, "optimize_s": optimize_s, "benchmark_s": benchmark_s, "p50_ms": p50_ms}
+    return {**peer, "optimizer_failed": failed} if failed else peer
 
 
 def run_job(model: Path, out: Path, tree: Path) -> dict[str, Any]:
@@ -178,6 +183,7 @@ def run_job(model: Path, out: Path, tree: Path) -> dict[str, Any]:
         "speedup": data["summary"]["speedup"],
         "applied": data["summary"]["passes_applied"],
         "passes": len(data["passes"]),
+        "result": data["decision"]["result"] + (" (tie)" if data["decision"]["gate"].get("tie") else ""),
     }
 
 
@@ -207,16 +213,22 @@ def _stages(job: dict[str, Any]) -> str:
     )
 
 
-def render_model(model: Subject, *, peer: dict[str, float], jobs: dict[str, dict[str, Any]]) -> str:
+def render_model(model: Subject, *, peer: dict[str, Any], jobs: dict[str, dict[str, Any]]) -> str:
     budget = peer["wall_s"]
     shape = " x ".join("x".join(map(str, v.shape)) for v in model.feeds.values())
     optimizer = f"ORT transformers optimizer ({model.model_type})" if model.model_type else "no ORT model type"
+    if peer.get("optimizer_failed"):
+        optimizer += f", which failed ({str(peer['optimizer_failed']).replace('|', '/')})"
     rows = [
         f"| peer: {optimizer} + one benchmark of the original | {peer['wall_s']:.1f} | 1.00x | "
         f"optimize {peer['optimize_s']:.1f} s, benchmark {peer['benchmark_s']:.1f} s "
         f"(p50 {peer['p50_ms']:.1f} ms at {shape}) |"
     ]
     for label, job in jobs.items():
+        if "failed" in job:
+            reason = " ".join(job["failed"].split())[-300:].replace("|", "/")
+            rows.append(f"| `fast` job, {label} | - | failed | {reason} |")
+            continue
         ratio = job["wall_s"] / budget
         mark = "within" if ratio <= TARGET_RATIO else "over"
         rows.append(
@@ -234,7 +246,27 @@ def render_model(model: Subject, *, peer: dict[str, float], jobs: dict[str, dict
     )
 
 
-def render(sections: list[str], *, loads: list[str], cmd: str) -> str:
+SUMMARY_HEAD = [
+    "| model | peer s | `fast` job s | / peer | gate s | handed back | speedup |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def _summary_row(model: Subject, peer: dict[str, Any], job: dict[str, Any]) -> str:
+    """One line of the summary table: this checkout's job against the peer."""
+    if "failed" in job:
+        return f"| `{model.name}` | {peer['wall_s']:.1f} | - | failed | - | - | - |"
+    ratio = job["wall_s"] / peer["wall_s"]
+    mark = f"**{ratio:.2f}x**" if ratio > TARGET_RATIO else f"{ratio:.2f}x"
+    gate = (job.get("timings") or {}).get("gate_s")
+    gate_s = f"{gate:.1f}" if gate is not None else "-"
+    return (
+        f"| `{model.name}` | {peer['wall_s']:.1f} | {job['wall_s']:.1f} | {mark} | {gate_s} | {job.get('result', '-')} "
+        f"| {job['speedup']:.3f} |"
+    )
+
+
+def render(sections: list[str], *, loads: list[str], cmd: str, summary: list[str] | None = None) -> str:
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("ONNXFORGE_PIPELINE__"))
     settings = f"pipeline settings from the environment: {', '.join(env)}" if env else "default pipeline settings"
     return "\n".join(
@@ -248,9 +280,22 @@ def render(sections: list[str], *, loads: list[str], cmd: str) -> str:
             f"model's peer, jobs in the order shown, one after the other. Issue 17's target: at most "
             f"{TARGET_RATIO:g}x the peer.",
             "",
+            *(_summary(summary) if summary and len(summary) > 1 else []),
             "\n\n".join(sections),
         ]
     )
+
+
+def _summary(rows: list[str]) -> list[str]:
+    over = sum("**" in row or "| failed |" in row for row in rows)
+    return [
+        f"Summary: {len(rows) - over} of {len(rows)} within {TARGET_RATIO:g}x (over in bold; a failed job counts "
+        "as over).",
+        "",
+        *SUMMARY_HEAD,
+        *rows,
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m bench.job_time " + shlex.join(argv if argv is not None else sys.argv[1:])
     models = [subject(name) for name in args.model]
     loads = [_load()]
-    sections = []
+    sections: list[str] = []
+    summary: list[str] = []
     with tempfile.TemporaryDirectory(prefix="job-time-") as tmp:
         root = Path(tmp)
         tree = extract(args.before, root / "before") if args.before else None
@@ -282,17 +328,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"load {_load()}; {model.name}: job at {args.before} ...", flush=True)
                 jobs[f"before (`{args.before}`)"] = run_job(model.path, work / "out-before", tree)
             print(f"load {_load()}; {model.name}: job at this checkout ...", flush=True)
-            jobs["after (this checkout)"] = run_job(model.path, work / "out-after", REPO)
+            try:
+                jobs["after (this checkout)"] = run_job(model.path, work / "out-after", REPO)
+            except RuntimeError as exc:  # one failed job is a row of the table, not the end of a long run
+                jobs["after (this checkout)"] = {"failed": str(exc)}
             sections.append(render_model(model, peer=peer, jobs=jobs))
+            summary.append(_summary_row(model, peer, jobs["after (this checkout)"]))
             print(sections[-1], flush=True)
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
                 slug = model.name.replace(":", "_").replace("/", "_")
                 for out in work.glob("out-*"):
+                    if not (out / "report.json").exists():  # a failed job may have written none
+                        continue
                     target = args.keep / f"{slug}.{out.name.removeprefix('out-')}.report.json"
                     shutil.copyfile(out / "report.json", target)
         loads.append(_load())
-    text = render(sections, loads=loads, cmd=cmd.strip())
+    text = render(sections, loads=loads, cmd=cmd.strip(), summary=summary)
     print(text)
     if not args.no_write:
         write_blocks({(START, END): text}, heading=HEADING)
