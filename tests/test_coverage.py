@@ -191,3 +191,48 @@ def test_coverage_doc_names_the_host_of_rows_read_back_when_a_subset_ran_elsewhe
     assert back is not None
     assert back["rows"][first]["machine"].startswith("Other CPU")
     assert {r["machine"] for k, r in back["rows"].items() if k != first} == {coverage._machine(data["machine"])}
+
+
+def test_coverage_doc_names_the_settings_of_rows_re_timed_otherwise_when_a_subset_ran_longer() -> None:
+    """A subset re-timed with other settings (longer, to confirm a cell) lists its rows apart ("Run with other
+    settings (...)") instead of lending the whole table its seconds per shape, and that reads back too."""
+    from bench import coverage
+
+    data = coverage.rows_from_doc("tiny", DOC.read_text())
+    assert data is not None
+    timed = [k for k, r in data["rows"].items() if r.get("timing")]
+    assert timed and all(data["rows"][k]["settings"].startswith("Jobs: ") for k in timed)
+    first = timed[0]
+    data |= {
+        "machine": {
+            "cpu_model": "This CPU",
+            "cpus_available": 2,
+            "memory_total_mb": 8192,
+            "platform": "Linux",
+            "python": "3.11",
+            "onnxruntime_version": "1",
+            "onnx_version": "1",
+        },
+        "build_versions": {"torch": "t"},
+        "max_seconds": 1.0,
+        "min_blocks": 5,
+        "job_benchmark_seconds": 1.0,
+        "written": "now",
+    }
+    for row in data["rows"].values():
+        row["machine"] = coverage._machine(data["machine"])
+        if row.get("timing"):
+            row["settings"] = coverage._settings(data)
+    longer = coverage._settings(data | {"max_seconds": 6.0, "min_blocks": 20})
+    data["rows"][first]["settings"] = longer
+    text = coverage._section("tiny", data)
+    assert "Timing: 1 intra-op thread, 1 s per shape, at least 5 interleaved blocks. Written now." in text
+    assert f"Run with other settings ({longer}): {first}." in text
+    assert "6 s per shape, at least 20 interleaved blocks" in longer
+    back = coverage.rows_from_doc("tiny", "\n" + text)
+    assert back is not None
+    assert back["rows"][first]["settings"] == longer
+    assert {r["settings"] for k, r in back["rows"].items() if k != first and r.get("timing")} == {
+        coverage._settings(data)
+    }
+    assert coverage._section("tiny", back | {k: data[k] for k in data if k != "rows"}) == text
