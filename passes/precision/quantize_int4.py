@@ -50,6 +50,12 @@ What ORT leaves to the user, and this pass decides:
   its GPTQ path (only the RTN branch marks them), so no mix could be built through it. Asymmetric RTN (42-44
   flips) and HQQ (57 at block 32, 29 at 16) are options, not searched: neither is reliably better here.
 
+* **Bias Adds folded** (CPU target, ``passes/precision/_nbits_bias.py``): a constant ``[N]`` bias Add after a
+  MatMulNBits (Qwen2's q/k/v, packed or not; a GPT-2's unfused Gemms), directly or one per piece after the Split
+  of a packed projection, becomes the kernel's ``bias`` input (``bias_adds_folded``). ORT fuses the direct case
+  itself when it builds a session at level 2 and above; written into the artifact, the graph is the same at
+  every level, and the Split case, which ORT leaves, loses its Adds too.
+
 Refuses (no change, with a reason) when no MatMul has a constant weight, when ``nodes_to_exclude`` names a
 node the graph lacks, when HQQ is asked for without torch, and when the budget (top-1 agreement included) is
 missed with every MatMul 8-bit, with no MatMul left in int4, or only with more than ``max_exclusions`` of
@@ -75,6 +81,7 @@ from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import take_graph_output
 from passes.precision import _quantization as q
 from passes.precision._accuracy import TokenAccuracy, TokenProbe, head_outputs, logits_output, round_sig
+from passes.precision._nbits_bias import fold_bias_adds
 
 _LEVELS = {"fp32": 0, "int8": 4}
 
@@ -255,6 +262,12 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             notes=notes,
             logits=logits,
         )
+        if ctx.target == "cpu":
+            folded, declined = fold_bias_adds(result)
+            non_matches += declined
+            out.counts["bias_adds_folded"] = folded
+        else:
+            notes["bias_adds"] = f"kept: MatMulNBits' bias input on {ctx.target} takes one GEMV shape alone"
         notes["precision"] = precision_by_layer(result, [*candidates, *kept_float, *options.nodes_to_exclude])
         notes["int4_share"] = int4_share(notes["precision"], weights)
         notes["weight_bytes"] = {
