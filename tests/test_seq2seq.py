@@ -28,6 +28,7 @@ import pytest
 from core.config import JobConfig
 from core.inputs import InputSynthesis, analyze
 from core.settings import PipelineSettings
+from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion.fuse_rotary import FuseRotary
 from tests.conftest import FAST_PIPELINE, ROOT, service_env
 from tests.integration._flow import submit, wait
@@ -257,6 +258,18 @@ def test_structure_reads_self_and_cross_caches_from_the_graph_when_names_say_not
     assert found["layers"] == layers and found["attention"] == {"self": layers, "cross": layers}
     assert found["cache"]["names"] == f"{stem}_mem_a.{{layer}}.{{key|value}}"
     assert found["cache"]["cross"]["names"] == f"{stem}_mem_b.{{layer}}.{{key|value}}"
+
+
+@pytest.mark.parametrize(("name", "exporter"), [("t5", "ts"), ("whisper", "dynamo")])
+def test_unfused_attention_is_named_self_or_cross_with_its_decoder_layer_when_seq2seq(name, exporter):
+    # setup: a decoder_with_past as uploaded, every attention unfused
+    model = ir.load(path_of(name, exporter, "decoder_with_past"))
+    # execute
+    reasons = layer_reasons.layer_reasons(model, model, "t5", {"attention"})
+    # assert: per decoder layer a self and a cross attention, numbered as the decoder's layers, in graph order
+    heads = [r.reason.split(" (")[0] for r in reasons]
+    layers = range(ARCHS[name].layers)
+    assert heads == [f"attention: {kind}-attention layer {i}" for i in layers for kind in ("self", "cross")]
 
 
 # ---------------------------------------------------------------------------------------- generated sets

@@ -185,7 +185,25 @@ def _score_keys(softmax: ir.Node) -> ir.Value | None:
     return None
 
 
-def _attention(graph: ir.Graph, decoder_side: set[ir.Value]) -> dict[str, int] | None:
+def _decoder_side(model: ir.Model, roles: dict[str, str] | None = None) -> set[ir.Value]:
+    """The values computed from the model's own inputs: every input but the encoder's states and cross cache."""
+    graph = model.graph
+    roles = roles if roles is not None else {name: role.role for name, role in analyze(model).roles.items()}
+    initializers = set(graph.initializers.values())
+    own = [v for v in graph.inputs if v not in initializers and roles.get(v.name or "") not in _ENCODER_SIDE]
+    return _depends_on(graph, own)
+
+
+def attention_kinds(model: ir.Model) -> dict[str, str]:
+    """Softmax (and fused attention) node name -> "self" or "cross", for naming a seq2seq decoder's sites."""
+    kinds: dict[str, str] = {}
+    _attention(model.graph, _decoder_side(model), kinds)
+    return kinds
+
+
+def _attention(
+    graph: ir.Graph, decoder_side: set[ir.Value], named: dict[str, str] | None = None
+) -> dict[str, int] | None:
     """Attention sites by kind: "self" where the keys are computed from the decoder's inputs, "cross" where
     only from the encoder's; a Softmax whose keys are not found counts as self."""
     kinds = {"self": 0, "cross": 0}
@@ -199,7 +217,10 @@ def _attention(graph: ir.Graph, decoder_side: set[ir.Value]) -> dict[str, int] |
                 keys = node.inputs[0]
         else:
             continue
-        kinds["cross" if keys is not None and keys not in decoder_side else "self"] += 1
+        kind = "cross" if keys is not None and keys not in decoder_side else "self"
+        kinds[kind] += 1
+        if named is not None:
+            named[node.name or ""] = kind
     return kinds if any(kinds.values()) else None
 
 
@@ -263,9 +284,7 @@ def detect(model: ir.Model, matches: Sequence[RotaryMatch] = ()) -> dict[str, An
     """The structure as a JSON-able dict (the report's ``notes["decoder"]``)."""
     graph = model.graph
     roles = {name: role.role for name, role in analyze(model).roles.items()}
-    initializers = set(graph.initializers.values())
-    own_inputs = [v for v in graph.inputs if v not in initializers and roles.get(v.name or "") not in _ENCODER_SIDE]
-    decoder_side = _depends_on(graph, own_inputs)
+    decoder_side = _decoder_side(model, roles)
     own, cross = _caches(graph, roles, decoder_side)
     cache = _cache_layout(own)
     if cross:

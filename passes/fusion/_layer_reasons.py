@@ -12,10 +12,12 @@ skip_layer_norm    ``LayerNormalization`` of a residual Add,  onnxscript ``skip_
 gelu               ``Erf`` or ``Tanh``                        onnxscript ``gelu``, ``bias_gelu``; ours (tanh)
 =================  ====================================================================================
 
-Each reason names the layer (the anchor's rank among the original graph's anchors of that op), the family,
+Each reason names the layer (the anchor's rank among the original graph's anchors of that op; in a seq2seq
+decoder, self and cross attention are ranked apart, as ``_decoder_structure`` tells them), the family,
 the node, what the rule expects, the subgraph found (its ops, constants by value, a few producers deep) and
 where the closest rule stopped, with onnxscript's own ``MatchResult.fail`` reason, traced per root node
-(``_onnxscript_adapter.trace_roots``). A shortfall is then never just a number.
+(``_onnxscript_adapter.trace_roots``; attention after the steps the pipeline runs before SDPA). A shortfall
+is then never just a number.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from passes._infra import NonMatch
+from passes.fusion import _attention_bias as attention_bias
+from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _onnxscript_adapter as adapter
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
 from passes.fusion import _tanh_gelu as tanh_gelu
+from passes.fusion._decoder_structure import attention_kinds
 
 _ONNX = ("", "ai.onnx")
 _FOUND_CHARS = 400  # the found subgraph, cut: the report is read by people
@@ -50,7 +55,7 @@ def layer_reasons(model: ir.Model, original: ir.Model, family: str, groups: set[
     if not sites:
         return reasons
     traced = {
-        "attention": adapter.trace_roots(model, ["sdpa"]),
+        "attention": adapter.trace_roots(_before_sdpa(model), ["sdpa"]),
         "skip_layer_norm": adapter.trace_roots(
             model, ["skip_layer_normalization", "rms_normalization", rms_norm_opset17.rules]
         ),
@@ -58,8 +63,8 @@ def layer_reasons(model: ir.Model, original: ir.Model, family: str, groups: set[
     }
     order = _ranks(original)
     for group, anchor in sites:
-        layer = order.get((anchor.op_type, anchor.name), "?")
-        kind = {"attention": "attention", "skip_layer_norm": "residual norm", "gelu": "GELU"}[group]
+        label, layer = order.get((anchor.op_type, anchor.name), (None, "?"))
+        kind = label or {"attention": "attention", "skip_layer_norm": "residual norm", "gelu": "GELU"}[group]
         attempt = _closest(anchor, traced[group], _ROOT_DEPTH.get(anchor.op_type, 4))
         if group == "gelu":
             found = describe(_gelu_root(anchor).outputs[0])
@@ -103,15 +108,31 @@ def _reads_mean(pow_node: ir.Node) -> bool:
     return any(use.node.op_type == "ReduceMean" for use in pow_node.outputs[0].uses())
 
 
-def _ranks(model: ir.Model) -> dict[tuple[str, str], int]:
-    """(op_type, node name) -> the node's rank among the anchors of its op in graph order, counted from 0."""
+def _ranks(model: ir.Model) -> dict[tuple[str, str], tuple[str | None, int]]:
+    """(op_type, node name) -> (label, rank): the node's rank among the anchors of its op in graph order,
+    counted from 0. In a seq2seq decoder, self and cross attention are numbered apart and named so ("cross-
+    attention layer 0" is layer 0's, not a layer 1 of its own); the label is None elsewhere."""
+    kinds = attention_kinds(model) if any(n.op_type == "Softmax" for n in model.graph) else {}
+    seq2seq = "cross" in kinds.values()
     seen: dict[str, int] = {}
-    ranks = {}
+    ranks: dict[tuple[str, str], tuple[str | None, int]] = {}
     for node in model.graph:
         if _groups_of(node):
-            ranks[(node.op_type, node.name)] = seen.get(node.op_type, 0)
-            seen[node.op_type] = seen.get(node.op_type, 0) + 1
+            label = f"{kinds.get(node.name or '', 'self')}-attention" if seq2seq and node.op_type == "Softmax" else None
+            key = label or node.op_type
+            ranks[(node.op_type, node.name)] = (label, seen.get(key, 0))
+            seen[key] = seen.get(key, 0) + 1
     return ranks
+
+
+def _before_sdpa(model: ir.Model) -> ir.Model:
+    """A copy with the steps fuse_for_ort runs before the SDPA rules (the head-merge guard, T5's bias and mask
+    grouped into one): traced without them, a T5 attention would be reported as stopped by its second
+    additive term, a form the pipeline does fuse."""
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    merge_heads.rules.apply_to_model(copy)
+    attention_bias.rules.apply_to_model(copy)
+    return copy
 
 
 def _neighbourhood(anchor: ir.Node, down: int = 4) -> list[ir.Node]:
