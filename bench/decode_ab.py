@@ -4,9 +4,10 @@ Run ``python -m bench.decode_ab MODEL.onnx [MODEL.onnx ...] [--threads 1] [--pas
 [--calls 20] [--profile]``. Each model is fed one token (id 17) at position ``--past`` after a random cache of
 ``--past`` positions (inputs by name: ``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.*``;
 the builder's graphs have no position ids); one block runs ``--calls`` calls of every model, the order rotated
-per block and reversed every other block; printed: median and quartiles of the per-call ms over the blocks,
-and the load average. ``--profile`` instead runs ORT's profiler on each model and prints kernel time per op
-type per step (profiling inflates every figure; compare op types within one run only).
+per block and reversed every other block; printed: median and quartiles of the per-call ms over the blocks, the
+median and quartiles of each block's ratio to the first model's figure in that block, and the load average.
+``--profile`` instead runs ORT's profiler on every model, interleaved the same way, and prints kernel time per
+op type per step and the median step (profiling inflates every figure: compare within one run only).
 """
 
 from __future__ import annotations
@@ -51,21 +52,33 @@ def _session(path: str, threads: int, profile_prefix: str | None = None) -> ort.
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
-def profile(path: str, threads: int, past: int, steps: int) -> None:
-    sess = _session(path, threads, f"/tmp/decode_ab_{os.getpid()}")
-    feeds = _feeds(sess, past)
-    for _ in range(steps):
-        sess.run(None, feeds)
-    events = json.loads(Path(sess.end_profiling()).read_text())
-    spent: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for event in events:
-        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-            spent[event["args"]["op_name"]] += event["dur"]
-            count[event["args"]["op_name"]] += 1
-    print(f"{path}: kernel time per step {sum(spent.values()) / steps / 1e3:.3f} ms")
-    for op, us in spent.most_common():
-        print(f"  {op:36s} {us / steps / 1e3:7.3f} ms  {count[op] / steps:.0f} nodes")
+def profile(paths: list[str], threads: int, past: int, blocks: int, calls: int) -> None:
+    """Kernel time per op type and step of each model, the models' runs interleaved as in the timing (a block
+    runs ``calls`` steps of each, the order rotated): on a shared host each model's profile then sees the same
+    load, and the op-type figures compare across models, not only within one."""
+    sessions = [_session(p, threads, f"/tmp/decode_ab_{os.getpid()}_{i}") for i, p in enumerate(paths)]
+    feeds = [_feeds(s, past) for s in sessions]
+    for block in range(blocks):
+        order = list(range(len(sessions)))
+        order = order[block % len(order) :] + order[: block % len(order)]
+        for k in order[::-1] if block % 2 else order:
+            for _ in range(calls):
+                sessions[k].run(None, feeds[k])
+    steps = blocks * calls
+    for path, sess in zip(paths, sessions, strict=True):
+        events = json.loads(Path(sess.end_profiling()).read_text())
+        spent: collections.Counter = collections.Counter()
+        count: collections.Counter = collections.Counter()
+        runs = [e["dur"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
+        for event in events:
+            if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                spent[event["args"]["op_name"]] += event["dur"]
+                count[event["args"]["op_name"]] += 1
+        run_ms = f", run {np.median(runs) / 1e3:.3f} ms (median)" if runs else ""
+        print(f"{path}: kernel time per step {sum(spent.values()) / steps / 1e3:.3f} ms{run_ms}")
+        for op, us in spent.most_common():
+            print(f"  {op:36s} {us / steps / 1e3:7.3f} ms  {count[op] / steps:.0f} nodes")
+    print("load average", " / ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     if args.profile:
-        for path in args.models:
-            profile(path, args.threads, args.past, args.blocks * 2)
+        profile(args.models, args.threads, args.past, args.blocks, args.calls)
         return 0
     sessions = [_session(p, args.threads) for p in args.models]
     feeds = [_feeds(s, args.past) for s in sessions]
@@ -97,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             times[k].append((time.perf_counter() - t0) / args.calls * 1e3)
     for path, ms in zip(args.models, times, strict=True):
         q1, med, q3 = np.percentile(ms, [25, 50, 75])
-        print(f"{args.threads}t past {args.past}: {med:7.3f} ms (quartiles {q1:.3f} / {q3:.3f})  {path}")
+        # Each block times every model within a second or so: the ratio of a block's figures cancels the
+        # host's drift between blocks, which moves the medians of a loaded host more than the models differ.
+        r1, ratio, r3 = np.percentile(np.asarray(ms) / np.asarray(times[0]), [25, 50, 75])
+        print(
+            f"{args.threads}t past {args.past}: {med:7.3f} ms (quartiles {q1:.3f} / {q3:.3f}); per block vs the "
+            f"first {ratio:.3f} ({r1:.3f} / {r3:.3f})  {path}"
+        )
     print("load average", " / ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 

@@ -387,12 +387,18 @@ def run_family(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def render() -> str:
     """The README block from every family's saved results (each family says when and how it was run)."""
-    saved = [
-        json.loads((OUT / n / "results.json").read_text()) for n in FAMILIES if (OUT / n / "results.json").exists()
-    ]
+    saved = {
+        n: json.loads((OUT / n / "results.json").read_text()) for n in FAMILIES if (OUT / n / "results.json").exists()
+    }
+    kept_rows, kept_notes = _published(set(FAMILIES) - set(saved))
     rows: list[str] = []
     notes: list[str] = []
-    for s in saved:
+    for name in FAMILIES:
+        if name not in saved:  # not run on this checkout: its published rows stay, with their own note
+            rows += kept_rows.get(name, [])
+            notes += kept_notes.get(name, [])
+            continue
+        s = saved[name]
         args = argparse.Namespace(prompts=s["prompts"])
         results = {int(t): r for t, r in s["results"].items()}
         rows += rows_for(s["family"], results, s["sizes"], args)
@@ -400,8 +406,9 @@ def render() -> str:
             f"* {s['family']}: `{s['command'].strip()}` at {s['written']}, load average {s['load']}; "
             f"decode {s['decode_tokens']} tokens, {s['rounds']} rounds. " + "; ".join(s["notes"]) + "."
         )
+    saved_list = list(saved.values())
     size = FAMILIES["llama"]
-    prompts = " / ".join(str(p) for p in (saved[0]["prompts"] if saved else []))
+    prompts = " / ".join(str(p) for p in (saved_list[0]["prompts"] if saved_list else [128, 512]))
     header = [
         "## Decoders vs onnxruntime-genai's model builder (issue 19)",
         "",
@@ -419,6 +426,24 @@ def render() -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     return "\n".join([*header, *rows, "", "How each family was run and what each variant is:", "", *notes])
+
+
+def _published(families: set[str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The table rows and run notes bench/README.md holds for ``families``: a checkout whose ``bench/out`` lacks
+    a family's results (a fresh clone, or one family re-run) keeps what was published for it."""
+    from bench._report import README
+
+    text = README.read_text(encoding="utf-8") if README.exists() else ""
+    block = text.split(START, 1)[1].split(END, 1)[0] if START in text and END in text else ""
+    rows: dict[str, list[str]] = {}
+    notes: dict[str, list[str]] = {}
+    for line in block.splitlines():
+        for name in families:
+            if line.startswith(f"| {name} |"):
+                rows.setdefault(name, []).append(line)
+            elif line.startswith(f"* {name}:"):
+                notes.setdefault(name, []).append(line)
+    return rows, notes
 
 
 def main(argv: list[str] | None = None) -> int:
