@@ -178,3 +178,48 @@ def test_quantize_int4_keeps_bias_adds_and_says_why_when_target_is_cuda():
     # assert
     assert _bias_adds_after_nbits(model) == 6
     assert all(len(n.inputs) < 6 for n in model.graph if n.op_type == "MatMulNBits")
+
+
+def _direct_model(second_reader: bool):
+    """x -> MatMulNBits -> Add(b) -> graph output y; optionally the MatMulNBits' output also feeds a Relu."""
+    rng = np.random.default_rng(3)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((48, 40)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.standard_normal(40).astype(np.float32), "b"),
+    ]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="proj"), helper.make_node("Add", ["h", "b"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if second_reader:
+        nodes.append(helper.make_node("Relu", ["h"], ["r"], name="relu"))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["S", 48])]
+    proto = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits))
+    config = mnb.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, accuracy_level=0, bits=4)
+    quantizer = mnb.MatMulNBitsQuantizer(proto, algo_config=config)
+    quantizer.process()
+    return quantizer.model.model
+
+
+def test_fold_bias_adds_gives_the_graph_output_name_to_matmulnbits_and_is_bit_exact_when_accuracy_level_0():
+    # setup: a 2-D input, the Add's output a graph output
+    proto = _direct_model(second_reader=False)
+    model = ir.serde.deserialize_model(proto)
+    # execute
+    folded, declined = fold_bias_adds(model)
+    # assert
+    assert (folded, declined) == (1, [])
+    (node,) = list(model.graph)
+    assert node.op_type == "MatMulNBits" and node.inputs[5].name == "b" and node.outputs[0].name == "y"
+    assert [v.name for v in model.graph.outputs] == ["y"]
+    x = np.random.default_rng(1).standard_normal((5, 48)).astype(np.float32)
+    np.testing.assert_array_equal(_session(model).run(None, {"x": x})[0], _session(proto).run(None, {"x": x})[0])
+
+
+def test_fold_bias_adds_leaves_the_add_when_the_matmulnbits_output_has_another_reader():
+    # setup: the unbiased product is read by a Relu too: folding would hand it the bias
+    model = ir.serde.deserialize_model(_direct_model(second_reader=True))
+    before = Counter(n.op_type for n in model.graph)
+    # execute
+    folded, declined = fold_bias_adds(model)
+    # assert
+    assert (folded, declined) == (0, []) and Counter(n.op_type for n in model.graph) == before
