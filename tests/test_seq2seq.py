@@ -217,6 +217,9 @@ def test_structure_counts_layers_once_and_splits_self_from_cross_caches_when_rea
     assert found["vocab"] == (None if arch.audio and kind == "encoder" else arch.vocab)  # no LM head, no table
     assert found["rotary"] == "no rotary"
     assert found["norm"] == ("rms" if arch.name == "t5" else "layernorm")
+    # the learned table indexed from the past length on (BART's from row 2); T5's buckets are relative
+    learned = arch.name == "bart" or (arch.audio and kind != "encoder")
+    assert found["max_positions"] == (arch.positions if learned else None)
     if kind == "encoder":
         assert found["attention"] == {"self": arch.layers, "cross": 0}
         assert found["cache"] is None

@@ -1,17 +1,22 @@
 """A decoder's structure read from its graph alone: layers, heads, KV heads, head size, hidden size, vocabulary,
-rotary embedding, norm kind, attention (self and cross) and KV-cache layout, for fuse_rotary's report.
+rotary embedding, norm kind, attention (self and cross), KV-cache layout and the length of a learned position
+table (the longest sequence it can take), for fuse_rotary's report.
 
 Names serve only to print the cache's naming pattern (``past_key_values.{layer}.{key|value}``, Optimum's
 seq2seq ``past_key_values.{layer}.decoder.{key|value}``), which the serving side must know anyway. The rest is
 the graph's: heads come from the head-split ``Transpose(perm=[0, 2, 1, 3])`` every exporter writes after the
 Q/K/V projections (its static shape, or the ``Reshape`` target feeding it), the hidden size and vocabulary from
 the token embedding ``Gather`` (else the norms' weights and the LM head), the norm kind from the statistics'
-ops. Caches and attention split into self and cross (encoder-decoders): a cache input is a self cache when it
-grows by ``Concat`` and a cross cache when it is read as it is (``core.inputs.analyze``); a cache output, and an
-attention's keys, are self when their data depend on the decoder's own inputs (token ids, the self cache) and
-cross when only on the encoder's (its states, the cross cache). Layers are the self caches (a key and a value
-per layer), else the rotary matches (q and k per layer), else the self-attention sites, so a seq2seq decoder's
-cross attention is never counted as a layer. A field the graph does not determine is None, never guessed.
+ops, the position table from the ``Gather`` whose indices are a position input or a shifted ``Range`` (the
+past length onwards).
+
+Caches and attention split into self and cross (encoder-decoders): a cache input is a self cache when it
+grows by ``Concat`` and a cross cache when it is read as it is (``core.inputs.analyze``); a cache output, and
+an attention's keys, are self when their data depend on the decoder's own inputs (token ids, the self cache)
+and cross when only on the encoder's (its states, the cross cache). Layers are the self caches (a key and a
+value per layer), else the rotary matches (q and k per layer), else the self-attention sites, so a seq2seq
+decoder's cross attention is never counted as a layer. A field the graph does not determine is None, never
+guessed.
 """
 
 from __future__ import annotations
@@ -165,7 +170,66 @@ def _tables(graph: ir.Graph) -> dict[str, tuple[int, int]]:
             continue
         role = "positions" if "position" in (source.name or "") else "tokens"
         found.setdefault(role, (int(table.shape[0]), int(table.shape[1])))
+    if "positions" not in found and "tokens" in found:
+        computed = _computed_positions(graph, found["tokens"][1])
+        if computed is not None:
+            found["positions"] = computed
     return found
+
+
+_INDEX_PATH = frozenset({"Add", "Unsqueeze", "Squeeze", "Expand", "Tile", "Cast", "Reshape", "Identity"})
+
+
+def _range_offset(value: ir.Value | None, depth: int = 8) -> int | None:
+    """The constant added to a ``Range`` on the way to ``value`` (0 for none), or None when ``value`` is not
+    a range shifted, broadcast or reshaped: positions the graph computes from the past length and the new
+    tokens' count."""
+    node = value.producer() if value is not None else None
+    if node is None or depth == 0:
+        return None
+    if node.op_type == "Range":
+        return 0
+    if node.op_type not in _INDEX_PATH:
+        return None
+    if node.op_type == "Add":
+        constants = [c for v in node.inputs if (c := const(v)) is not None]
+        computed = [v for v in node.inputs if v is not None and const(v) is None]
+        shift = sum(int(c.reshape(-1)[0]) for c in constants if c.size == 1)
+        offsets = [o for v in computed if (o := _range_offset(v, depth - 1)) is not None]
+        return offsets[0] + shift if offsets and len(constants) + len(computed) == 2 else None
+    return _range_offset(node.inputs[0], depth - 1)
+
+
+def _computed_positions(graph: ir.Graph, hidden: int) -> tuple[int, int] | None:
+    """A learned position table the graph indexes with positions it computes (GPT-2 without position ids,
+    BART's and Whisper's decoders: past length + Range; not T5's relative buckets, which are no shifted
+    Range): (positions it holds, hidden). BART's table starts at row 2 (``Add(.., 2)``): it holds its rows
+    less that offset."""
+    for node in graph:
+        # Gather on axis 0, or GatherND on rows (dynamo's Whisper: the indices Unsqueezed to [.., 1])
+        rows = node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0
+        rows |= node.op_type == "GatherND" and node.attributes.get_int("batch_dims", 0) == 0
+        if not rows or len(node.inputs) != 2:
+            continue
+        table = const(node.inputs[0])
+        if table is None or table.ndim != 2 or table.shape[1] != hidden:
+            continue
+        indices = node.inputs[1]
+        if node.op_type == "GatherND":  # rows only where the index tuples are one long: Unsqueeze(i, -1)
+            unsqueeze = indices.producer() if indices is not None else None
+            axes = const(unsqueeze.inputs[1]) if unsqueeze is not None and len(unsqueeze.inputs) > 1 else None
+            if (
+                unsqueeze is None
+                or unsqueeze.op_type != "Unsqueeze"
+                or axes is None
+                or axes.reshape(-1).tolist() != [-1]
+            ):
+                continue
+            indices = unsqueeze.inputs[0]
+        offset = _range_offset(indices)
+        if offset is not None and 0 <= offset < table.shape[0]:
+            return int(table.shape[0]) - offset, int(table.shape[1])
+    return None
 
 
 def _score_keys(softmax: ir.Node) -> ir.Value | None:
