@@ -7,7 +7,8 @@ the builder's graphs have no position ids); one block runs ``--calls`` calls of 
 per block and reversed every other block; printed: median and quartiles of the per-call ms over the blocks, the
 median and quartiles of each block's ratio to the first model's figure in that block, and the load average.
 ``--profile`` instead runs ORT's profiler on every model, interleaved the same way, and prints kernel time per
-op type per step and the median step (profiling inflates every figure: compare within one run only).
+op type per step (the mean, and the sum of its nodes' medians) and the median step (profiling inflates every
+figure: compare within one run only).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def _session(path: str, threads: int, profile_prefix: str | None = None) -> ort.
 def profile(paths: list[str], threads: int, past: int, blocks: int, calls: int) -> None:
     """Kernel time per op type and step of each model, the models' runs interleaved as in the timing (a block
     runs ``calls`` steps of each, the order rotated): on a shared host each model's profile then sees the same
-    load, and the op-type figures compare across models, not only within one."""
+    load, and the op-type figures compare across models, not only within one. Two figures per op type: the
+    mean per step, and the sum over its nodes of each node's median over the steps, which a load spike on a
+    few steps does not move (the warm-up steps of the first block left out)."""
     sessions = [_session(p, threads, f"/tmp/decode_ab_{os.getpid()}_{i}") for i, p in enumerate(paths)]
     feeds = [_feeds(s, past) for s in sessions]
     for block in range(blocks):
@@ -68,16 +71,24 @@ def profile(paths: list[str], threads: int, past: int, blocks: int, calls: int) 
     for path, sess in zip(paths, sessions, strict=True):
         events = json.loads(Path(sess.end_profiling()).read_text())
         spent: collections.Counter = collections.Counter()
-        count: collections.Counter = collections.Counter()
+        per_node: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
         runs = [e["dur"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
         for event in events:
             if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
                 spent[event["args"]["op_name"]] += event["dur"]
-                count[event["args"]["op_name"]] += 1
+                per_node[event["args"]["op_name"], event["name"]].append(event["dur"])
+        medians: collections.Counter = collections.Counter()
+        nodes: collections.Counter = collections.Counter()
+        for (op, _), durations in per_node.items():
+            medians[op] += float(np.median(durations[calls:] or durations))
+            nodes[op] += 1
         run_ms = f", run {np.median(runs) / 1e3:.3f} ms (median)" if runs else ""
-        print(f"{path}: kernel time per step {sum(spent.values()) / steps / 1e3:.3f} ms{run_ms}")
+        print(
+            f"{path}: kernel time per step {sum(spent.values()) / steps / 1e3:.3f} ms (per-node medians "
+            f"{sum(medians.values()) / 1e3:.3f} ms){run_ms}"
+        )
         for op, us in spent.most_common():
-            print(f"  {op:36s} {us / steps / 1e3:7.3f} ms  {count[op] / steps:.0f} nodes")
+            print(f"  {op:36s} {us / steps / 1e3:7.3f} ms (medians {medians[op] / 1e3:7.3f} ms)  {nodes[op]} nodes")
     print("load average", " / ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
