@@ -40,11 +40,13 @@ pair has no width. Each set records what stopped it (``stopped_by``).
 
 A tie, for the gate of a latency-only preset (``BenchmarkParams.tie_stop``, workers/gate.py): every set is
 first timed to its floor, then the rules above look at each; when one is still open, the pooled estimate gains
-less than the 3% floor and no set is faster beyond its margin (``tie``), the comparison stops there
+less than the 3% floor, its interval rules out a 10% gain and no set is faster beyond its margin (``tie``), the
+comparison stops there
 (``stopped_by``: ``TIE_STOP``) and the gate hands back the upload, which cannot be slower than itself. An
 artifact within noise of the upload needs the interval's upper end under 1.03 to be handed back, which took
-38-47 blocks on ViT's batch 1 at bench size; on synthetic runs of 3-15% spread, three sets of a true tie took
-73-82 blocks in all within a 10 s budget each, 30-40 with this stop.
+38-47 blocks on ViT's batch 1 at bench size; on synthetic runs (log-normal, 5-15% spread; 100 seeds), three
+sets of a true tie took 54-79 blocks in all within a 10 s budget each, 31-48 with this stop (a tie in 54-84% of
+the jobs), and a true 10% gain ended as a tie in at most 1% (5% gain: 1-15%).
 
 Sessions: a ``SessionPool`` keeps each model's warm benchmark session for the job, so the original is built
 once (baseline, every A/B against it, the gate) and the model a pass was accepted as is the next pass's A
@@ -92,7 +94,7 @@ MIN_SETTLE_PAIRS = 5
 FUTILITY_RISK = 0.05
 FUTILITY_MIN_PAIRS = 10
 # What stopped the sets still open when the gate stopped on a tie (``tie``).
-TIE_STOP = "tie: the pooled estimate gains under the 3% floor, no set faster beyond noise"
+TIE_STOP = "tie: the pooled estimate gains under the 3% floor (under 10% at 95%), no set faster"
 _Z95 = 1.959964
 # Warm-up stops once a run is within this fraction of the run before it (module docstring): ORT's arena and
 # thread pool settle in the first run or two, and a difference below the run-to-run noise of a loaded host
@@ -213,13 +215,17 @@ def tie(verdicts: Sequence[Verdict], pooled: Verdict, answers: Sequence[str | No
     rest of the budget would only confirm at length.
 
     True when some set is still open, the pooled estimate (median paired ratio) gains less than the 3% floor of
-    the "slower beyond noise" rule (the resolution below which nobody acts on a difference), and no set is
-    faster beyond its own margin (a gain on one shape is worth the budget, whatever the others show). Proving
-    such an artifact "not slower" takes as many blocks as the noise needs to bring the interval's upper end
-    under 1.03 (38-47 on ViT's batch 1 at bench size); handing back the upload instead is never slower."""
+    the "slower beyond noise" rule (the resolution below which nobody acts on a difference), the pooled 95%
+    interval rules out a gain of ``CLEAR_SLOWDOWN`` (10%, the "clearly slower" step the other way), and no set
+    is faster beyond its own margin (a gain on one shape is worth the budget, whatever the others show).
+    Proving such an artifact "not slower" takes as many blocks as the noise needs to bring the interval's upper
+    end under 1.03 (38-47 on ViT's batch 1 at bench size); handing back the upload instead is never slower, and
+    gives up a gain under 10% at most (with 95% confidence). On a host so loaded that the interval cannot rule
+    out 10% there is no tie: the rules above decide, as before."""
     if all(answer is not None for answer in answers):
         return False
-    return pooled.paired_ratio >= 1.0 - MIN_MARGIN and not any(v.faster for v in verdicts)
+    bounded = pooled.ci95[0] >= 1.0 - CLEAR_SLOWDOWN
+    return bounded and pooled.paired_ratio >= 1.0 - MIN_MARGIN and not any(v.faster for v in verdicts)
 
 
 def stop_reason(a_ms: Sequence[float], b_ms: Sequence[float], *, remaining: int, seed: int = 0) -> str | None:

@@ -8,9 +8,9 @@
                                                    │    right after the input change; with fail_on_regression
                                                    │    the job fails naming the guilty pass
                                                    ├─ preset fast (full benchmark, rollback_slower on), a tie
-                                                   │    (no input set faster beyond 3% at the floor, an answer
-                                                   │    still open): the upload is returned, as above, never a
-                                                   │    failure (``decision.gate.tie``)
+                                                   │    at the floor (pooled gain under 3%, under 10% at 95%,
+                                                   │    an answer still open): the upload is returned, as
+                                                   │    above, never a failure (``decision.gate.tie``)
                                                    └─ else: optimized
 
 When the ledger left its last group to the gate (``Ledger.left_to_gate``: a group whose A/B would have compared
@@ -124,12 +124,14 @@ def decide(
     if not comparison.slower and comparison.tie:
         decision["gate"]["tie"] = True
         per_set = ", ".join(f"{sh.verdict.paired_ratio:.3f}" for sh in comparison.shapes)
+        pooled = comparison.pooled
         decision.update(
             result="original",
             used_original=True,
             reason=f"verified within tolerance, but no faster than the uploaded model beyond the 3% floor (pooled "
-            f"paired ratio {comparison.pooled.paired_ratio:.3f}, per input set {per_set}; no set faster beyond "
-            "noise): a tie, not timed further to prove it not slower; the uploaded model is returned",
+            f"paired ratio {pooled.paired_ratio:.3f}, 95% interval {pooled.ci95[0]:.3f}..{pooled.ci95[1]:.3f}; per "
+            f"input set {per_set}; no set faster beyond noise): a tie, not timed further to prove it not slower; "
+            "the uploaded model is returned",
         )
         return GateResult(benchmark, decision, _fall_back(ledger, decision), upload_timing=upload)
     if not comparison.slower:

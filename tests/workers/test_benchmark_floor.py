@@ -166,10 +166,12 @@ def _verdict(paired_ratio: float, half_width: float = 0.05) -> Verdict:
     return Verdict(paired_ratio, 1 / paired_ratio, margin, paired_ratio, (lo, hi), False, paired_ratio < 1 - margin)
 
 
-def test_tie_needs_an_open_answer_a_pooled_gain_under_the_floor_and_no_set_faster() -> None:
+def test_tie_needs_an_open_answer_a_bounded_pooled_gain_under_the_floor_and_no_set_faster() -> None:
     near = [_verdict(1.0), _verdict(0.96), _verdict(1.06)]
     assert tie(near, _verdict(0.99), [None, "settled: not slower", None])
     assert not tie(near, _verdict(0.965), [None, None, None])  # the pooled estimate gains beyond 3%
+    # A host so noisy that the pooled interval cannot rule out a 10% gain: no tie, the rules decide as before.
+    assert not tie(near, _verdict(0.99, half_width=0.12), [None, None, None])
     # One set faster beyond its margin: its gain is worth the budget, whatever the pooled estimate says.
     assert not tie([_verdict(0.90), _verdict(1.0), _verdict(1.02)], _verdict(1.0), [None, None, None])
     # Every set already answered at the floor: nothing is left to spend, the answer is the rules' own.
