@@ -23,12 +23,13 @@ output, so its graph fails at run time. This pass first rewrites those Gemms to 
     x[B,S,K] (or [B,S,h,d]) --Reshape[-1,K]--> Gemm(W, b) --Reshape[B,S,N]--> y
     ==>  x --(Reshape[0,0,K] if rank 4)--> MatMul(W) --> Add(b) --> y
 
-after which MultiHeadAttention, SkipLayerNormalization with bias and (via ORT) FastGelu all fuse. Three
+after which MultiHeadAttention, SkipLayerNormalization with bias and (via ORT) FastGelu all fuse. Four
 more exporter forms are rewritten, exactly, into those onnxscript reads: a leading-dims flatten that
 ``upstream_reshape`` moved above a LayerNorm goes back below it (``sink_flatten_below_norm``); attention on
-heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); and a boolean
-mask applied with ``Where`` becomes an additive one (``_where_mask``). Audio encoders are recognized by their
-convolutional stem (``_fusion_families``).
+heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); a boolean mask
+applied with ``Where`` becomes an additive one (``_where_mask``); and a Reshape to its own input's shape
+(TorchScript SDPA's attention output) is dropped, so that the MHA rule takes the merge of the heads too
+(``_identity_reshape``). Audio encoders are recognized by their convolutional stem (``_fusion_families``).
 
 How far attention is fused is an option, because the fullest fusion is not the fastest everywhere:
 ``attention="attention"`` (default) packs Q/K/V into ``com.microsoft::Attention``; ``"mha"`` stops at
@@ -81,6 +82,7 @@ from passes.fusion import _rms_norm as rms_norm
 from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion import _where_mask as where_mask
 from passes.fusion._batched_heads import fold_static_sizes, unfold_batched_heads
+from passes.fusion._identity_reshape import drop_identity_reshapes
 from passes.fusion._qkv_packing import pack_qkv
 
 KnownFamily = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2"]
@@ -389,6 +391,9 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
 def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode) -> onnx.ModelProto:
     model = ir.serde.deserialize_model(symbolic_shapes.infer(proto, report))
     common_passes.ShapeInferencePass()(model)
+    report["identity_reshapes"] = drop_identity_reshapes(model)
+    if report["identity_reshapes"]:
+        common_passes.RemoveUnusedNodesPass()(model)
     report["norm_flattens_sunk"] = sink_flatten_below_norm(model)
     report["bmm_unfolded"] = unfold_batched_heads(model)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0

@@ -63,7 +63,10 @@ def test_fuse_transformer_fuses_attention_per_layer_when_bert_family(name):
 def test_fuse_transformer_fuses_multi_head_attention_and_fast_gelu_when_gpt2():
     result = fused("gpt2")
     ops = op_histogram(result.model)
-    assert result.notes["chosen"] == "onnxscript+ort"
+    # both candidates reach every expected fusion; the smaller graph wins the tie, then the option's order.
+    # ORT's pass after onnxscript used to leave the smaller graph; with identity Reshapes dropped first
+    # (``_identity_reshape``), onnxscript's alone ties it. The fusions below are what matters.
+    assert result.notes["chosen"] in ("onnxscript", "onnxscript+ort")
     assert ops["com.microsoft::MultiHeadAttention"] == LAYERS
     assert ops["com.microsoft::SkipLayerNormalization"] == 2 * LAYERS
     assert ops["com.microsoft::FastGelu"] == LAYERS

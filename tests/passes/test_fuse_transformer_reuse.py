@@ -25,11 +25,14 @@ def test_fuse_transformer_skips_ort_alone_when_a_candidate_has_every_expected_fu
     assert result.notes["missing"] == {}
     assert list(candidates) == ["onnxscript", "ort", "onnxscript+ort"]  # reported in the order of the option
     assert "skipped" in candidates["ort"] and "error" not in candidates["ort"]
-    # 2 attention + 4 skip norms + 2 GELU: all expected, by onnxscript+ort (fewer nodes than onnxscript alone).
-    assert candidates["ort"]["skipped"] == "onnxscript+ort verified with score 8, the most ORT alone could reach"
+    # 2 attention + 4 skip norms + 2 GELU: all expected, by onnxscript alone and by onnxscript+ort, which tie on
+    # size too since identity Reshapes are dropped before fusion (``_identity_reshape``): either may win the tie.
+    chosen = result.notes["chosen"]
+    other = ({"onnxscript", "onnxscript+ort"} - {chosen}).pop()
+    assert candidates["ort"]["skipped"] == f"{chosen} verified with score 8, the most ORT alone could reach"
     assert candidates["ort"]["verified"] is None and "unchecked" not in candidates["ort"]  # skipped: never built
-    assert candidates["onnxscript"]["verified"] is None and "unchecked" in candidates["onnxscript"]
-    assert result.notes["chosen"] == "onnxscript+ort"
+    assert candidates[chosen]["verified"] is True
+    assert candidates[other]["verified"] is None and "unchecked" in candidates[other]
     assert not [m for m in result.non_matches if "candidate ort" in m.reason]  # a skip is not a rejection
     assert_same_outputs("gpt2", result.model)
 
