@@ -12,10 +12,12 @@ from the ``fast`` preset. The range this table was read from is pinned in pyproj
 ``fuse_for_ort`` replays ``ort_fusions._core.optimize_for_ort`` of onnxscript 0.7.2 step by step (its test
 checks the replay builds the same graph as the exported function where that graph is right), with
 ``stop_before`` cutting the attention steps for ``fuse_transformer``'s ``attention`` option, and steps of
-ours where onnxscript's rules miss an exporter's form: ``_rms_norm_opset17`` (TorchScript's opset-17 RMS norm),
-``_merge_heads`` (keeps onnxscript's MHA rule from absorbing a flattening Reshape), ``_attention_bias``
-(T5's relative position bias and mask as one ``attention_bias``) and ``_tanh_gelu`` (GPT-2's GELU with its
-bias), each before the step it feeds.
+ours where onnxscript's rules miss an exporter's form: ``_rms_norm_opset17`` (the RMS norms in every form the
+torch exporters write, whatever the opset), ``_merge_heads`` (keeps onnxscript's MHA rule from absorbing a
+flattening Reshape), ``_attention_bias`` (T5's relative position bias and mask as one ``attention_bias``),
+``_concat_shape`` (a length read off a grown cache, ``Shape(Concat(past, new))``, read off its parts, so the
+with-past MHA rule can take the Concat without a cycle) and ``_tanh_gelu`` (GPT-2's GELU with its bias),
+each before the step it feeds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES
 from onnxscript.rewriter.rules.common import gemm_to_matmul_add_rule
 
 from passes.fusion import _attention_bias as attention_bias
+from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
 from passes.fusion import _tanh_gelu as tanh_gelu
@@ -121,7 +124,7 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     optimizer.optimize(model)
     rule_set("shape_optimization").apply_to_model(model)
     optimizer.optimize(model)
-    # Ours: the opset-17 RMS norm of TorchScript exports, which onnxscript's rule does not read.
+    # Ours: RMS norms in the forms the exporters write that onnxscript's rule does not read (_rms_norm_opset17).
     counts["rms_norms_opset17"] = rms_norm_opset17.rules.apply_to_model(model)
     for step in ("erf_gelu", "rms_normalization", "skip_layer_normalization", "skip_rms_normalization"):
         fuse(step)
@@ -133,6 +136,10 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     counts["merge_heads_split"] = 0 if "sdpa" in cut else merge_heads.rules.apply_to_model(model)
     # Ours too: T5's relative position bias and its mask become one attention_bias (see _attention_bias).
     counts["attention_biases_grouped"] = 0 if "sdpa" in cut else attention_bias.rules.apply_to_model(model)
+    # Ours: a length read off a grown cache (T5's key length for its position bias) from the Concat's inputs;
+    # the with-past MHA rule (mha1) replaces that Concat with the attention's present output, which the Shape
+    # would then read to compute the attention's own bias: a cycle, and the candidate refused (_concat_shape).
+    counts["concat_shapes_split"] = 0 if "sdpa" in cut else concat_shape.split_concat_shapes(model)
     fuse("sdpa", shape_inference=True)
     for step in ("gqa", "packed_qkv_for_gqa", "mha1", "mha2", "mha_scale"):
         fuse(step)

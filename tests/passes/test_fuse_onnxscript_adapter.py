@@ -56,7 +56,14 @@ def test_rule_set_raises_naming_the_dotted_name_when_onnxscript_renames_it(monke
 
 # The steps of ours the replay adds to onnxscript's sequence (each a no-op where onnxscript's rules already read
 # the exporter's form).
-OURS = ("merge_heads_split", "rms_norms_opset17", "attention_biases_grouped", "tanh_gelu", "noop_bias_expands")
+OURS = (
+    "merge_heads_split",
+    "rms_norms_opset17",
+    "attention_biases_grouped",
+    "concat_shapes_split",
+    "tanh_gelu",
+    "noop_bias_expands",
+)
 
 
 @pytest.mark.parametrize(("name", "ours"), [("bert_encoder", {}), ("gpt2", {"tanh_gelu": 2})])
