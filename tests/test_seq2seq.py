@@ -24,12 +24,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from onnx_ir.passes.common import ShapeInferencePass
 
 from core.config import JobConfig
 from core.inputs import InputSynthesis, analyze
 from core.settings import PipelineSettings
+from passes._infra import PassContext
+from passes.fusion import _concat_shape as concat_shape
+from passes.fusion import _fusion_families as fam
 from passes.fusion import _layer_reasons as layer_reasons
+from passes.fusion import fuse_transformer
 from passes.fusion.fuse_rotary import FuseRotary
+from passes.fusion.fuse_transformer import FuseTransformer
 from tests.conftest import FAST_PIPELINE, ROOT, service_env
 from tests.integration._flow import submit, wait
 from tests.models.build_seq2seq import (
@@ -186,6 +192,7 @@ def test_a_cache_concatenated_onto_an_empty_constant_is_still_read_as_is_when_an
     ],
 )
 def test_models_without_cross_attention_get_no_cross_roles_when_analyzed(path):
+    assert fam.count_cross_attention(ir.load(OUT.parent / path)) == 0
     facts = analyze(onnx.load(str(OUT.parent / path)))
     assert not facts.encoder_decoder
     assert not any(r.cross or r.role in ("encoder_states", "cross_key_values") for r in facts.roles.values())
@@ -273,6 +280,84 @@ def test_unfused_attention_is_named_self_or_cross_with_its_decoder_layer_when_se
     heads = [r.reason.split(" (")[0] for r in reasons]
     layers = range(ARCHS[name].layers)
     assert heads == [f"attention: {kind}-attention layer {i}" for i in layers for kind in ("self", "cross")]
+
+
+def test_t5_torchscript_decoder_with_past_fuses_every_attention_with_its_cache_when_fast():
+    """TorchScript's T5 reads layer 0's key length off the grown cache, ``Shape(Concat(past, key))``, for the
+    position bias; the with-past MHA rule took that Concat into the attention, the Shape then read the
+    attention's own output (a cycle), onnxscript's candidate was refused and nothing fused (_concat_shape)."""
+    # setup: the decoder as uploaded, its generated sets (an empty self cache among them) as the samples
+    path = path_of("t5", "ts", "decoder_with_past")
+    samples = [s.feeds for s in InputSynthesis(onnx.load(str(path))).generate(3)]
+    # execute
+    result = FuseTransformer()(ir.load(path), PassContext(samples=samples))
+    # assert: the onnxscript candidate verified; every self attention reads and writes its cache itself
+    arch = ARCHS["t5"]
+    assert result.notes["chosen"] == "onnxscript", result.notes["candidates"]["onnxscript"].get("error")
+    assert result.counts["fused_attention"] == 2 * arch.layers
+    assert result.counts["fused_skip_layer_norm"] == 3 * arch.layers
+    assert result.notes["family"] == "t5" and result.notes["missing"] == {}  # all that a T5 decoder can fuse
+    attentions = [n for n in result.model.graph if n.op_type == "MultiHeadAttention"]
+    presents = {o.name for n in attentions for o in n.outputs[1:] if o is not None}
+    assert presents == {f"present.{i}.decoder.{kv}" for i in range(arch.layers) for kv in ("key", "value")}
+    assert not any(n.op_type == "Concat" and n.outputs[0].shape and len(n.outputs[0].shape) == 4 for n in
+                   result.model.graph)  # fmt: skip
+    # exact at shapes the samples never had: empty and longer pasts, several new tokens, another batch
+    want, got = reference_session(path), reference_session(result.model)
+    for batch, dec, past in ((1, 1, 0), (3, 2, 5), (2, 1, 17)):
+        feeds = seq2seq_feeds(arch, "decoder_with_past", batch, dec=dec, past=past, enc=10, seed=past)
+        expected, actual = run_named(want, feeds), run_named(got, feeds)
+        for key, value in expected.items():
+            np.testing.assert_allclose(actual[key], value, atol=ATOL, rtol=0, err_msg=f"past {past}: {key}")
+
+
+def test_layers_a_refused_candidate_fused_say_why_it_was_refused_when_nothing_applied(monkeypatch):
+    """Without _concat_shape the T5 decoder's onnxscript candidate is refused (the cycle above) and nothing is
+    applied: each attention it fused says so, with the error, instead of a rule's trace of another graph."""
+    # setup: the rewrite off, so that the candidate is refused as it was; no cached result of another test
+    monkeypatch.setattr(concat_shape, "split_concat_shapes", lambda model: 0)
+    monkeypatch.setattr(fuse_transformer, "_LAST", {})
+    path = path_of("t5", "ts", "decoder_with_past")
+    samples = [s.feeds for s in InputSynthesis(onnx.load(str(path))).generate(3)]
+    # execute
+    result = FuseTransformer()(ir.load(path), PassContext(samples=samples))
+    # assert: not applied; per decoder layer a self and a cross attention, each fused there and refused
+    assert not result.modified
+    error = result.notes["candidates"]["onnxscript"]["error"]
+    assert "topologically sorted" in error
+    attention = [m.reason for m in result.non_matches if m.reason.startswith("attention: ") and m.node]
+    layers = range(ARCHS["t5"].layers)
+    heads = [f"attention: {kind}-attention layer {i} (t5" for i in layers for kind in ("self", "cross")]
+    assert [r[: len(h)] for r, h in zip(attention, heads, strict=True)] == heads
+    assert all("fused by the onnxscript candidate, which was not applied" in r for r in attention)
+    assert all(" ".join(error.split()) in r and "candidate ort" not in r for r in attention)
+
+
+@pytest.mark.parametrize("file", FILES)
+def test_expected_fusions_count_a_layer_once_and_its_cross_attention_apart_when_seq2seq(file):
+    """A decoder layer holds a self and a cross attention: counted as two layers, its decoder was expected
+    to reach 2 residual norms and a GELU per attention (8 and 4 here, where a full fusion gives 6 or 7 and 2)
+    and T5's was labelled a llama. Encoders keep their family and counts."""
+    # setup
+    arch, kind = ARCHS[ENTRIES[file]["arch"]], ENTRIES[file]["kind"]
+    model = ir.load(OUT / file)
+    ShapeInferencePass()(model)
+    # execute
+    family, evidence = fam.detect_family(model)
+    attention, cross = fam.count_layers(model), fam.count_cross_attention(model)
+    expected = fam.expected_fusions(family, attention, cross)
+    # assert
+    n = arch.layers
+    if kind == "encoder":
+        assert (family, cross) == ("whisper" if arch.audio else arch.name, 0), evidence
+        assert expected == fam.expected_fusions(family, attention)
+        return
+    assert family == ("t5" if arch.name == "t5" else "bart"), evidence
+    assert "encoder-decoder's decoder" in evidence and (attention, cross) == (2 * n, n)
+    if arch.name == "t5":  # pre-RMS-norm, no positions: every norm but the first follows a residual Add
+        assert expected == {"attention": 2 * n, "skip_layer_norm": 3 * n}
+    else:  # three norms per layer and the embedding sum's (post-norm BART) or the final one (pre-norm Whisper)
+        assert expected == {"attention": 2 * n, "skip_layer_norm": 3 * n + 1, "gelu": n}
 
 
 # ---------------------------------------------------------------------------------------- generated sets

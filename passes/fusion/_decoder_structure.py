@@ -265,6 +265,11 @@ def attention_kinds(model: ir.Model) -> dict[str, str]:
     return kinds
 
 
+def attention_counts(model: ir.Model) -> dict[str, int]:
+    """Attention sites by kind, ``{"self": L, "cross": C}``, counted by node (names may be missing or repeat)."""
+    return _attention(model.graph, _decoder_side(model)) or {"self": 0, "cross": 0}
+
+
 def _attention(
     graph: ir.Graph, decoder_side: set[ir.Value], named: dict[str, str] | None = None
 ) -> dict[str, int] | None:

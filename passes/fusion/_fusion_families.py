@@ -5,11 +5,14 @@ Detection reads only structure, never names of nodes (exporters rename them free
 ============  ==========================================================================================
 family        signal (first that holds wins)
 ============  ==========================================================================================
-t5            a graph input ``decoder_input_ids`` and no LayerNorm (encoder-decoder), or RMS norms, no
-              LayerNorm and no causal mask (the T5 encoder: relative position bias added to the scores)
+t5            a graph input ``decoder_input_ids`` and no LayerNorm (encoder-decoder); or cross attention (keys
+              computed from the encoder's states alone, ``_decoder_structure``) and no LayerNorm (an
+              encoder-decoder's decoder, as Optimum splits them); or RMS norms, no LayerNorm and no causal
+              mask (the T5 encoder: relative position bias added to the scores)
+bart          a graph input ``decoder_input_ids`` and LayerNorms; or cross attention and LayerNorms (the
+              decoders of BART, Whisper, Marian: ORT's bart type fuses all of them)
 llama         RMS norms, no LayerNorm, and a causal mask (a decoder: Llama, Qwen2, Mistral, Phi-3; rotary
               embeddings, SiLU feed-forward)
-bart          a graph input ``decoder_input_ids`` and LayerNorms (encoder-decoder)
 vit           a ``Conv`` on a rank-4 float graph input (patch embedding) and LayerNorms
 whisper       a ``Conv`` on a rank-3 float graph input (log-mel features ``[B, mels, frames]``: the
               convolutional stem of an audio encoder) and LayerNorms
@@ -28,7 +31,10 @@ unknown       no Softmax or no normalization: not a transformer we know how to f
 
 ``layers`` is the number of ``Softmax`` nodes (one per attention block in every family above), plus the
 attention ops an earlier pass already fused (``fuse_gqa`` runs before ``fuse_transformer`` in the presets, so a
-decoder reaches it with GroupQueryAttention or MultiHeadAttention and no Softmax).
+decoder reaches it with GroupQueryAttention or MultiHeadAttention and no Softmax). An encoder-decoder's
+decoder has two per layer, a self and a cross attention: ``cross`` of them (``count_cross_attention``) are
+no layer of their own, and each adds one attention and one residual norm to the family's count for the
+``layers - cross`` self attentions (its feed-forward, and so its GELU, is per layer).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import numpy as np
 import onnx_ir as ir
 
 from core.inputs import InputSynthesis
+from passes.fusion._decoder_structure import attention_counts
 
 Family = Literal[
     "bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2", "unknown"
@@ -74,9 +81,18 @@ ORT_MODEL_TYPE: dict[str, str] = {
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
 
 
-def expected_fusions(family: str, layers: int) -> dict[str, int]:
-    """Fused-op counts a fully fused model of this family has, for ``layers`` attention blocks."""
-    n = layers
+def expected_fusions(family: str, layers: int, cross: int = 0) -> dict[str, int]:
+    """Fused-op counts a fully fused model of this family has, for ``layers`` attention blocks of which
+    ``cross`` are cross attentions (an encoder-decoder's decoder): the family's count for the self attentions,
+    plus per cross attention the attention and the residual norm after it."""
+    expected = _per_layer_fusions(family, layers - cross)
+    if cross and expected:
+        expected["attention"] += cross
+        expected["skip_layer_norm"] += cross
+    return expected
+
+
+def _per_layer_fusions(family: str, n: int) -> dict[str, int]:
     if family in ("bert", "roberta", "distilbert"):
         # post-norm: LN(x + attn) and LN(x + ffn) per layer; the embedding LN becomes EmbedLayerNorm.
         return {"attention": n, "skip_layer_norm": 2 * n, "gelu": n, "embed_layer_norm": 1}
@@ -85,7 +101,9 @@ def expected_fusions(family: str, layers: int) -> dict[str, int]:
         return {"attention": n, "skip_layer_norm": 2 * n, "gelu": n}
     if family == "bart":
         # post-norm like BERT, plus the embedding sum's LayerNorm as one more skip norm (no token types, and
-        # its positions sit at an offset of 2, which ORT's EmbedLayerNormalization does not express).
+        # its positions sit at an offset of 2, which ORT's EmbedLayerNormalization does not express). A
+        # pre-norm decoder (Whisper's) has the same count: its first norm reads the embedding sum, its last
+        # the final residual.
         return {"attention": n, "skip_layer_norm": 2 * n + 1, "gelu": n}
     if family == "wav2vec2":
         # post-norm like BERT (or pre-norm in its "stable" variant, the same count), plus the norm after the
@@ -93,7 +111,8 @@ def expected_fusions(family: str, layers: int) -> dict[str, int]:
         return {"attention": n, "skip_layer_norm": 2 * n + 1, "gelu": n}
     if family in ("t5", "llama"):
         # pre-RMS-norm: the norm of every block but the first follows a residual Add, and so does the final
-        # norm; T5's feed-forward is ReLU, the decoders' SiLU gated: no GELU to fuse.
+        # norm (T5 adds no positions to its embedding); T5's feed-forward is ReLU, the decoders' SiLU gated:
+        # no GELU to fuse.
         return {"attention": n, "skip_layer_norm": 2 * n}
     return {}
 
@@ -111,6 +130,12 @@ def count_layers(model: ir.Model) -> int:
         if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx"))
         or (node.domain == "com.microsoft" and node.op_type in GROUPS["attention"])
     )
+
+
+def count_cross_attention(model: ir.Model) -> int:
+    """Cross attentions: those whose keys are computed from the encoder's side alone (its states or the
+    cross-attention cache), as ``_decoder_structure`` tells them; 0 in encoders and decoder-only models."""
+    return attention_counts(model)["cross"]
 
 
 def _derives_from(value: ir.Value | None, op_type: str, depth: int = 6) -> bool:
@@ -148,6 +173,11 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
         if ops["LayerNormalization"]:
             return "bart", "encoder-decoder (graph input decoder_input_ids) with LayerNorms"
         return "t5", "encoder-decoder (graph input decoder_input_ids) with RMS norms"
+    if cross := count_cross_attention(model):
+        seen = f"an encoder-decoder's decoder: {cross} cross attentions (keys from the encoder's side alone)"
+        if ops["LayerNormalization"]:
+            return "bart", f"{seen}, LayerNorms"
+        return "t5", f"{seen}, no LayerNorm"
     causal = _causal_mask(model)
     if not causal and ops["GroupQueryAttention"]:
         causal = "GroupQueryAttention (causal by construction; fused by an earlier pass)"

@@ -18,6 +18,10 @@ the node, what the rule expects, the subgraph found (its ops, constants by value
 where the closest rule stopped, with onnxscript's own ``MatchResult.fail`` reason, traced per root node
 (``_onnxscript_adapter.trace_roots``; attention after the steps the pipeline runs before SDPA). A shortfall
 is then never just a number.
+
+Where no candidate was applied, the reasons are read on the onnxscript candidate, and the errors that kept
+the candidates out come with them (``rejected``): a site that candidate did fuse says it was fused and why
+that was not applied (a cycle, a failed check), instead of a rule's complaint about another graph.
 """
 
 from __future__ import annotations
@@ -47,10 +51,14 @@ EXPECTED = {
 }
 
 
-def layer_reasons(model: ir.Model, original: ir.Model, family: str, groups: set[str]) -> list[NonMatch]:
+def layer_reasons(
+    model: ir.Model, original: ir.Model, family: str, groups: set[str], rejected: str = ""
+) -> list[NonMatch]:
     """A NonMatch per unfused site of ``groups`` in ``model`` (the fused candidate), layers numbered on
-    ``original``."""
-    reasons: list[NonMatch] = []
+    ``original``. ``rejected``: why ``model`` was not applied (the refused candidates' errors), or "" when it
+    was; then every site of ``original`` that ``model`` fused is reported too, with that error."""
+    rejected = " ".join(rejected.split())  # one line: ONNX's checker writes the failing node over several
+    reasons = _rejected_sites(model, original, family, groups, rejected) if rejected else []
     sites = [(group, node) for node in model.graph for group in _groups_of(node) if group in groups]
     if not sites:
         return reasons
@@ -73,7 +81,27 @@ def layer_reasons(model: ir.Model, original: ir.Model, family: str, groups: set[
         blocked = attempt.describe() if attempt else "no rule got past its first node here"
         head = f"{kind} layer {layer} ({family}, node {anchor.name})"
         reason = f"{group}: {head}: expected {EXPECTED[group]}; found {found[:_FOUND_CHARS]}; {blocked}"
+        if rejected:
+            reason += f"; and no candidate was applied: {rejected}"
         reasons.append(NonMatch(reason, node=anchor.name, op_type=anchor.op_type))
+    return reasons
+
+
+def _rejected_sites(model: ir.Model, original: ir.Model, family: str, groups: set[str], why: str) -> list[NonMatch]:
+    """The sites of ``original`` that the refused candidate ``model`` fused (their anchors are gone from it):
+    each fused there, and not applied for ``why``."""
+    left = {(node.op_type, node.name) for node in model.graph if _groups_of(node)}
+    order = _ranks(original)
+    reasons = []
+    for node in original.graph:
+        for group in _groups_of(node):
+            if group not in groups or (node.op_type, node.name) in left:
+                continue
+            label, layer = order.get((node.op_type, node.name), (None, "?"))
+            kind = label or {"attention": "attention", "skip_layer_norm": "residual norm", "gelu": "GELU"}[group]
+            head = f"{kind} layer {layer} ({family}, node {node.name})"
+            reason = f"{group}: {head}: fused by the onnxscript candidate, which was not applied: {why}"
+            reasons.append(NonMatch(reason, node=node.name, op_type=node.op_type))
     return reasons
 
 

@@ -151,7 +151,10 @@ class FuseTransformer(Pass):
         family, evidence = (opts.family, "given by the family option") if opts.family else fam.detect_family(base)
         heads, hidden = fam.detect_sizes(base)
         layers = fam.count_layers(base)
+        cross = fam.count_cross_attention(base)
         notes: dict[str, Any] = {"family": family, "family_evidence": evidence, "layers": layers}
+        if cross:
+            notes["cross_attention"] = cross
         unchanged = ir.serde.deserialize_model(proto)
         if family == "unknown":
             skip = notes | _skip(evidence)
@@ -160,7 +163,7 @@ class FuseTransformer(Pass):
             reason = "TensorRT parses standard ONNX only: com.microsoft contrib ops would fall back"
             return PassResult(unchanged, False, {}, [NonMatch(reason)], notes | _skip(reason)), proto
         heads, hidden = opts.num_heads or heads, opts.hidden_size or hidden
-        expected = fam.expected_fusions(family, layers)
+        expected = fam.expected_fusions(family, layers, cross)
         if opts.attention == "none":  # left unfused on purpose: not a shortfall to report
             expected.pop("attention", None)
         notes |= {"num_heads": heads, "hidden_size": hidden, "expected": expected, "attention_mode": opts.attention}
@@ -266,7 +269,11 @@ class FuseTransformer(Pass):
             missing = _missing(expected, achieved, base, ort_failures, symbolic)
             notes |= {"achieved": achieved, "missing": missing}
             non_matches += [NonMatch(f"{g}: {r}") for g, r in notes["missing"].items()]
-            non_matches += _per_layer(traced or base, base, family, notes["missing"])
+            # Read on the onnxscript candidate even when refused: what it fused, and why it was not applied.
+            errors = {e: c["error"] for e, c in candidates.items() if "error" in c}
+            shown = ["onnxscript"] if traced is not None and "onnxscript" in errors else list(errors)
+            why = "; ".join(f"candidate {e} rejected: {errors[e]}" for e in shown)
+            non_matches += _per_layer(traced or base, base, family, notes["missing"], why)
             return PassResult(unchanged, False, {}, non_matches, notes | _skip(reason)), proto
         result = ir.serde.deserialize_model(built[best])
         achieved = fam.achieved_fusions(result)
@@ -280,11 +287,13 @@ class FuseTransformer(Pass):
         return PassResult(result, True, counts, non_matches, notes), built[best]
 
 
-def _per_layer(model: ir.Model, original: ir.Model, family: str, missing: dict[str, str]) -> list[NonMatch]:
+def _per_layer(
+    model: ir.Model, original: ir.Model, family: str, missing: dict[str, str], rejected: str = ""
+) -> list[NonMatch]:
     """Each unfused attention, residual norm and GELU of the groups that fell short, by layer and with the
-    pattern that blocked it (``_layer_reasons``)."""
+    pattern that blocked it (``_layer_reasons``); with ``rejected``, why ``model`` was not applied."""
     groups = {g for g in missing if g in ("attention", "skip_layer_norm", "gelu")}
-    return layer_reasons.layer_reasons(model, original, family, groups) if groups else []
+    return layer_reasons.layer_reasons(model, original, family, groups, rejected) if groups else []
 
 
 def _import_contrib_domain(model: ir.Model) -> None:
