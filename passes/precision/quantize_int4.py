@@ -18,7 +18,9 @@ What ORT leaves to the user, and this pass decides:
 * **The lm_head is never int4** by default (an int4 head made a model repeat itself, issue 19): it is found
   from the graph, the MatMul whose output reaches a graph output through reshapes and elementwise ops only,
   never by name, and stays float, or becomes 8-bit ``MatMulNBits`` where that measures no slower and the
-  budget still holds (``lm_head="auto"``, the default).
+  budget still holds (``lm_head="auto"``, the default), at the level timed fastest for it: the int4 MatMuls
+  keep theirs (``accuracy_level.by_layer`` gives each node's, read off the graph), so the head is judged on
+  the mix the search chose, as it is handed back. Asked for (``"int8"``), it is held to the budget too.
 * **The greedy token is the budget of a language model.** Besides the per-output cosine, a model with a
   logits output is judged by teacher forcing on the samples' token ids (each fed as a prefill on an empty
   cache): at least ``min_top1_agreement`` (0.99) of the positions must keep the original's greedy next token;
@@ -68,7 +70,7 @@ import functools
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,8 +108,9 @@ class QuantizeInt4Options(PassOptions):
     )
     lm_head: Literal["float", "auto", "int8", "int4"] = Field(
         "auto",
-        description="The LM head (found from the graph): float keeps it; int8 makes it 8-bit MatMulNBits; auto "
-        "does so only where that measures no slower and the budget holds; int4 quantizes it like the rest.",
+        description="The LM head (found from the graph): float keeps it; int8 makes it 8-bit MatMulNBits where "
+        "the budget still holds (else float, with the misses); auto does so only where that also measures no "
+        "slower, at the accuracy_level it measured fastest; int4 quantizes it like the rest.",
     )
     embeddings: Literal["auto", "float", "int8", "int4"] = Field(
         "auto",
@@ -241,6 +244,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         if out.model is None:
             return PassResult(unchanged, False, out.counts, non_matches, out.notes)
         result = out.model
+        notes["accuracy_mix"] = notes.get("accuracy")  # the MatMul mix as the search judged it, head float
         if options.lm_head in ("auto", "int8") and kept_float:
             result = _head_int8(
                 model,
@@ -269,6 +273,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         else:
             notes["bias_adds"] = f"kept: MatMulNBits' bias input on {ctx.target} takes one GEMV shape alone"
         notes["precision"] = precision_by_layer(result, [*candidates, *kept_float, *options.nodes_to_exclude])
+        notes["accuracy_level"]["by_layer"] = levels_by_layer(result)
         notes["int4_share"] = int4_share(notes["precision"], weights)
         notes["weight_bytes"] = {
             "before": q.tensor_bytes(ir.serde.serialize_model(model)),
@@ -287,8 +292,14 @@ def quantize_proto(
     bits: int = 4,
     include: Sequence[str] = (),
 ) -> onnx.ModelProto:
-    """ORT's MatMulNBitsQuantizer on ``proto``; every MatMulNBits it writes gets ``accuracy_level=level``."""
+    """ORT's MatMulNBitsQuantizer on ``proto``; every MatMulNBits it writes gets ``accuracy_level=level``.
+
+    MatMulNBits already in ``proto`` keep theirs: the 8-bit head (or the 8-bit MatMuls of a mix) is added to
+    a model whose int4 MatMuls were measured and chosen at their own level, which the report gives."""
     from onnxruntime.quantization import matmul_nbits_quantizer as mnb
+
+    # By output: a node's name need not be unique or set, the value it writes is (SSA)
+    before = {n.output[0] for n in proto.graph.node if n.op_type == "MatMulNBits" and n.output}
 
     op_types = ("MatMul",)  # token tables: quantize_tables, after the MatMuls (it may share the head's weights)
     config: Any
@@ -308,13 +319,15 @@ def quantize_proto(
         )
         quantizer.process()
     out = quantizer.model.model
-    set_accuracy_level(out, level)
+    set_accuracy_level(out, level, skip=before)
     return out
 
 
-def set_accuracy_level(proto: onnx.ModelProto, level: int) -> None:
+def set_accuracy_level(proto: onnx.ModelProto, level: int, *, skip: Collection[str] = ()) -> None:
+    """``accuracy_level=level`` on every MatMulNBits of ``proto`` but those writing a value in ``skip``
+    (ORT's HQQ config takes no level: the nodes it writes are stamped here)."""
     for node in proto.graph.node:
-        if node.op_type == "MatMulNBits":
+        if node.op_type == "MatMulNBits" and not (node.output and node.output[0] in skip):
             kept = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
             node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
@@ -398,6 +411,15 @@ def precision_by_layer(model: ir.Model, names: Sequence[str]) -> dict[str, str]:
         if node.op_type == "MatMulNBits" and "bits" in node.attributes:
             bits[node.name.rsplit("_Q", 1)[0]] = node.attributes["bits"].value
     return {name: f"int{bits[name]}" if name in bits else "float" for name in names}
+
+
+def levels_by_layer(model: ir.Model) -> dict[str, int]:
+    """``{MatMul name: accuracy_level}`` of every MatMulNBits, read off the graph (the head's may differ)."""
+    return {
+        node.name.rsplit("_Q", 1)[0]: node.attributes["accuracy_level"].value
+        for node in model.graph
+        if node.op_type == "MatMulNBits" and "accuracy_level" in node.attributes
+    }
 
 
 def replaced_nodes(original: onnx.ModelProto, quantized: onnx.ModelProto, candidates: Sequence[str]) -> list[str]:
@@ -617,9 +639,24 @@ def _head_int8(
     def head8(at: int) -> onnx.ModelProto:
         return quantize_proto(ir.serde.serialize_model(quantized), options, at, others, bits=8, include=heads)
 
-    if options.lm_head == "int8":
-        notes["lm_head_decision"] = "int8 (option); the accuracy figures are the float head's, before it"
-        return ir.serde.deserialize_model(head8(level))
+    budget = q.budget_of(budget_options)
+    if options.lm_head == "int8":  # asked for, and still held to the budget, as a token table asked for is
+        asked = head8(level)
+        measured = _measure(
+            ir.serde.serialize_model(original), {"int8": asked}, samples, options.max_samples, logits, timed=False
+        )
+        if measured is None:
+            notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}); not measured: no samples"
+            return ir.serde.deserialize_model(asked)
+        accuracy = measured[0]["int8"]
+        misses = budget.misses(accuracy)
+        if misses:
+            notes["lm_head_decision"] = "float: " + "; ".join(misses)
+            notes["lm_head_accuracy_int8"] = {k: v.to_dict() for k, v in accuracy.items()}
+            return quantized
+        notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}): within the budget"
+        notes["accuracy"] = {k: v.to_dict() for k, v in accuracy.items()}  # the model handed back
+        return ir.serde.deserialize_model(asked)
     levels = {f"int8 level {at}": at for at in (4, 0)}
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]] = {"float": proto}
     candidates |= {key: functools.partial(head8, at) for key, at in levels.items()}
@@ -628,7 +665,6 @@ def _head_int8(
         notes["lm_head_decision"] = "float: no samples to measure an 8-bit head"
         return quantized
     accuracy, latency = measured
-    budget = q.budget_of(budget_options)
     notes["lm_head_latency_ms"] = {k: _ms(v) for k, v in latency.items()}
     ratios = {key: speed_ratio(latency[key], latency["float"]) for key in levels}
     notes["lm_head_vs_float"] = {key: round_sig(r) for key, r in ratios.items()}
@@ -696,10 +732,8 @@ def _tables(
         entry["accuracy_quantized"] = {k: v.to_dict() for k, v in accuracy.items()}
         return quantized
     entry["decision"] = f"{choice} (option)" if choice != "auto" else "quantized: within the budget"
-    entry["accuracy_before"] = notes.get("accuracy")  # the MatMul mix's, as the search judged it
+    entry["accuracy_before"] = notes.get("accuracy")  # the MatMuls', the head's choice included
     notes["accuracy"] = {k: v.to_dict() for k, v in accuracy.items()}  # the model handed back
-    if notes.get("lm_head_decision", "").startswith("int8 (option)"):
-        notes["lm_head_decision"] = "int8 (option); the accuracy figures include it"
     return ir.serde.deserialize_model(proto)
 
 

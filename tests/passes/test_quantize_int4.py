@@ -113,14 +113,67 @@ def test_quantize_int4_stays_within_the_int4_budget_when_prompt_and_cache_length
     assert result.notes["decision"].endswith("within the accuracy budget")
 
 
-def test_quantize_int4_chooses_accuracy_level_by_measurement_when_auto(llama_default):
-    _, result = llama_default
+def fixed_latency(ms):
+    """A stand-in for ``quantize_int4._latency_ms``: each candidate's latency (ms, every sample) by the name
+    the pass measures it under (its file's stem: ``int8`` / ``fp32`` for the int4 MatMuls' level, ``float`` /
+    ``int8 level 4`` / ``int8 level 0`` for the head), so a test checks the decision rule, not the host's speed."""
+
+    def latency(path, feeds, repeats=5):
+        return [ms[path.stem]] * len(feeds)
+
+    return latency
+
+
+def bits_and_levels(model):
+    """``{MatMul name: (bits, accuracy_level)}`` of every MatMulNBits in ``model``."""
+    return {
+        n.name.rsplit("_Q", 1)[0]: (n.attributes["bits"].value, n.attributes["accuracy_level"].value)
+        for n in model.graph
+        if n.op_type == "MatMulNBits"
+    }
+
+
+def test_quantize_proto_keeps_the_level_of_the_matmulnbits_already_there_when_it_adds_an_8bit_head():
+    # setup: every MatMul but the head int4 at fp32 compute (level 0)
+    from passes.precision.quantize_int4 import QuantizeInt4Options, quantize_proto
+
+    model = ir.load(OUT / "llama_past_ts.onnx")
+    heads = lm_heads(model)
+    options = QuantizeInt4Options(block_size=32)
+    int4 = quantize_proto(ir.serde.serialize_model(model), options, 0, heads)
+    others = [n.name for n in int4.graph.node if n.op_type == "MatMul" and n.name not in heads]
+    # execute: the head 8-bit at int8 compute (level 4)
+    both = quantize_proto(int4, options, 4, others, bits=8, include=heads)
+    # assert: the int4 MatMuls keep level 0, only the node this call wrote has level 4
+    levels = bits_and_levels(ir.serde.deserialize_model(both))
+    assert levels.pop(heads[0]) == (8, 4)
+    assert len(levels) == PROJECTIONS["llama"] and set(levels.values()) == {(4, 0)}
+
+
+@pytest.mark.parametrize("faster", [4, 0])
+def test_quantize_int4_chooses_accuracy_level_by_measurement_when_auto(monkeypatch, faster):
+    # setup: both levels within the budget (a cosine one), the one named faster; the 8-bit head fastest at 4
+    from passes.precision import quantize_int4
+
+    ms = {"int8": 1.0, "fp32": 2.0} if faster == 4 else {"int8": 2.0, "fp32": 1.0}
+    ms |= {"float": 2.0, "int8 level 4": 1.0, "int8 level 0": 3.0}
+    monkeypatch.setattr(quantize_int4, "_latency_ms", fixed_latency(ms))
+    # execute
+    original, result = quantize("llama_past_ts", NO_GATE)
+    # assert: the faster level within the budget is chosen, and it is the int4 MatMuls' level in the graph
     level = result.notes["accuracy_level"]
-    assert level["by"].startswith("measured") and set(level["latency_ms"]) == {"level 4", "level 0"}
-    assert all(ms > 0 for per_sample in level["latency_ms"].values() for ms in per_sample)
-    for node in result.model.graph:
-        if node.op_type == "MatMulNBits" and node.attributes["bits"].value == 4:
-            assert node.attributes["accuracy_level"].value == level["chosen"]
+    assert level["within_budget"] == {"level 4": True, "level 0": True}
+    assert (level["chosen"], level["by"]) == (faster, "measured: fastest within the budget")
+    assert level["level_4_vs_0"] == (0.5 if faster == 4 else 2.0)
+    (head,) = lm_heads(original)
+    assert result.notes["lm_head_decision"].startswith("int8 (accuracy_level 4)")
+    graph = bits_and_levels(result.model)
+    assert graph.pop(head) == (8, 4)  # the head at its own level, whichever the int4 MatMuls have
+    assert len(graph) == PROJECTIONS["llama"] and set(graph.values()) == {(4, faster)}
+    # what the report says of each node is what the graph holds
+    written = bits_and_levels(result.model)
+    assert level["by_layer"] == {name: at for name, (_, at) in written.items()}
+    assert result.notes["precision"] == {name: f"int{bits}" for name, (bits, _) in written.items()}
 
 
 def test_quantize_int4_names_its_lm_head_choice_when_lm_head_is_auto(llama_default):
