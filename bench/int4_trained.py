@@ -4,7 +4,9 @@ decode and prefill speed and weight bytes, timed interleaved on ORT's CPU EP at 
 
 Run ``python -m bench.int4_trained [--threads 1 2] [--rounds 5] [--decode-tokens 32] [--embeddings]``;
 the defaults make the token table 8-bit GatherBlockQuantized where the budget holds (``embeddings="auto"``);
-``--embeddings`` adds the same pass with the table float and with it int4. Prints the figures and a markdown
+``--embeddings`` adds the same pass with the table float and with it int4; ``--heads`` adds it with the lm_head
+float and with it 8-bit asked for (auto times the 8-bit head against the float one: on this 90k-weight decoder
+that is per-op noise, so either may come out of a default run; these rows give both). Prints the figures and a markdown
 table (the one in bench/README.md); writes nothing. The decoder is tiny (hidden 64, 2 layers, 90k MatMul
 weights): its speed ratios say what per-op overhead does, not what int4 gains on a real model
 (``bench.decoders --qwen05`` measures that).
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--embeddings", action="store_true")
+    parser.add_argument("--heads", action="store_true")
     args = parser.parse_args(argv)
     signature = Signature.of(PATH)
     with tempfile.TemporaryDirectory(prefix="onnxforge-int4-") as tmp:
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         variants: dict[str, dict[str, Any] | None] = {"int4": None}
         if args.embeddings:
             variants |= {"int4 tables float": {"embeddings": "float"}, "int4 tables int4": {"embeddings": "int4"}}
+        if args.heads:
+            variants |= {"int4 head float": {"lm_head": "float"}, "int4 head int8": {"lm_head": "int8"}}
         paths = {"fp32": PATH}
         info: dict[str, dict[str, Any] | str] = {}
         for i, (name, options) in enumerate(variants.items()):

@@ -651,7 +651,7 @@ def _head_int8(
         accuracy = measured[0]["int8"]
         misses = budget.misses(accuracy)
         if misses:
-            notes["lm_head_decision"] = "float: " + "; ".join(misses)
+            notes["lm_head_decision"] = f"float: int8 asked for, at accuracy_level {level}: " + "; ".join(misses)
             notes["lm_head_accuracy_int8"] = {k: v.to_dict() for k, v in accuracy.items()}
             return quantized
         notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}): within the budget"

@@ -186,6 +186,21 @@ def test_quantize_int4_gates_the_8bit_head_on_the_int4_mix_at_its_own_level_when
     assert before_table[KEY]["top1_agreement"] >= 0.99
 
 
+def test_quantize_int4_keeps_the_head_float_when_an_8bit_head_asked_for_misses_the_budget_on_the_mix():
+    # setup / execute: lm_head int8 asked for; the head is made 8-bit at the mix's level (fp32 compute)
+    original, result = quantize("trained_llama_past_ts", {"lm_head": "int8"}, samples=heldout_samples())
+    notes = result.notes
+    (head,) = lm_heads(original)
+    # assert: 8-bit at fp32 compute the head flips more than 1% on top of the mix (12 of 1,024 measured), so it
+    # stays float, with the figures that refused it; the notes are the artifact's and it holds the budget
+    assert notes["precision"][head] == "float" and head not in notes["accuracy_level"]["by_layer"]
+    assert notes["lm_head_decision"].startswith(f"float: int8 asked for, at accuracy_level 0: {KEY}: top-1")
+    assert notes["lm_head_accuracy_int8"][KEY]["top1_agreement"] < 0.99
+    figures = next_token_figures(original, result.model, heldout_samples())
+    assert_notes_are_the_measurement(figures, notes["accuracy"][KEY])
+    assert notes["accuracy"][KEY]["top1_agreement"] >= 0.99
+
+
 def test_quantize_int4_ranks_every_matmul_by_the_greedy_tokens_it_flips_alone_when_full_int4_misses(trained_default):
     _, result = trained_default
     search = result.notes["search"]
