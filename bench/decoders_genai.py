@@ -2,7 +2,7 @@
 Face weights, onnxforge from the ONNX file a team already has; both from the same seeded weights.
 
 Run ``python -m bench.decoders_genai [--families llama qwen2 phi3 mistral] [--dynamo llama] [--threads 1 2]
-[--prompts 128 512] [--decode-tokens 32] [--rounds 3] [--reuse-presets] [--job JSON] [--no-write]``. Needs
+[--prompts 128 512] [--decode-tokens 32] [--rounds 3] [--copies 3] [--reuse-presets] [--job JSON] [--no-write]``. Needs
 the ``bench`` extra (``onnxruntime-genai``, which depends on the same ``onnxruntime`` CPU build as the service) and the
 ``dev`` extra (torch, transformers).
 
@@ -31,13 +31,19 @@ same sequence whatever its logits), the presents of each call fed back as the ne
   max |logit difference| and greedy top-1 agreement.
 
 Timing is interleaved: each round runs every variant once, in an order rotated per round; medians over
-``--rounds``. All sessions of one thread count live in one process. The table goes into bench/README.md
-between the ``decoders-genai-table`` markers.
+``--rounds``. Each variant runs as ``--copies`` sessions, loaded round-robin in a rotated order after one
+session never timed, round ``r`` using copy ``r mod --copies`` (``bench._copies``: sessions of one file in one
+process decode 10-15% apart on the shared host, so one session per variant would let its memory placement pass
+for the graph's cost; give ``--rounds`` a multiple of ``--copies`` to use each alike). All sessions of one
+thread count and family live in one process at once (llama's 10 variants x 3 copies: about 4.5 GB), freed
+before the next. ``results.json`` keeps every round's figures beside the medians. The table goes into
+bench/README.md between the ``decoders-genai-table`` markers.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -58,6 +64,7 @@ if str(REPO) not in sys.path:
 
 import onnx  # noqa: E402
 
+from bench._copies import load_copies, pick, rotated  # noqa: E402
 from bench._report import machine_line, unmarked, write_blocks  # noqa: E402
 from bench.decoders import contrib_ops, describe, job_artifact, preset_artifact, session  # noqa: E402
 from core.inputs.graph import analyze  # noqa: E402
@@ -296,7 +303,10 @@ def build_family(name: str, args: argparse.Namespace) -> tuple[list[Variant], li
     return variants, notes
 
 
-def measure(family: bd.Family, variants: list[Variant], args: argparse.Namespace) -> dict[int, dict[str, dict]]:
+def measure(
+    family: bd.Family, variants: list[Variant], args: argparse.Namespace
+) -> tuple[dict[int, dict[str, dict]], dict[int, dict[str, dict[str, list[float]]]]]:
+    """Per thread count, each variant's medians and accuracy, and every round's figures (the run's spread)."""
     rng = np.random.default_rng(0)
     prompts = {p: rng.integers(0, family.vocab, size=(1, p), dtype=np.int64) for p in args.prompts}
     steps = rng.integers(0, family.vocab, size=(1, args.decode_tokens), dtype=np.int64)
@@ -306,11 +316,15 @@ def measure(family: bd.Family, variants: list[Variant], args: argparse.Namespace
     del reference
     accuracy = {}
     results: dict[int, dict[str, dict]] = {}
+    rounds: dict[int, dict[str, dict[str, list[float]]]] = {}
     for threads in args.threads:
-        for v in variants:
-            v.session = session(v.path, threads)
-            _, logits = decode(v, first, steps[:, :2])  # warm-up outside the timings
-            if threads == args.threads[0]:
+        # ``--copies`` sessions per variant, used in turn, after one never timed (bench._copies says why).
+        ballast, copies = load_copies(variants, args.copies, lambda v, t=threads: session(v.path, t))
+        for v, copies_of in zip(variants, copies, strict=True):
+            for sess in copies_of:
+                v.session = sess
+                decode(v, first, steps[:, :2])  # warm-up outside the timings
+            if threads == args.threads[0]:  # every copy runs the same graph: one answers for accuracy
                 _, logits = decode(v, first, steps, keep=True)
                 assert logits is not None and ref_logits is not None
                 accuracy[v.key] = {
@@ -319,19 +333,23 @@ def measure(family: bd.Family, variants: list[Variant], args: argparse.Namespace
                 }
         timings: dict[str, dict[str, list[float]]] = {v.key: {} for v in variants}
         for rnd in range(args.rounds):
-            shift = rnd % len(variants)
-            for v in variants[shift:] + variants[:shift]:
+            for k in rotated(range(len(variants)), rnd):
+                v = variants[k]
+                v.session = pick(copies[k], rnd)
                 for p, tokens in prompts.items():
                     timings[v.key].setdefault(f"prefill{p}", []).append(prefill_ms(v, tokens))
                 timings[v.key].setdefault("decode", []).append(decode(v, first, steps)[0])
         results[threads] = {
             k: {m: statistics.median(x) for m, x in t.items()} | accuracy[k] for k, t in timings.items()
         }
+        rounds[threads] = timings
         for k, m in results[threads].items():
             print(f"{threads} threads {k}: {m}", flush=True)
         for v in variants:
             v.session = None
-    return results
+        del ballast, copies
+        gc.collect()  # the next thread count's sessions load into the memory these leave
+    return results, rounds
 
 
 LABEL = {"ts": "export (TorchScript), ORT default", "dynamo": "export (dynamo), ORT default"}
@@ -368,7 +386,7 @@ def run_family(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Build, measure and save one family's results (``results.json``), so families can run one at a time."""
     variants, notes = build_family(name, args)
     sizes = {v.key: q.tensor_bytes(onnx.load(str(v.path), load_external_data=True)) for v in variants}
-    results = measure(FAMILIES[name], variants, args)
+    results, rounds = measure(FAMILIES[name], variants, args)
     saved = {
         "family": name,
         "command": "python -m bench.decoders_genai " + shlex.join(sys.argv[1:]),
@@ -377,7 +395,9 @@ def run_family(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "prompts": args.prompts,
         "decode_tokens": args.decode_tokens,
         "rounds": args.rounds,
+        "copies": args.copies,
         "results": {str(t): r for t, r in results.items()},
+        "per_round_ms": {str(t): r for t, r in rounds.items()},
         "sizes": sizes,
         "notes": notes,
     }
@@ -404,7 +424,8 @@ def render() -> str:
         rows += rows_for(s["family"], results, s["sizes"], args)
         notes.append(
             f"* {s['family']}: `{s['command'].strip()}` at {s['written']}, load average {s['load']}; "
-            f"decode {s['decode_tokens']} tokens, {s['rounds']} rounds. " + "; ".join(s["notes"]) + "."
+            f"decode {s['decode_tokens']} tokens, {s['rounds']} rounds, {s.get('copies', 1)} session(s) per "
+            "variant. " + "; ".join(s["notes"]) + "."
         )
     saved_list = list(saved.values())
     size = FAMILIES["llama"]
@@ -415,9 +436,10 @@ def render() -> str:
         f"`python -m bench.decoders_genai`: {size.layers} layers, hidden {size.hidden}, {size.heads} heads / "
         f"{size.kv_heads} KV heads, intermediate {size.intermediate}, vocabulary {size.vocab}, seeded random "
         "weights; batch 1; decode: teacher-forced tokens after a prompt of the first prefill length (the cache "
-        "growing from it); medians of interleaved rounds; intra-op threads as in the table, inter-op 1; ratios "
-        "against the TorchScript export under ORT's default level, from the same run. Accuracy against that "
-        "export under `ORT_DISABLE_ALL` over the prompt and decode positions (first thread count).",
+        "growing from it); medians of interleaved rounds, each variant's sessions used in turn; intra-op threads "
+        "as in the table, inter-op 1; ratios against the TorchScript export under ORT's default level, from the "
+        "same run. Accuracy against that export under `ORT_DISABLE_ALL` over the prompt and decode positions "
+        "(first thread count).",
         "",
         machine_line(host_info(target="cpu", intra_op_threads=0)),
         "",
@@ -454,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--copies", type=int, default=3, help="sessions per variant, loaded round-robin, one per round in turn"
+    )
     parser.add_argument("--reuse-presets", action="store_true", help="keep preset artifacts already built")
     parser.add_argument(
         "--reuse", nargs="*", default=[], choices=[*PRESETS, MATCHED], help="keep these variants' artifacts"

@@ -10,7 +10,8 @@ One block runs ``--calls`` calls of every model, the order rotated per block and
 printed: median and quartiles of the per-call ms, and the load average.
 
 Unlike ``bench.decode_ab``, each model runs as ``--copies`` sessions, loaded round-robin (the order rotated
-per round) after one session that is never timed, used in turn: sessions of one file in one process decode
+per round) after one session that is never timed, used in turn (``bench._copies``, shared with
+``bench.decoders_genai``): sessions of one file in one process decode
 10-15% apart on the shared host (6 sessions of one ``fast`` artifact: 6.14 to 7.00 ms at 1 thread), and
 the first one loaded was the slow one in 3 of 4 runs, so one session per model lets its placement pass for
 the graph's cost (loaded round-robin without the rotation, the model listed first still measured 3-5%
@@ -39,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+
+from bench._copies import load_copies, pick, rotated
 
 _KV_HEADS, _HEAD_DIM = 2, 64  # bench.decoders_genai's size
 
@@ -146,11 +149,7 @@ def profile(paths: list[str], call: Call) -> None:
 def timed(paths: list[str], call: Call, cpu: bool, copies: int) -> None:
     threads, blocks, calls = call.threads, call.blocks, call.calls
     # The module docstring says why copies, round-robin, and a first session never timed.
-    ballast = session(paths[0], threads)
-    sessions: list[list[ort.InferenceSession]] = [[] for _ in paths]
-    for c in range(copies):  # round-robin, the order rotated per round: no model always loads first
-        for k in [(c + i) % len(paths) for i in range(len(paths))]:
-            sessions[k].append(session(paths[k], threads))
+    ballast, sessions = load_copies(paths, copies, lambda path: session(path, threads))
     feeds = [feeds_for(s[0], call.past, call.tokens) for s in sessions]
     for copies_of, feed in zip(sessions, feeds, strict=True):
         for sess in copies_of:
@@ -161,10 +160,9 @@ def timed(paths: list[str], call: Call, cpu: bool, copies: int) -> None:
     clock = time.thread_time if cpu else time.perf_counter
     times: list[list[float]] = [[] for _ in sessions]
     for block in range(blocks):
-        order = list(range(len(sessions)))
-        order = order[block % len(order) :] + order[: block % len(order)]
+        order = rotated(range(len(sessions)), block)
         for k in order[::-1] if block % 2 else order:
-            sess = sessions[k][block % copies]
+            sess = pick(sessions[k], block)
             t0 = clock()
             for _ in range(calls):
                 sess.run(None, feeds[k])
