@@ -1,11 +1,14 @@
 """One decode step of several decoder artifacts timed against each other in one process (issue 19's A/Bs).
 
-Run ``python -m bench.decode_ab MODEL.onnx [MODEL.onnx ...] [--threads 1] [--past 128] [--blocks 40]
-[--calls 20] [--profile]``. Each model is fed one token (id 17) at position ``--past`` after a random cache of
+Run ``python -m bench.decode_ab MODEL.onnx [MODEL.onnx ...] [--threads 1] [--past 128] [--blocks 40] [--calls 20]
+[--copies 3] [--profile]``. Each model is fed one token (id 17) at position ``--past`` after a random cache of
 ``--past`` positions (inputs by name: ``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.*``;
-the builder's graphs have no position ids); one block runs ``--calls`` calls of every model, the order rotated
-per block and reversed every other block; printed: median and quartiles of the per-call ms over the blocks, the
-median and quartiles of each block's ratio to the first model's figure in that block, and the load average.
+the builder's graphs have no position ids); one block runs ``--calls`` calls of every model, the order rotated per
+block and reversed every other block; printed: median and quartiles of the per-call ms over the blocks, the median
+and quartiles of each block's ratio to the first model's figure in that block, and the load average. Each model runs
+as ``--copies`` sessions, loaded round-robin in a rotated order after one never timed, block ``b`` using copy ``b
+mod --copies`` (``bench._copies``: sessions of one file in one process decode 10-15% apart on the shared host;
+before that was found this script timed one session per model).
 ``--profile`` instead runs ORT's profiler on every model, interleaved the same way, and prints kernel time per
 op type per step (the mean, and the sum of its nodes' medians) and the median step (profiling inflates every
 figure: compare within one run only).
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
+from bench._copies import load_copies, pick, rotated
 
 _KV_HEADS, _HEAD_DIM = 2, 64  # bench.decoders_genai's size
 
@@ -100,23 +105,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=40)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--copies", type=int, default=3, help="sessions per model, used in turn (not --profile)")
     args = parser.parse_args(argv)
     if args.profile:
         profile(args.models, args.threads, args.past, args.blocks, args.calls)
         return 0
-    sessions = [_session(p, args.threads) for p in args.models]
-    feeds = [_feeds(s, args.past) for s in sessions]
-    for sess, feed in zip(sessions, feeds, strict=True):
-        for _ in range(5):
-            sess.run(None, feed)
+    # ``--copies`` sessions per model, used in turn, after one never timed (bench._copies says why).
+    ballast, sessions = load_copies(args.models, args.copies, lambda path: _session(path, args.threads))
+    feeds = [_feeds(s[0], args.past) for s in sessions]
+    for copies_of, feed in zip(sessions, feeds, strict=True):
+        for sess in copies_of:
+            for _ in range(5):
+                sess.run(None, feed)
     times: list[list[float]] = [[] for _ in sessions]
     for block in range(args.blocks):
-        order = list(range(len(sessions)))
-        order = order[block % len(order) :] + order[: block % len(order)]
+        order = rotated(range(len(sessions)), block)
         for k in order[::-1] if block % 2 else order:
+            sess = pick(sessions[k], block)
             t0 = time.perf_counter()
             for _ in range(args.calls):
-                sessions[k].run(None, feeds[k])
+                sess.run(None, feeds[k])
             times[k].append((time.perf_counter() - t0) / args.calls * 1e3)
     for path, ms in zip(args.models, times, strict=True):
         q1, med, q3 = np.percentile(ms, [25, 50, 75])
@@ -127,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.threads}t past {args.past}: {med:7.3f} ms (quartiles {q1:.3f} / {q3:.3f}); per block vs the "
             f"first {ratio:.3f} ({r1:.3f} / {r3:.3f})  {path}"
         )
+    del ballast
     print("load average", " / ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 
