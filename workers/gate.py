@@ -13,6 +13,12 @@
                                                    │    above, never a failure (``decision.gate.tie``)
                                                    └─ else: optimized
 
+Before any timing, the same-program proof (workers/same_program.py): when ORT, at ORT_ENABLE_ALL on the job's
+target, turns the artifact and the reference into equal graphs, the artifact is the same program as the upload
+under ORT's optimizations, not slower by construction: it is handed back untimed (``decision.gate.same_program``;
+the report's ``baseline`` then times the upload alone). A difference of one attribute or one weight falls through
+to the timing.
+
 When the ledger left its last group to the gate (``Ledger.left_to_gate``: a group whose A/B would have compared
 the same two models as the gate) and the gate finds the artifact slower, ``decide_or_retry`` runs the passes
 again on a fresh ledger pass by pass, as the ledger does with any slower group, and decides on that one.
@@ -35,6 +41,7 @@ from passes._infra import Pass
 from workers.benchmark import BenchmarkParams, Comparison, compare
 from workers.ledger import Ledger, Outcome
 from workers.report import PassRecord
+from workers.same_program import same_program
 
 # Presets whose only aim is latency ("kept only where it pays on the target", passes/registry.py): their full
 # gate stops on a tie (workers/benchmark.py, ``tie``) and hands back the upload. The others keep timing a tie to
@@ -103,18 +110,35 @@ def decide(
             "takes other inputs)"
         )
         return GateResult(None, decision)
+    reference = rebase.reference if rebase is not None else ledger.setup.source
+    recipe_b = read_recipe(outcome.artifact)  # the gate measures the session users are told to create
+    proof = same_program(
+        reference,
+        outcome.artifact,
+        target=config.target,
+        intra_op_threads=ledger.setup.intra_op_threads,
+        recipe_b=recipe_b,
+    )
+    decision["gate"]["same_program"] = proof["same"]
+    if proof["same"]:
+        decision["reason"] = (
+            f"verified within tolerance, and ORT runs the same program for it as for the "
+            f"{'reference' if rebase is not None else 'uploaded model'} (their graphs after ORT's own "
+            f"optimizations, ORT_ENABLE_ALL on {config.target}, are equal; proved in {proof['seconds']:.1f} s): "
+            f"not slower by construction, so not timed ({len(ledger.kept)} pass(es) kept)"
+        )
+        return GateResult(None, decision)
     progress("benchmarking", 0.0)
     params = full if config.benchmark else quick
     if config.preset in TIE_RETURNS_UPLOAD and config.benchmark and ledger.setup.rollback_slower:
         params = dataclasses.replace(params, tie_stop=True)  # on a tie the upload comes back: never slower
-    reference = rebase.reference if rebase is not None else ledger.setup.source
     comparison = compare(
         reference,
         outcome.artifact,
         ledger.input_sets,
         params,
         mode="full" if config.benchmark else "quick",
-        recipe_b=read_recipe(outcome.artifact),  # the gate measures the session users are told to create
+        recipe_b=recipe_b,
         pool=ledger.setup.pool,  # the reference's warm session, built for the baseline (or the input change)
     )
     progress("benchmarking", 1.0)

@@ -91,11 +91,13 @@ def make_session(
     intra_op_threads: int = 0,
     optimize: bool = False,
     recipe: Mapping[str, Any] | None = None,
+    save_optimized: Path | None = None,
 ) -> Any:
     """An ORT session on ``model_path``. ``optimize=False``: ORT_DISABLE_ALL (verification);
     ``optimize=True``: ORT's default ORT_ENABLE_ALL, what a user deploying the model gets (benchmarks).
     ``recipe``: a ``tune_session`` recipe (metadata ``onnxforge.session``) applied on top, with its EP options,
-    so that a benchmark measures the session users are told to create."""
+    so that a benchmark measures the session users are told to create. ``save_optimized``: ORT writes the graph
+    it will run there (``optimized_model_filepath``; workers/same_program.py compares two of them)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -120,5 +122,7 @@ def make_session(
             warnings.simplefilter("ignore")
             recipe = {k: v for k, v in sanitize_recipe(dict(recipe)).items() if k != "warmup"}
         options, providers = apply_recipe(dict(recipe), options, target=target)
+    if save_optimized is not None:
+        options.optimized_model_filepath = str(save_optimized)
     providers = session_providers(providers, target)  # the job's GPU memory limit and device
     return ort.InferenceSession(str(model_path), sess_options=options, providers=providers)

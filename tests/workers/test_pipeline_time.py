@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 import pytest
 
@@ -39,6 +40,24 @@ class DocString(Pass):
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         model.graph.doc_string = "documented by a test pass"
         return PassResult(model, True, counts={"doc_strings": 1})
+
+
+class OneUlp(Pass):
+    """Within any tolerance, yet another program: the first element of the first float weight moves by one ulp
+    (other bytes and, unlike a doc string, another graph under ORT's optimizations, so the gate times it)."""
+
+    name = "test_one_ulp"
+    summary = "test only: one weight one ulp up"
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        for value in model.graph.initializers.values():
+            array = value.const_value.numpy() if value.const_value is not None else None
+            if array is not None and array.dtype == np.float32 and array.size:
+                moved = array.copy()
+                moved.flat[0] = np.nextafter(moved.flat[0], np.float32(np.inf))
+                value.const_value = ir.tensor(moved, name=value.name)
+                return PassResult(model, True, counts={"weights_moved": 1})
+        return PassResult(model, False)
 
 
 def _run(model: Path, out: Path, settings: PipelineSettings, *passes: Pass) -> PipelineResult:
@@ -143,12 +162,12 @@ def _tie_job(model: Path, out: Path, config: JobConfig) -> PipelineResult:
         verify_shape_sets=2, benchmark_warmup=1, benchmark_min_runs=10, benchmark_max_seconds=0.5, ledger_runs=5,
         intra_op_threads=1,
     )  # fmt: skip
-    request = PipelineRequest(model, out, config, settings, pass_resolver=resolver(DocString()))
+    request = PipelineRequest(model, out, config, settings, pass_resolver=resolver(OneUlp()))
     return run_pipeline(request)
 
 
 def test_fast_gate_hands_back_the_upload_and_says_so_when_it_stops_on_a_tie(tmp_path: Path, mlp_path: Path) -> None:
-    """A doc string changes bytes, not speed: the gate's answer at the floor is a tie or already settled (a quiet
+    """One ulp changes a weight, not speed: the gate's answer at the floor is a tie or already settled (a quiet
     host); either way what the report says matches what came back."""
     result = _tie_job(mlp_path, tmp_path, JobConfig(preset="fast"))
     report, decision = result.report, result.report["decision"]
