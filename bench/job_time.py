@@ -183,7 +183,9 @@ def run_job(model: Path, out: Path, tree: Path) -> dict[str, Any]:
         "speedup": data["summary"]["speedup"],
         "applied": data["summary"]["passes_applied"],
         "passes": len(data["passes"]),
-        "result": data["decision"]["result"] + (" (tie)" if data["decision"]["gate"].get("tie") else ""),
+        "result": data["decision"]["result"]
+        + (" (tie)" if data["decision"]["gate"].get("tie") else "")
+        + (" (same program)" if data["decision"]["gate"].get("same_program") else ""),
     }
 
 
@@ -213,6 +215,11 @@ def _stages(job: dict[str, Any]) -> str:
     )
 
 
+def _speedup(job: dict[str, Any]) -> str:
+    """The summary's speedup; none when the gate proved the artifact the same program and timed nothing."""
+    return "untimed" if job["speedup"] is None else f"{job['speedup']:.3f}"
+
+
 def render_model(model: Subject, *, peer: dict[str, Any], jobs: dict[str, dict[str, Any]]) -> str:
     budget = peer["wall_s"]
     shape = " x ".join("x".join(map(str, v.shape)) for v in model.feeds.values())
@@ -233,7 +240,7 @@ def render_model(model: Subject, *, peer: dict[str, Any], jobs: dict[str, dict[s
         mark = "within" if ratio <= TARGET_RATIO else "over"
         rows.append(
             f"| `fast` job, {label} | {job['wall_s']:.1f} | **{ratio:.2f}x** ({mark} {TARGET_RATIO:g}x) | "
-            f"{job['passes']} passes, {job['applied']} applied, speedup {job['speedup']:.3f}; {_stages(job)} |"
+            f"{job['passes']} passes, {job['applied']} applied, speedup {_speedup(job)}; {_stages(job)} |"
         )
     return "\n".join(
         [
@@ -262,7 +269,7 @@ def _summary_row(model: Subject, peer: dict[str, Any], job: dict[str, Any]) -> s
     gate_s = f"{gate:.1f}" if gate is not None else "-"
     return (
         f"| `{model.name}` | {peer['wall_s']:.1f} | {job['wall_s']:.1f} | {mark} | {gate_s} | {job.get('result', '-')} "
-        f"| {job['speedup']:.3f} |"
+        f"| {_speedup(job)} |"
     )
 
 

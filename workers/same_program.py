@@ -11,15 +11,21 @@ constant folding, CSE, dead nodes): the two sessions then run the same graph, an
 other for 17-19 s (workers/gate.py) can only find noise. When the graphs ORT would run are equal, the artifact
 is not slower by construction and the gate hands it back untimed.
 
-Canonical form (``program_digest``): every node gets a Merkle digest of (domain, op_type, attributes, its inputs)
-where an input is a graph input (by name), an initializer (by content: type, shape, bytes), or a
-producer's digest and output slot; the program is the sorted multiset of node digests, the graph inputs (name,
-type), and each graph output (name, type) with the digest of what produces it. Node names, value names inside
-the graph, value_info, doc strings and the order of nodes in the file are ignored (a reordering that keeps the
-dataflow is the same program); any attribute or initializer byte that differs makes them unequal. Graphs this
-form does not cover are "not proven" and timed as before: subgraphs (If, Loop, Scan attributes), sparse
-initializers, external data (models over 2 GB: ORT would write their optimized form beside them), and sessions
-that could not save their graph (compiled EPs such as TensorRT).
+Canonical form (``program_digest``): every node gets a Merkle digest of (domain, op_type, which output slots
+it fills, attributes, its inputs) where an input is a graph input (by name), an initializer (by content: type,
+shape, bytes), or a producer's digest and output slot; the program is the IR version and opsets, the sorted
+multiset of node digests, the graph inputs (name, type), and each graph output (name, type) with the digest of
+what produces it. Node names, value names inside the graph, value_info, metadata, doc strings and the order of
+nodes in the file are ignored (a reordering that keeps the dataflow is the same program: ORT orders the nodes
+it runs itself); any attribute or initializer byte that differs makes them unequal. Graphs this form does not
+cover are "not proven" and timed as before: subgraphs (If, Loop, Scan attributes), sparse initializers,
+external data or files over 1 GB (far from ORT's 2 GB limit for the single file it writes), session options
+on the artifact (a ``tune_session`` recipe: another session), and sessions that could not save their graph
+(compiled EPs such as TensorRT).
+
+Cost: one extra ORT_ENABLE_ALL session build, save and hash per model (0.2-0.3 s on the corpus CNNs, 0.6 s on
+wav2vec2, 2.9 s on BART at bench size, load 3-4), paid on every gate; the benchmark's pooled sessions are not
+built with ``optimized_model_filepath``, so what they time is unchanged.
 """
 
 from __future__ import annotations
@@ -100,7 +106,9 @@ def program_digest(model: onnx.ModelProto) -> str:
                 waiting.append(node)
                 continue
             attrs = sorted(_attribute_digest(a) for a in node.attribute)
-            digest = _h(node.domain or "ai.onnx", node.op_type, *attrs, "|", *(names[n] for n in node.input))
+            # Which output slots are wanted is part of the program: a kernel may compute an optional one or not.
+            slots = "".join("1" if out else "0" for out in node.output)
+            digest = _h(node.domain or "ai.onnx", node.op_type, slots, *attrs, "|", *(names[n] for n in node.input))
             node_digests.append(digest)
             for slot, out in enumerate(node.output):
                 if out:
@@ -111,7 +119,7 @@ def program_digest(model: onnx.ModelProto) -> str:
     opsets = sorted(f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.opset_import)
     outputs = [_h(o.name, _type_digest(o), names.get(o.name, _h("missing", o.name))) for o in graph.output]
     ins = [_h(i.name, _type_digest(i)) for i in graph.input]
-    return _h(*opsets, "|in", *ins, "|out", *outputs, "|nodes", *sorted(node_digests))
+    return _h(str(model.ir_version), *opsets, "|in", *ins, "|out", *outputs, "|nodes", *sorted(node_digests))
 
 
 def _check_size(path: Path) -> None:

@@ -160,3 +160,21 @@ def test_fast_job_on_a_cnn_hands_back_the_artifact_untimed_when_its_passes_only_
     assert decision["result"] == "optimized" and decision["gate"]["same_program"] is True
     assert report["benchmark"] is None and report["baseline"]["timed_by"] == "alone"
     assert result.model_path.read_bytes() != cnn_path.read_bytes()  # the artifact (with its shapes) came back
+
+
+def test_program_digest_differs_when_a_node_fills_an_optional_output_no_one_reads() -> None:
+    """MaxPool's Indices, asked for or not: the kernel computes them or not, so another program."""
+
+    def pool(with_indices: bool) -> onnx.ModelProto:
+        outputs = ["y", "idx"] if with_indices else ["y"]
+        node = helper.make_node("MaxPool", ["x"], outputs, kernel_shape=[2, 2])
+        graph = helper.make_graph(
+            [node],
+            "pool",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 7, 7])],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    assert program_digest(pool(False)) != program_digest(pool(True))
+    assert program_digest(pool(True)) == program_digest(pool(True))
