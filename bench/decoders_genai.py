@@ -35,7 +35,7 @@ Timing is interleaved: each round runs every variant once, in an order rotated p
 session never timed, round ``r`` using copy ``r mod --copies`` (``bench._copies``: sessions of one file in one
 process decode 10-15% apart on the shared host, so one session per variant would let its memory placement pass
 for the graph's cost; give ``--rounds`` a multiple of ``--copies`` to use each alike). All sessions of one
-thread count and family live in one process at once (llama's 10 variants x 3 copies: about 4.5 GB), freed
+thread count and family live in one process at once (llama's 10 variants x 3 copies: about 4.5 GB of weights), freed
 before the next. ``results.json`` keeps every round's figures beside the medians. The table goes into
 bench/README.md between the ``decoders-genai-table`` markers.
 """
