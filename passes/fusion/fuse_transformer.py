@@ -29,7 +29,10 @@ more exporter forms are rewritten, exactly, into those onnxscript reads: a leadi
 heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); a boolean mask
 applied with ``Where`` becomes an additive one (``_where_mask``); and a Reshape to its own input's shape
 (TorchScript SDPA's attention output) is dropped, so that the MHA rule takes the merge of the heads too
-(``_identity_reshape``). Audio encoders are recognized by their convolutional stem (``_fusion_families``).
+(``_identity_reshape``). Before any of them reads a shape, the lengths ORT's symbolic inference only guesses (a
+Slice with a negative start, GroupQueryAttention's present) are made unknown, so that no rule drops a sliding
+window's cache crop as a Slice that keeps everything (``_slice_dims``). Audio encoders are recognized by their
+convolutional stem (``_fusion_families``).
 
 How far attention is fused is an option, because the fullest fusion is not the fastest everywhere:
 ``attention="attention"`` (default) packs Q/K/V into ``com.microsoft::Attention``; ``"mha"`` stops at
@@ -79,6 +82,7 @@ from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
 from passes.fusion import _rms_norm as rms_norm
+from passes.fusion import _slice_dims as slice_dims
 from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion import _where_mask as where_mask
 from passes.fusion._batched_heads import fold_static_sizes, unfold_batched_heads
@@ -399,6 +403,8 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
 
 def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode) -> onnx.ModelProto:
     model = ir.serde.deserialize_model(symbolic_shapes.infer(proto, report))
+    # Before any shape is read: the cache lengths ORT's inference guesses would let a crop be dropped.
+    report["guessed_lengths_forgotten"] = slice_dims.forget_guesses(model)
     common_passes.ShapeInferencePass()(model)
     report["identity_reshapes"] = drop_identity_reshapes(model)
     if report["identity_reshapes"]:

@@ -1,0 +1,72 @@
+"""Forget the lengths ORT's symbolic shape inference guesses, so that no rule drops a cache crop on them.
+
+A sliding-window decoder (Mistral) crops its cache to the window: ``past[:, :, -(W - 1):]`` into attention
+and ``present[:, :, -(W - 1):]`` out. ``fuse_transformer`` first runs ORT's symbolic shape inference
+(``_symbolic_shapes``), which writes two guesses into the graph as if they were facts:
+
+- a Slice with a negative start is ``-start`` long (it assumes the input is at least that long), so the
+  cropped past "is" W - 1 positions;
+- GroupQueryAttention's present is as long as its past (true of its shared-buffer mode only; ``fuse_gqa``
+  writes the other, where present = past + new), so the uncropped present "is" W - 1 too.
+
+onnxscript's ``collapse_slices`` (run by its ``optimizer.optimize``) drops a Slice whose input and output
+read the same shape; with both crops' ends at W - 1 the present crop "kept everything" and went. The
+artifact then handed back a present one position longer than the upload's once the cache reached the window
+(Mistral-shaped decoders, the window at 64 and at 4096), while every input set the pass was verified on kept
+the cache below it. So each Slice that is not provably whole (starts 0, ends past any length, steps 1) gets an
+unknown dim on each axis it may cut, and each GroupQueryAttention present an unknown length; ONNX's own
+inference, run next, derives nothing from an unknown, and an unknown dim is never "the same shape".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+# An end at or past this is "to the end" whatever the length (exporters write INT64_MAX or INT32_MAX).
+_WHOLE_END = 2**31 - 1
+_SEQUENCE_AXIS = 2  # GroupQueryAttention's present_key / present_value: [batch, kv_heads, length, head_size]
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    tensor = None if value is None else ir.convenience.get_const_tensor(value)  # initializer or Constant
+    return None if tensor is None else [int(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
+
+
+def _cut_axes(node: ir.Node, rank: int) -> list[int]:
+    """The axes ``node`` (a Slice) may shorten: none when it provably keeps every one whole."""
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    starts, ends, axes, steps = (_ints(v) for v in inputs[1:5])
+    if inputs[3] is None:  # the default: the first len(starts) axes
+        axes = list(range(len(starts))) if starts is not None else list(range(rank))
+    elif axes is None:  # computed in the graph: any axis
+        axes = list(range(rank))
+    axes = [a % rank for a in axes]
+    if starts is None or ends is None or (inputs[4] is not None and steps is None):
+        return axes
+    steps = steps or [1] * len(starts)
+    return [a for a, s, e, t in zip(axes, starts, ends, steps, strict=False) if s != 0 or e < _WHOLE_END or t != 1]
+
+
+def _unknown(value: ir.Value, axes: list[int]) -> bool:
+    if value.shape is None or not axes:
+        return False
+    dims = list(value.shape)
+    for axis in axes:
+        dims[axis] = ir.SymbolicDim(None)
+    value.shape = ir.Shape(dims)
+    return True
+
+
+def forget_guesses(model: ir.Model) -> int:
+    """Make the guessed lengths unknown (above); how many values it touched."""
+    count = 0
+    for node in model.graph:
+        if node.op_type == "Slice" and node.domain in ("", "ai.onnx"):
+            out = node.outputs[0]
+            count += out.shape is not None and _unknown(out, _cut_axes(node, out.shape.rank()))
+        elif node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
+            for present in node.outputs[1:3]:
+                rank = present.shape.rank() if present.shape is not None else 0
+                count += rank > _SEQUENCE_AXIS and _unknown(present, [_SEQUENCE_AXIS])
+    return count
