@@ -26,7 +26,6 @@ import os
 import shlex
 import sys
 import tempfile
-import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -37,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.coverage import run_job  # noqa: E402
+from bench.coverage import interleave, run_job  # noqa: E402
 from core.recipe import read_recipe  # noqa: E402
 from core.verdict import slower_beyond_noise  # noqa: E402
 from tests.models import corpus  # noqa: E402
@@ -73,16 +72,7 @@ def _interleave(sessions: dict, feeds: dict, seconds: float, min_blocks: int) ->
             ref = out
         elif not all(np.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in zip(ref, out, strict=True)):
             raise SystemExit(f"{k} disagrees with {keys[0]}")
-    times: dict[str, list[float]] = {k: [] for k in keys}
-    start, block = time.perf_counter(), 0
-    while block < min_blocks or time.perf_counter() - start < seconds:
-        shift = block % len(keys)
-        for k in keys[shift:] + keys[:shift]:
-            t0 = time.perf_counter_ns()
-            sessions[k].run(None, per[k])
-            times[k].append((time.perf_counter_ns() - t0) / 1e6)
-        block += 1
-    return times
+    return interleave(sessions, feeds, seconds, min_blocks)
 
 
 def _op_totals(path: Path, recipe: dict | None, feeds: dict, runs: int, prefix: str) -> dict[str, float]:
