@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Stre
 
 from app.deps import JobServiceDep, SettingsDep, TenantDep
 from app.schemas import MULTIPART_JOB_BODY, JobList, JobOut, JobState, problem_responses
-from app.services.jobs import Download, check_idempotency_key
+from app.services.jobs import Download, check_idempotency_key, check_no_query
 from app.services.uploads import UploadLimits, receive_upload
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -59,8 +59,10 @@ async def create_job(
     ``api.max_concurrent_uploads_per_tenant`` uploads in progress gets 429 TOO_MANY_UPLOADS; one at its
     quota of jobs in flight or bytes per day gets 429 QUOTA_CONCURRENT_JOBS or QUOTA_BYTES_PER_DAY, with
     Retry-After. A repeated ``Idempotency-Key`` answers 200 with the first job and
-    ``Idempotent-Replayed: true``.
+    ``Idempotent-Replayed: true``. Query parameters are refused (422 UNKNOWN_QUERY_PARAMETER): options go in the
+    config.
     """
+    check_no_query(iter(request.query_params.keys()))
     key = check_idempotency_key(idempotency_key)
     await anyio.to_thread.run_sync(service.admit, tenant)
     upload = await receive_upload(

@@ -62,6 +62,18 @@ def check_idempotency_key(key: str | None) -> str | None:
     return key
 
 
+def check_no_query(names: Iterator[str]) -> None:
+    """422 for query parameters on a submission: the job's options travel in its config (the ``config`` field
+    or the ``Onnxforge-Config`` header). Ignored, ``?preset=fast`` ran the default passes without a word."""
+    unknown = sorted(set(names))
+    if unknown:
+        raise InvalidInputError(
+            f"unknown query parameter(s) {', '.join(unknown)}: a submission takes its options as JSON in the "
+            '\'config\' form field or the Onnxforge-Config header, e.g. {"preset": "fast"}',
+            code="UNKNOWN_QUERY_PARAMETER",
+        )
+
+
 def request_fingerprint(upload: Upload, config: JobConfig) -> str:
     """SHA-256 of what a submission asks for: the model, samples, file name and effective config."""
     request = {

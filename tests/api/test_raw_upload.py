@@ -119,3 +119,15 @@ def test_raw_upload_detects_zip_from_magic_bytes_when_named_zip(api: Live) -> No
     response = _post(api, buffer.getvalue(), content_disposition='attachment; filename="m.zip"')
     assert response.status_code == 202, response.text
     assert response.json()["model"]["format"] == "zip"
+
+
+def test_submit_answers_422_naming_query_parameters_when_options_sent_as_query(api: Live) -> None:
+    # ?preset=fast used to be ignored: the job ran the default passes and said nothing
+    before = api.client.get("/v1/jobs?limit=50").json()["total"]
+    response = api.client.post(
+        "/v1/jobs?preset=fast&target=cpu", content=MODEL, headers={"content-type": "application/octet-stream"}
+    )
+
+    problem = _problem(response, 422, "UNKNOWN_QUERY_PARAMETER")
+    assert "preset, target" in problem["detail"] and "Onnxforge-Config" in problem["detail"]
+    assert api.client.get("/v1/jobs?limit=50").json()["total"] == before  # no job queued
