@@ -1,8 +1,9 @@
-"""Graph helpers shared by the passes: naming a node in a report, and walking every graph of a model."""
+"""Graph helpers shared by the passes: naming a node in a report, walking every graph of a model, reading a
+constant's ints, and dropping the initializers nothing reads any more."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import onnx_ir as ir
 
@@ -64,3 +65,18 @@ def take_graph_output(graph: ir.Graph | ir.Function, old: ir.Value, new: ir.Valu
 
 def is_input_of(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
     return any(inp is value for inp in graph.inputs)
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    """The ints of a constant ``value`` (an initializer or a Constant's output), flattened; None otherwise."""
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None else [int(x) for x in tensor.numpy().reshape(-1)]
+
+
+def drop_orphans(graph: ir.Graph, values: Sequence[ir.Value | None]) -> None:
+    """Unregister the initializers among ``values`` that nothing reads any more (a removed slice's axes)."""
+    for value in values:
+        if value is None or not value.is_initializer() or value.is_graph_input() or value.is_graph_output():
+            continue
+        if not list(value.uses()) and graph.initializers.get(value.name) is value:
+            graph.initializers.pop(value.name)

@@ -66,15 +66,6 @@ class FreshNames:
         return name
 
 
-def drop_orphans(graph: ir.Graph, values: Sequence[ir.Value | None]) -> None:
-    """Unregister the initializers among ``values`` that nothing reads any more (a removed slice's axes)."""
-    for value in values:
-        if value is None or not value.is_initializer() or value.is_graph_input() or value.is_graph_output():
-            continue
-        if not list(value.uses()) and graph.initializers.get(value.name) is value:
-            graph.initializers.pop(value.name)
-
-
 def same_dim(a: Dim | object, b: Dim | object) -> bool:
     if a is b:
         return True

@@ -42,13 +42,12 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import node_label
+from passes._match import drop_orphans, node_label
 from passes.cleanup.shape_inference import ensure_shapes
 from passes.compute_order._upstream_rules import (
     POINTWISE,
     Dim,
     FreshNames,
-    drop_orphans,
     producer_to_cross,
     same_dim,
     same_input,

@@ -57,14 +57,13 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import node_label, take_graph_output
+from passes._match import drop_orphans, node_label, take_graph_output
 from passes.cleanup.shape_inference import ensure_shapes
 from passes.compute_order._upstream_rules import (
     Dim,
     FreshNames,
     Move,
     SliceInfo,
-    drop_orphans,
     producer_to_cross,
     rule_for,
     same_dim,

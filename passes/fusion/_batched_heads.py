@@ -36,6 +36,8 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from passes._match import const_ints
+
 _ONNX = ("", "ai.onnx")
 _SCALAR_OPS = ("Div", "Mul")
 
@@ -231,15 +233,6 @@ def unfold_batched_heads(model: ir.Model) -> int:
     return len(sites)
 
 
-def _const_ints(value: ir.Value | None) -> list[int] | None:
-    tensor = value.const_value if value is not None else None
-    producer = value.producer() if value is not None else None
-    if tensor is None and producer is not None and producer.op_type == "Constant":
-        attr = producer.attributes.get("value")
-        tensor = attr.value if attr is not None else None
-    return None if tensor is None else [int(x) for x in tensor.numpy().reshape(-1)]
-
-
 def fold_static_sizes(model: ir.Model) -> int:
     """Replace ``Slice``/``Gather`` of a ``Shape`` that select only known dims by constants.
 
@@ -262,14 +255,14 @@ def fold_static_sizes(model: ir.Model) -> int:
             reader = use.node
             picked: list | None = None
             if reader.op_type == "Gather" and reader.attributes.get_int("axis", 0) == 0:
-                index = _const_ints(reader.inputs[1])
+                index = const_ints(reader.inputs[1])
                 known = reader.inputs[1] is not None and reader.inputs[1].shape is not None
                 if index is not None and known:
                     picked = [dims[i] for i in index]
                     shape = list(reader.inputs[1].shape)
             elif reader.op_type == "Slice" and len(reader.inputs) in (3, 4):
-                starts, ends = _const_ints(reader.inputs[1]), _const_ints(reader.inputs[2])
-                axes = _const_ints(reader.inputs[3]) if len(reader.inputs) == 4 else [0]
+                starts, ends = const_ints(reader.inputs[1]), const_ints(reader.inputs[2])
+                axes = const_ints(reader.inputs[3]) if len(reader.inputs) == 4 else [0]
                 if starts and ends and len(starts) == 1 and axes in ([0], [-1]):
                     picked = dims[slice(starts[0], max(min(ends[0], len(dims)), -len(dims) - 1))]
                     shape = [len(picked)]

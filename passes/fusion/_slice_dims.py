@@ -20,23 +20,19 @@ inference, run next, derives nothing from an unknown, and an unknown dim is neve
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
+
+from passes._match import const_ints
 
 # An end at or past this is "to the end" whatever the length (exporters write INT64_MAX or INT32_MAX).
 _WHOLE_END = 2**31 - 1
 _SEQUENCE_AXIS = 2  # GroupQueryAttention's present_key / present_value: [batch, kv_heads, length, head_size]
 
 
-def _ints(value: ir.Value | None) -> list[int] | None:
-    tensor = None if value is None else ir.convenience.get_const_tensor(value)  # initializer or Constant
-    return None if tensor is None else [int(x) for x in np.asarray(tensor.numpy()).reshape(-1)]
-
-
 def _cut_axes(node: ir.Node, rank: int) -> list[int]:
     """The axes ``node`` (a Slice) may shorten: none when it provably keeps every one whole."""
     inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
-    starts, ends, axes, steps = (_ints(v) for v in inputs[1:5])
+    starts, ends, axes, steps = (const_ints(v) for v in inputs[1:5])
     if inputs[3] is None:  # the default: the first len(starts) axes
         axes = list(range(len(starts))) if starts is not None else list(range(rank))
     elif axes is None:  # computed in the graph: any axis

@@ -22,7 +22,8 @@ import numpy as np
 import onnx_ir as ir
 
 from passes._infra import NonMatch
-from passes._match import take_graph_output
+from passes._match import drop_orphans, take_graph_output
+from passes.precision._quantization import unique_name
 
 _BIAS = 5  # MatMulNBits inputs: A, B, scales, zero_points, g_idx, bias
 _ONNX = ("", "ai.onnx")
@@ -121,10 +122,7 @@ def _fold(model: ir.Model, node: ir.Node, adds: list[_Add]) -> None:
         bias = adds[0][2]  # read in place: no new bytes
     else:
         array = np.concatenate([b.const_value.numpy() for _, _, b in adds])
-        name, index = f"{node.name}_bias", 0
-        while name in graph.initializers:
-            index += 1
-            name = f"{node.name}_bias_{index}"
+        name = unique_name(graph.initializers, f"{node.name}_bias")
         bias = ir.Value(name=name, const_value=ir.tensor(array, name=name), shape=ir.Shape(array.shape))
         bias.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
         graph.register_initializer(bias)
@@ -138,14 +136,4 @@ def _fold(model: ir.Model, node: ir.Node, adds: list[_Add]) -> None:
         take_graph_output(graph, after, before, "_unbiased")
         ir.convenience.replace_all_uses_with(after, before)
         graph.remove(add, safe=True)
-        if old_bias is not bias and _unread(graph, old_bias):
-            del graph.initializers[old_bias.name]
-
-
-def _unread(graph: ir.Graph, value: ir.Value) -> bool:
-    return (
-        not value.uses()
-        and value.name in graph.initializers
-        and not value.is_graph_output()
-        and not any(v is value for v in graph.inputs)
-    )
+        drop_orphans(graph, [old_bias])  # the one bias read in place is read by the MatMulNBits now: kept

@@ -27,7 +27,7 @@ import io
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,6 +220,15 @@ def unknown_node_names(model: ir.Model, names: Sequence[str]) -> list[NonMatch]:
             )
         )
     return refusals
+
+
+def unique_name(taken: Mapping[str, Any], name: str) -> str:
+    """``name``, or ``name_1``, ``name_2``... the first one ``taken`` (initializers by name) does not hold."""
+    out, i = name, 0
+    while out in taken:
+        i += 1
+        out = f"{name}_{i}"
+    return out
 
 
 def workdir() -> tempfile.TemporaryDirectory[str]:

@@ -793,7 +793,7 @@ def quantize_tables(
             attrs = {a.name: a.i for a in head.attribute}
             table_bits, table_block = attrs["bits"], attrs["block_size"]
             packed = inits[head.input[1]]
-            shape = _unique_name(inits, f"{node.name}_table_shape")
+            shape = q.unique_name(inits, f"{node.name}_table_shape")
             inits[shape] = onnx.numpy_helper.from_array(np.array([rows, -1], dtype=np.int64), shape)
             graph.initializer.append(inits[shape])
             data = f"{packed.name}_as_table"
@@ -811,7 +811,7 @@ def quantize_tables(
                 arrays[f"{table.name}_zero_points"] = zeros.reshape(rows, -1)
             names = []
             for wanted, array in arrays.items():
-                name = _unique_name(inits, wanted)
+                name = q.unique_name(inits, wanted)
                 inits[name] = onnx.numpy_helper.from_array(array, name)
                 graph.initializer.append(inits[name])
                 names.append(name)
@@ -835,7 +835,7 @@ def quantize_tables(
         if padded != cols:  # the quantized rows are whole blocks long
             bounds = []
             for suffix, value in (("starts", 0), ("ends", cols), ("axes", -1)):
-                name = _unique_name(inits, f"{node.name}_unpad_{suffix}")
+                name = q.unique_name(inits, f"{node.name}_unpad_{suffix}")
                 inits[name] = onnx.numpy_helper.from_array(np.array([value], dtype=np.int64), name)
                 graph.initializer.append(inits[name])
                 bounds.append(name)
@@ -876,11 +876,3 @@ def _tied_head(
         if zeros is None or zeros.data_type == onnx.TensorProto.UINT8:
             return name
     return None
-
-
-def _unique_name(taken: dict[str, Any], name: str) -> str:
-    out, i = name, 0
-    while out in taken:
-        i += 1
-        out = f"{name}_{i}"
-    return out
