@@ -158,6 +158,24 @@ def test_coverage_subset_run_keeps_the_doc_rows_when_no_saved_results() -> None:
     assert coverage.rows_from_doc("bench", "# no bench section\n") is None
 
 
+# What a run of bench.coverage records about itself, for the read-back tests (another host than the doc's).
+RUN = {
+    "machine": {
+        "cpu_model": "This CPU",
+        "cpus_available": 2,
+        "memory_total_mb": 8192,
+        "platform": "Linux",
+        "python": "3.11",
+        "onnxruntime_version": "1",
+        "onnx_version": "1",
+    },
+    "build_versions": {"torch": "t"},
+    "max_seconds": 1.0,
+    "min_blocks": 5,
+    "written": "now",
+}
+
+
 def test_coverage_doc_names_the_host_of_rows_read_back_when_a_subset_ran_elsewhere() -> None:
     """Rows kept from the doc keep the host they were measured on: a subset run on another machine lists them
     apart ("Measured on ...") instead of claiming every row for its own host, and that reads back too."""
@@ -167,21 +185,7 @@ def test_coverage_doc_names_the_host_of_rows_read_back_when_a_subset_ran_elsewhe
     assert data is not None
     first = next(iter(data["rows"]))
     data["rows"][first]["machine"] = "Other CPU, 2 CPUs (shared with other work), 8 GiB; Linux; Python 3.11"
-    data |= {
-        "machine": {
-            "cpu_model": "This CPU",
-            "cpus_available": 2,
-            "memory_total_mb": 8192,
-            "platform": "Linux",
-            "python": "3.11",
-            "onnxruntime_version": "1",
-            "onnx_version": "1",
-        },
-        "build_versions": {"torch": "t"},
-        "max_seconds": 1.0,
-        "min_blocks": 5,
-        "written": "now",
-    }
+    data |= RUN
     for row in data["rows"].values():
         if row is not data["rows"][first]:
             row["machine"] = coverage._machine(data["machine"])
@@ -203,22 +207,7 @@ def test_coverage_doc_names_the_settings_of_rows_re_timed_otherwise_when_a_subse
     timed = [k for k, r in data["rows"].items() if r.get("timing")]
     assert timed and all(data["rows"][k]["settings"].startswith("Jobs: ") for k in timed)
     first = timed[0]
-    data |= {
-        "machine": {
-            "cpu_model": "This CPU",
-            "cpus_available": 2,
-            "memory_total_mb": 8192,
-            "platform": "Linux",
-            "python": "3.11",
-            "onnxruntime_version": "1",
-            "onnx_version": "1",
-        },
-        "build_versions": {"torch": "t"},
-        "max_seconds": 1.0,
-        "min_blocks": 5,
-        "job_benchmark_seconds": 1.0,
-        "written": "now",
-    }
+    data |= RUN | {"job_benchmark_seconds": 1.0}
     for row in data["rows"].values():
         row["machine"] = coverage._machine(data["machine"])
         if row.get("timing"):
