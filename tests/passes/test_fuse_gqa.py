@@ -15,7 +15,6 @@ import json
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from core.inputs import generate_input_sets
@@ -23,6 +22,7 @@ from passes import registry
 from passes._infra import PassContext, op_histogram
 from passes.fusion.fuse_gqa import FuseGqa
 from tests.models.build_decoders import OUT, Signature, decoder_feeds, presents_as_past
+from tests.numerics import reference_session, run_named
 from tests.passes._util import MODELS
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
@@ -33,17 +33,8 @@ DECODE = ((2, 1, 3), (1, 1, 17), (1, 4, 9))
 ATOL = 1e-4
 
 
-def session(model: ir.Model | str) -> ort.InferenceSession:
-    proto = ir.serde.serialize_model(model if isinstance(model, ir.Model) else ir.load(model))
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds), strict=True))
+# The reference (optimizations off) and a run by output name: tests/numerics, under the names the GQA tests use.
+session, run = reference_session, run_named
 
 
 def family(name: str) -> dict:

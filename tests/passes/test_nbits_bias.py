@@ -12,9 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import matmul_nbits_quantizer as mnb
@@ -24,25 +22,13 @@ from passes.fusion.pack_matmuls import PackMatmuls
 from passes.precision._nbits_bias import fold_bias_adds
 from passes.precision.quantize_int4 import QuantizeInt4
 from tests.models.build_decoders import OUT, Signature, decoder_feeds, presents_as_past
+from tests.numerics import reference_session, run_named
 
 NAME = "qwen2_past_ts"  # q/k/v with biases, 2 layers
 OPTIONS = {"block_size": 32, "accuracy_level": 4, "lm_head": "int8", "min_top1_agreement": None}
 SHAPES = ((2, 7, 0), (1, 1, 9), (3, 5, 6), (1, 1, 40))  # (batch, new tokens, past): none the export's (2, 3, 4)
 # The int8 compute path adds the bias inside its tile: within a rounding of the sum, never more.
 ATOL, RTOL = 1e-5, 1e-5
-
-
-def _session(model: ir.Model | onnx.ModelProto) -> ort.InferenceSession:
-    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def _run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds), strict=True))
 
 
 def _bias_adds_after_nbits(model: ir.Model) -> int:
@@ -91,19 +77,19 @@ def test_quantize_int4_folds_qkv_bias_adds_into_matmulnbits_and_stays_exact_when
     assert [v.name for v in folded.graph.outputs] == [v.name for v in kept.graph.outputs]
     # numerics: at other batch/prompt/cache sizes, then a cache grown by each model's own presents
     signature = Signature.of(OUT / f"{NAME}.onnx")
-    ref, new = _session(kept), _session(folded)
+    ref, new = reference_session(kept), reference_session(folded)
     for index, (batch, seq, past) in enumerate(SHAPES):
         feeds = decoder_feeds(signature, batch, seq, past, seed=index)
-        want, got = _run(ref, feeds), _run(new, feeds)
+        want, got = run_named(ref, feeds), run_named(new, feeds)
         for key in want:
             np.testing.assert_allclose(got[key], want[key], atol=ATOL, rtol=RTOL, err_msg=f"{key} {batch, seq, past}")
-    out_ref = out_new = _run(ref, decoder_feeds(signature, 1, 5, 0, seed=7))
+    out_ref = out_new = run_named(ref, decoder_feeds(signature, 1, 5, 0, seed=7))
     for step in range(3):
         token = np.array([[int(out_ref["logits"][0, -1].argmax())]], np.int64)
-        out_ref = _run(
+        out_ref = run_named(
             ref, decoder_feeds(signature, 1, 1, 5 + step, tokens=token, past_values=presents_as_past(out_ref))
         )
-        out_new = _run(
+        out_new = run_named(
             new, decoder_feeds(signature, 1, 1, 5 + step, tokens=token, past_values=presents_as_past(out_new))
         )
         for key in out_ref:
@@ -154,7 +140,7 @@ def test_fold_bias_adds_packs_the_biases_after_a_split_into_one_bias_input_when_
         "widths"
     }  # the three per-piece biases are gone with their Adds
     rng = np.random.default_rng(0)
-    ref, new = _session(proto), _session(model)
+    ref, new = reference_session(proto), reference_session(model)
     for shape in ((1, 1), (2, 9), (3, 130)):
         feeds = {"x": rng.standard_normal((*shape, 40)).astype(np.float32)}
         for want, got in zip(ref.run(None, feeds), new.run(None, feeds), strict=True):
@@ -212,7 +198,9 @@ def test_fold_bias_adds_gives_the_graph_output_name_to_matmulnbits_and_is_bit_ex
     assert node.op_type == "MatMulNBits" and node.inputs[5].name == "b" and node.outputs[0].name == "y"
     assert [v.name for v in model.graph.outputs] == ["y"]
     x = np.random.default_rng(1).standard_normal((5, 48)).astype(np.float32)
-    np.testing.assert_array_equal(_session(model).run(None, {"x": x})[0], _session(proto).run(None, {"x": x})[0])
+    np.testing.assert_array_equal(
+        reference_session(model).run(None, {"x": x})[0], reference_session(proto).run(None, {"x": x})[0]
+    )
 
 
 def test_fold_bias_adds_leaves_the_add_when_the_matmulnbits_output_has_another_reader():
