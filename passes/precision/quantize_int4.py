@@ -633,30 +633,16 @@ def _head_int8(
     measured fastest need not suit an 8-bit head (at fp32 compute an 8-bit MatMulNBits has no fast prefill
     kernel: a 128-token prefill through a 151936-wide head took 2.7 s against 0.43 s at level 4)."""
     proto = ir.serde.serialize_model(quantized)
-    level = notes.get("accuracy_level", {}).get("chosen", 0)
     others = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in heads]
 
     def head8(at: int) -> onnx.ModelProto:
         return quantize_proto(ir.serde.serialize_model(quantized), options, at, others, bits=8, include=heads)
 
     budget = q.budget_of(budget_options)
-    if options.lm_head == "int8":  # asked for, and still held to the budget, as a token table asked for is
-        asked = head8(level)
-        measured = _measure(
-            ir.serde.serialize_model(original), {"int8": asked}, samples, options.max_samples, logits, timed=False
+    if options.lm_head == "int8":
+        return _head_int8_asked(
+            original, quantized, head8, samples=samples, options=options, budget=budget, notes=notes, logits=logits
         )
-        if measured is None:
-            notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}); not measured: no samples"
-            return ir.serde.deserialize_model(asked)
-        accuracy = measured[0]["int8"]
-        misses = budget.misses(accuracy)
-        if misses:
-            notes["lm_head_decision"] = f"float: int8 asked for, at accuracy_level {level}: " + "; ".join(misses)
-            notes["lm_head_accuracy_int8"] = {k: v.to_dict() for k, v in accuracy.items()}
-            return quantized
-        notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}): within the budget"
-        notes["accuracy"] = {k: v.to_dict() for k, v in accuracy.items()}  # the model handed back
-        return ir.serde.deserialize_model(asked)
     levels = {f"int8 level {at}": at for at in (4, 0)}
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]] = {"float": proto}
     candidates |= {key: functools.partial(head8, at) for key, at in levels.items()}
@@ -677,6 +663,53 @@ def _head_int8(
     misses = budget.misses(accuracy["int8 level 4"])
     notes["lm_head_decision"] = "float: " + ("; ".join(misses) if misses else "the 8-bit head measured slower")
     return quantized
+
+
+def _head_int8_asked(
+    original: ir.Model,
+    quantized: ir.Model,
+    head8: Callable[[int], onnx.ModelProto],
+    *,
+    samples: Sequence[dict[str, np.ndarray]],
+    options: QuantizeInt4Options,
+    budget: q.Budget,
+    notes: dict[str, Any],
+    logits: str | None,
+) -> ir.Model:
+    """The 8-bit head a user asked for, still held to the budget. With ``accuracy_level`` auto its level is
+    measured apart from the int4 MatMuls' (the level they measured fastest need not suit the head: see
+    ``_head_int8``): the faster of the two within the budget; without samples, the int4 MatMuls' level."""
+    given = options.accuracy_level != "auto"
+    level = notes.get("accuracy_level", {}).get("chosen", 0)
+    levels = {f"int8 level {at}": at for at in ((level,) if given else (4, 0))}
+    candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]]
+    candidates = {key: functools.partial(head8, at) for key, at in levels.items()}
+    timed = len(levels) > 1
+    measured = _measure(
+        ir.serde.serialize_model(original), candidates, samples, options.max_samples, logits, timed=timed
+    )
+    if measured is None:
+        notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}); not measured: no samples"
+        return ir.serde.deserialize_model(head8(level))
+    accuracy, latency = measured
+    holding = [key for key in levels if not budget.misses(accuracy[key])]
+    if timed:
+        notes["lm_head_latency_ms"] = {k: _ms(v) for k, v in latency.items()}
+        notes["lm_head_level_4_vs_0"] = round_sig(speed_ratio(latency["int8 level 4"], latency["int8 level 0"]))
+    if not holding:
+        notes["lm_head_decision"] = "float: int8 asked for, outside the budget at " + "; ".join(
+            f"accuracy_level {at}: " + "; ".join(budget.misses(accuracy[key])) for key, at in levels.items()
+        )
+        notes["lm_head_accuracy_int8"] = {
+            f"level {at}": {k: v.to_dict() for k, v in accuracy[key].items()} for key, at in levels.items()
+        }
+        return quantized
+    fastest = len(holding) > 1  # only when timed: one level given is never timed
+    best = min(holding, key=lambda key: speed_ratio(latency[key], latency[holding[0]])) if fastest else holding[0]
+    how = " as given" if given else (", measured fastest" if fastest else ", the only level within the budget")
+    notes["lm_head_decision"] = f"int8 (option, accuracy_level {levels[best]}{how}): within the budget"
+    notes["accuracy"] = {k: v.to_dict() for k, v in accuracy[best].items()}  # the model handed back
+    return ir.serde.deserialize_model(head8(levels[best]))
 
 
 def _tables(

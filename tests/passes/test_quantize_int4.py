@@ -176,6 +176,41 @@ def test_quantize_int4_chooses_accuracy_level_by_measurement_when_auto(monkeypat
     assert result.notes["precision"] == {name: f"int{bits}" for name, (bits, _) in written.items()}
 
 
+@pytest.mark.parametrize("head_faster", [4, 0])
+def test_quantize_int4_times_an_asked_for_8bit_head_at_its_own_accuracy_level(monkeypatch, head_faster):
+    # setup: the int4 MatMuls measure fastest at fp32 compute (level 0); the 8-bit head asked for is named
+    # faster at head_faster, both levels within the budget (a cosine one)
+    from passes.precision import quantize_int4
+
+    ms = {"int8": 2.0, "fp32": 1.0, "int8 level 4": 1.0, "int8 level 0": 3.0}
+    if head_faster == 0:
+        ms |= {"int8 level 4": 3.0, "int8 level 0": 1.0}
+    monkeypatch.setattr(quantize_int4, "_latency_ms", fixed_latency(ms))
+    # execute
+    original, result = quantize("llama_past_ts", {"lm_head": "int8", **NO_GATE})
+    # assert: the head gets the level it measured fastest at, the int4 MatMuls keep theirs
+    (head,) = lm_heads(original)
+    assert result.notes["accuracy_level"]["chosen"] == 0
+    decision = result.notes["lm_head_decision"]
+    assert decision == f"int8 (option, accuracy_level {head_faster}, measured fastest): within the budget"
+    assert set(result.notes["lm_head_latency_ms"]) == {"int8 level 4", "int8 level 0"}
+    graph = bits_and_levels(result.model)
+    assert graph.pop(head) == (8, head_faster)
+    assert set(graph.values()) == {(4, 0)}
+    # numerics: the artifact against the original on the generated sets (cosine budget, not exact)
+    assert result.notes["accuracy"] and all(a["cosine"] >= 0.99 for a in result.notes["accuracy"].values())
+
+
+def test_quantize_int4_keeps_the_given_accuracy_level_for_an_asked_for_8bit_head():
+    # setup / execute: accuracy_level given: the head is not timed, it takes that level
+    original, result = quantize("llama_past_ts", {"lm_head": "int8", "accuracy_level": 0, **NO_GATE})
+    # assert
+    (head,) = lm_heads(original)
+    assert result.notes["lm_head_decision"] == "int8 (option, accuracy_level 0 as given): within the budget"
+    assert "lm_head_latency_ms" not in result.notes
+    assert bits_and_levels(result.model)[head] == (8, 0)
+
+
 def test_quantize_int4_names_its_lm_head_choice_when_lm_head_is_auto(llama_default):
     _, result = llama_default
     decision = result.notes["lm_head_decision"]
