@@ -18,6 +18,7 @@ import onnx_ir as ir
 from passes._match import take_graph_output
 from passes.fusion._gqa_match import Site
 from passes.fusion._gqa_probe import gqa_window_offset
+from passes.fusion._slice_dims import crop_source
 
 
 def const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -110,9 +111,19 @@ def rewrite_gqa(
     lengths_: tuple[ir.Value, ir.Value],
     sizes: tuple[int, int, int],
     window: int | None,
-) -> None:
+) -> int:
     """The layer as GroupQueryAttention on its new q, k, v and its cache; GQA's presents replace the cache
-    Concats (and take their graph output names)."""
+    Concats (and take their graph output names). Returns how many past crops it dropped (below).
+
+    A sliding-window export crops the past before attention, ``past[:, :, -C:]`` (Mistral: C = W - 1), and
+    the present after. With a window of W keys (``local_window_size``) the first new query, at position P
+    (the past's length), sees keys P - W + 1 .. P: the last W - 1 of the past and itself, later queries
+    fewer of the past. So a crop keeping C >= W - 1 positions never removes a key any query reads, and
+    ``Concat(past, new)[-C':]``, the present crop, which stays, is the same with the past cropped first or
+    not (C' <= C + new). GQA then gets the whole past, which also matches its ``seqlens_k`` and
+    ``total_sequence_length``: they count the attention mask, which spans the uncropped past (the exports
+    read here refuse a past longer than W - 1: their mask and keys then differ in length). One copy of the
+    cache per crop and layer fewer each step."""
     heads, kv_heads, _ = sizes
     seqlens, total = lengths_
     prefix = f"fuse_gqa/layer_{site.layer}"
@@ -125,9 +136,13 @@ def rewrite_gqa(
     attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(site.scale)}
     if window is not None:
         attributes["local_window_size"] = window - gqa_window_offset()
+    past = [site.k_past, site.v_past]
+    if window is not None:
+        whole = [crop_source(value, window - 1) for value in past]
+        past = [source or value for source, value in zip(whole, past, strict=True)]
     gqa = ir.node(
         "GroupQueryAttention",
-        [*flat, site.k_past, site.v_past, seqlens, total],
+        [*flat, *past, seqlens, total],
         attributes,
         domain="com.microsoft",
         num_outputs=3,
@@ -137,12 +152,13 @@ def rewrite_gqa(
     present_k.name, present_v.name = f"{prefix}/present_key", f"{prefix}/present_value"
     _replace_output(graph, site, [*nodes, gqa], out, sizes)
     if site.k_past is None:  # no cache: the presents stay unused
-        return
+        return 0
     for old, new in ((site.k_all, present_k), (site.v_all, present_v)):
         if old.type is not None:
             new.type, new.shape = old.type, old.shape
         take_graph_output(graph, old, new, "/unfused")
         ir.convenience.replace_all_uses_with(old, new)
+    return sum(new is not old for new, old in zip(past, (site.k_past, site.v_past), strict=True))
 
 
 def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int]) -> None:

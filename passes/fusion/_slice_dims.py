@@ -16,6 +16,10 @@ artifact then handed back a present one position longer than the upload's once t
 the cache below it. So each Slice that is not provably whole (starts 0, ends past any length, steps 1) gets an
 unknown dim on each axis it may cut, and each GroupQueryAttention present an unknown length; ONNX's own
 inference, run next, derives nothing from an unknown, and an unknown dim is never "the same shape".
+
+The first crop, of the past into attention, is another matter: ``crop_source`` finds the uncropped cache
+under it, which ``fuse_gqa`` feeds GroupQueryAttention instead where its ``local_window_size`` makes the crop
+redundant (the reasoning is in ``_gqa_rewrite.rewrite_gqa``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,34 @@ def _cut_axes(node: ir.Node, rank: int) -> list[int]:
         return axes
     steps = steps or [1] * len(starts)
     return [a for a, s, e, t in zip(axes, starts, ends, steps, strict=False) if s != 0 or e < _WHOLE_END or t != 1]
+
+
+def crop_source(value: ir.Value | None, keep: int) -> ir.Value | None:
+    """The graph input ``x`` (a cache) of ``value = Slice(x, [-C], [to the end], [2 | -2], [1])`` that keeps
+    the last ``C >= keep`` positions of the cache axis, through single-input Concat and Identity copies
+    (TorchScript copies the past once before cropping it); None for anything else."""
+    node = _through_copies(value).producer() if value is not None else None
+    if node is None or node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 4:
+        return None
+    starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
+    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+    source = _through_copies(node.inputs[0])
+    rank = source.shape.rank() if source is not None and source.shape is not None else 4
+    if None in (starts, ends, axes, steps) or len(starts) != 1 or [a % rank for a in axes] != [_SEQUENCE_AXIS]:
+        return None
+    if steps != [1] or ends[0] < _WHOLE_END or starts[0] > -keep or rank != 4:
+        return None
+    return source if source is not None and source.is_graph_input() else None
+
+
+def _through_copies(value: ir.Value | None) -> ir.Value | None:
+    node = value.producer() if value is not None else None
+    while node is not None and node.domain in ("", "ai.onnx") and len(node.inputs) == 1:
+        if node.op_type not in ("Identity", "Concat"):
+            break
+        value = node.inputs[0]
+        node = value.producer() if value is not None else None
+    return value
 
 
 def _unknown(value: ir.Value, axes: list[int]) -> bool:

@@ -31,6 +31,11 @@ and merge around it (``Reshape`` to [B,S,N,D] before ``Reshape[0,0,-1]``, ``Resh
 (``_gqa_reshapes``): the projection goes straight into RotaryEmbedding/GQA and GQA's output straight into
 the output projection (8 Reshapes per layer and their shape arithmetic fewer per decode step).
 
+A sliding window (Mistral) becomes ``local_window_size``; the export's crop of the past to the window before
+attention (``past[:, :, -(W - 1):]``) is then redundant and dropped, GQA reading the cache input itself
+(``_gqa_rewrite.rewrite_gqa`` says why that is exact); its crop of the present stays: the graph's outputs are
+defined cropped.
+
 Rotary inside GQA (``do_rotary=1`` on the packed QKV projection, as the model builder emits) is not done:
 the graphs take ``position_ids`` as an input, and ORT 1.32's CPU GroupQueryAttention ignores its
 ``position_ids`` input on a first prompt (an empty past), rotating by 0..S-1 instead: measured 1.6 max abs
@@ -146,9 +151,10 @@ class FuseGqa(Pass[FuseGqaOptions]):
         if any(op == "gqa" for _, _, op, _ in plans):
             assert feeder.mask_name is not None  # probe_mask refused otherwise
             lengths = rewrite.lengths(model.graph, feeder.mask_name)
+        crops_dropped = 0
         for site, sizes, op, kind in plans:
             if op == "gqa":
-                rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
+                crops_dropped += rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
             else:
                 rewrite.rewrite_mha(model.graph, site, sizes)
         folded = fold_head_reshapes(model.graph)
@@ -165,6 +171,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             "fused_mha": sum(op == "mha" for _, _, op, _ in plans),
             "windowed": sum(k.window is not None and op == "gqa" for _, _, op, k in plans),
             "head_reshapes_folded": folded,
+            "past_crops_dropped": crops_dropped,
         }
         return PassResult(model, True, counts, declined, notes)
 
