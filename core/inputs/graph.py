@@ -19,6 +19,11 @@ concatenated with new keys while another one is (the self-attention cache grows 
 cross-attention cache, whose length is the encoder's; a mask that reaches the same attention scores as
 either of those spans the encoder's sequence, not the decoder's past and new tokens (``cross``).
 
+Optimum's merged decoders (``decoder_model_merged.onnx``: one ``If`` whose branches are decoder_with_past and the
+decoder) hold every node inside the branches, so the graph is read through its subgraphs (a branch reads the
+outer inputs and weights by name); the bool input that is the ``If``'s condition is ``use_cache_branch``, and
+the branch that reads the self-attention cache is the one its value selects.
+
 Everything here is a small ``ModelFacts`` record: it keeps no reference to the model, so a caller may drop a
 large model right after reading its facts.
 """
@@ -92,6 +97,7 @@ class InputRole:
     past_axis: int | None = None  # the past-length axis of a key/value cache
     decoder: bool = False
     cross: bool = False  # an attention mask over the encoder's sequence (cross-attention), not past + new
+    cache_value: bool = True  # use_cache_branch: the value that selects the branch reading the cache
 
     def min_length(self, out: int = 1, axis: int = 0) -> int:
         """The spatial length on ``axis`` that makes the stack yield ``out`` positions."""
@@ -158,10 +164,16 @@ def _const_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     return tuple(dims) if all(d >= 0 for d in dims) else None
 
 
+def _nodes(graph: ir.Graph) -> ir.traversal.RecursiveGraphIterator:
+    """Every node, those of If/Loop/Scan subgraphs included (a merged decoder holds all of them in its two
+    branches), each graph in order and a subgraph's nodes before the node that owns it."""
+    return ir.traversal.RecursiveGraphIterator(graph)
+
+
 def _aliases(graph: ir.Graph, names: set[str]) -> dict[str, str]:
     """Tensor name -> the graph input it is a cast, reshape or transpose of."""
     out = {name: name for name in names}
-    for node in graph:  # topological order
+    for node in _nodes(graph):  # topological order
         if node.op_type in _ALIAS_OPS and node.inputs and node.inputs[0] is not None:
             source = out.get(node.inputs[0].name or "")
             if source is not None and node.outputs:
@@ -253,7 +265,7 @@ def _table_after(value: ir.Value | None, depth: int = 8) -> int | None:
 def _compared_ids(graph: ir.Graph, aliases: dict[str, str]) -> dict[str, tuple[set[int], set[int]]]:
     """Per id input: (markers, others) among the constants it is compared with by ``Equal``."""
     out: dict[str, tuple[set[int], set[int]]] = {}
-    for node in graph:
+    for node in _nodes(graph):
         if node.op_type != "Equal" or len(node.inputs) != 2:
             continue
         for a, b in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
@@ -273,7 +285,7 @@ def _max_positions(graph: ir.Graph, aliases: dict[str, str]) -> int | None:
     """Rows of the position table: a table gathered by indices not drawn from a token-id input (``Range``
     or ``position_ids``), or an initializer named like ``position_embeddings``/``embed_positions``."""
     sizes = []
-    for node in graph:
+    for node in _nodes(graph):
         if node.op_type != "Gather" or len(node.inputs) < 2 or node.attributes.get_int("axis", 0) != 0:
             continue
         table, index = node.inputs[0], node.inputs[1]
@@ -300,7 +312,7 @@ def analyze(model: onnx.ModelProto | ir.Model) -> ModelFacts:
     inputs = [v for v in graph.inputs if v.name not in initializers]
     aliases = _aliases(graph, {v.name or "" for v in inputs})
     ranges: dict[str, tuple[int, str]] = {}
-    for node in graph:
+    for node in _nodes(graph):
         # A quantized table (int4's GatherBlockQuantized: [rows, packed columns]) is indexed on gather_axis.
         quantized = node.op_type == "GatherBlockQuantized" and node.domain == "com.microsoft"
         if (node.op_type == "Gather" or quantized) and len(node.inputs) >= 2 and node.inputs[1] is not None:
@@ -329,7 +341,7 @@ CAUSAL_LM_MASK = (
     "name says mask; a decoder-only language model: all ones (generation pads nothing; a right-padded row "
     "gives its pad positions values no caller reads, which a fused attention need not reproduce)"
 )
-_LM_ROLES = frozenset({"token_ids", "attention_mask", "position_ids", "past_key_values"})
+_LM_ROLES = frozenset({"token_ids", "attention_mask", "position_ids", "past_key_values", "use_cache_branch"})
 _ENCODER_NAME = re.compile(r"encoder", re.IGNORECASE)
 _ORDER_OPS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
 
@@ -360,7 +372,7 @@ def _has_causal_mask(graph: ir.Graph) -> bool:
     """A ``Trilu``, an order comparison of two position ranges (``kv_idx <= q_idx``: both sides computed from
     a ``Range``), or a constant square table, one value on and below its diagonal and another above (GPT-2's
     ``bias`` buffer, a baked additive mask)."""
-    for node in graph:
+    for node in _nodes(graph):
         if node.op_type == "Trilu":
             return True
         ordered = node.op_type in _ORDER_OPS and len(node.inputs) == 2
@@ -413,7 +425,7 @@ def _role(
             why += "; spans the past and the new tokens"
         return InputRole(name, "attention_mask", why, decoder=decoder)
     if kind == "b":
-        return InputRole(name, "bool", "boolean input: random 0/1")
+        return _branch_flag(value, has_past) or InputRole(name, "bool", "boolean input: random 0/1")
     if kind in "iu":
         table = ranges.get(name)
         if _TOKEN_TYPE_NAME.search(name):
@@ -471,6 +483,37 @@ def _role(
     if decoder:
         return InputRole(name, "float", "decoder float input (encoder states): N(0, 1)", decoder=True)
     return InputRole(name, "float", "float input: N(0, 1)")
+
+
+def _branch_flag(value: ir.Value, has_past: bool) -> InputRole | None:
+    """A bool the model branches on (an ``If``'s condition) where exactly one branch reads a cache input: a
+    merged decoder's ``use_cache_branch``, whatever its name. The generated sets run both branches."""
+    if not has_past:
+        return None
+    for use in value.uses():
+        node = use.node
+        if node.op_type != "If" or use.idx != 0:
+            continue
+        reads = {}
+        for key in ("then_branch", "else_branch"):
+            attr = node.attributes.get(key)
+            branch = attr.as_graph() if attr is not None else None
+            reads[key] = branch is not None and any(
+                v is not None and v.is_graph_input() and _PAST_NAME.search(v.name or "")
+                for n in ir.traversal.RecursiveGraphIterator(branch)
+                for v in n.inputs
+            )
+        if reads["then_branch"] != reads["else_branch"]:
+            on = reads["then_branch"]
+            return InputRole(
+                value.name or "",
+                "use_cache_branch",
+                f"the If {node.name or ''}'s condition: {on} runs the branch that reads the key/value cache "
+                f"(Optimum's merged decoder: decoder_with_past), {not on} the one without (the decoder, fed a "
+                "dummy cache it never reads); the generated sets run both",
+                cache_value=on,
+            )
+    return None
 
 
 def _patch_positions(steps: list[ConvStep], last: ir.Value | None) -> int | None:

@@ -11,6 +11,13 @@ A seq2seq decoder's inputs over the encoder's sequence (its states, its mask, th
 share one encoder length, ``12 << index`` unless bound (never 0, unlike the self-attention past); a set after
 a past decodes one token per row, as generation does.
 
+A merged decoder (``use_cache_branch``, ``core.inputs.graph``) gets sets for both of its branches: set 0 and
+every third after it run the no-cache branch (the first generation step: the decoder's tokens, encoder states,
+and every cache a dummy ``NO_CACHE_PAST`` long, as Optimum's runtime feeds it; the branch never reads them),
+the others the cache branch with the self-attention cache growing from set to set; the set's name and
+``why`` say which branch ran. Sizes a caller binds (``feeds_for_sizes``) run the cache branch, which honours
+every one of them.
+
 Values. Token ids uniform below the vocabulary of the table they index, ids the graph compares them with
 kept out except a position marker (BART's ``</s>``) at each row's last valid token; right-padded attention
 masks (optimum #978 and ORT #18945: random masks give false alarms), ones over the past; token types below
@@ -38,6 +45,9 @@ from core.inputs.graph import InputRole, ModelFacts, analyze, dim_role
 from core.inputs.specs import InputSet, InputSpec, graph_inputs, load_samples
 
 IGNORE_INDEX = -100
+# The cache a merged decoder's no-cache branch is fed and ignores: Optimum's ONNX Runtime classes feed 1 position
+# (transformers.js feeds 0); both are valid calls of the file.
+NO_CACHE_PAST = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +100,22 @@ class InputSynthesis:
     def _role(self, name: str) -> InputRole:
         return self.facts.roles[name]
 
+    def cache_branch(self, index: int) -> bool | None:
+        """For a merged decoder, whether set ``index`` runs the branch that reads the cache (module
+        docstring); None for other models."""
+        if not any(r.role == "use_cache_branch" for r in self.facts.roles.values()):
+            return None
+        return index % 3 != 0
+
     def _lengths(self, index: int, guess: Guess) -> tuple[int, int]:
         """(sequence, past) lengths of set ``index`` under ``guess``, within the position table. A language
         model's batch of several rows after a past decodes one token each: generation never sends a batch of
         prompts after a cache (ORT's GroupQueryAttention refuses one)."""
         seq = (8 << index) * guess.seq_scale
-        past = 0 if (index == 1 and guess.empty_past) or not self.facts.has_past else seq
+        # A merged decoder's cache branch is never called on an empty cache (its no-cache branch is the first
+        # step), so its sets keep a past.
+        empty = index == 1 and guess.empty_past and self.cache_branch(index) is None
+        past = 0 if empty or not self.facts.has_past else seq
         cap = self.facts.max_positions
         if cap:
             cap = cap - 2 if cap > 4 else cap  # RoBERTa-style tables start 2 rows in (padding offset)
@@ -112,9 +132,10 @@ class InputSynthesis:
         guess: Guess = GUESSES[0],
         override: Mapping[str, Sequence[int]] | None = None,
         preset: Mapping[str, int] | None = None,
+        cache: bool | None = None,
     ) -> dict[str, tuple[int, ...]]:
         """Concrete shapes of every input; ``override`` (the config's shapes) and ``preset`` (symbolic dim
-        name -> size) bind first."""
+        name -> size) bind first. ``cache``: a merged decoder's branch (default: ``cache_branch(index)``)."""
         by_name = {s.name: s for s in self.specs}
         bound: dict[str, int] = dict(preset or {})
         overrides = dict(override or {})
@@ -142,6 +163,15 @@ class InputSynthesis:
                     bound.setdefault(dim, int(size))
         seq, past = self._lengths(index, guess)
         batch = 1 << index
+        no_cache = (self.cache_branch(index) if cache is None else cache) is False
+        if no_cache:  # dummy caches, the cross-attention one too; the encoder's length binds the rest
+            past = NO_CACHE_PAST
+            for spec in self.specs:
+                role = self._role(spec.name)
+                if role.role == "cross_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
+                    dim = spec.dims[role.past_axis]
+                    if isinstance(dim, str):
+                        bound.setdefault(dim, NO_CACHE_PAST)
         # Past lengths first: a mask named like the ids' sequence then still spans past + new tokens.
         for spec in self.specs:
             role = self._role(spec.name)
@@ -156,10 +186,12 @@ class InputSynthesis:
                 dim = spec.dims[role.past_axis]
                 past_len = bound.get(dim, past) if isinstance(dim, str) else int(dim or 0)
                 break
+        if no_cache:
+            past_len = 0  # a mask or positions over the new tokens alone
         if self.facts.has_past:
             seq = self._bound_new_tokens(bound, seq)
-        encoder = self.encoder_axes()
-        enc_len = self._encoder_length(bound, overrides, index, guess) if encoder else 0
+        encoder = self.encoder_axes(cross_cache=not no_cache)
+        enc_len = self._encoder_length(bound, overrides, index, guess, encoder) if encoder else 0
         for spec in self.specs:
             dim = spec.dims[encoder[spec.name]] if spec.name in encoder else None
             if isinstance(dim, str):
@@ -197,9 +229,10 @@ class InputSynthesis:
             shapes[name] = tuple(fixed)
         return shapes
 
-    def encoder_axes(self) -> dict[str, int]:
+    def encoder_axes(self, cross_cache: bool = True) -> dict[str, int]:
         """Input -> its axis over the encoder's sequence: encoder states (axis 1), a cross-attention mask (its
-        last), a cross-attention cache (its length axis). One length binds them all."""
+        last), a cross-attention cache (its length axis; left out when ``cross_cache`` is False: a merged
+        decoder's no-cache branch gets a dummy one). One length binds them all."""
         out = {}
         for spec in self.specs:
             role = self._role(spec.name)
@@ -207,17 +240,27 @@ class InputSynthesis:
                 out[spec.name] = 1
             elif role.role == "attention_mask" and role.cross and spec.rank:
                 out[spec.name] = spec.rank - 1
-            elif role.role == "cross_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
+            elif (
+                cross_cache
+                and role.role == "cross_key_values"
+                and role.past_axis is not None
+                and role.past_axis < spec.rank
+            ):
                 out[spec.name] = role.past_axis
         return out
 
     def _encoder_length(
-        self, bound: Mapping[str, int], overrides: Mapping[str, Sequence[int]], index: int, guess: Guess
+        self,
+        bound: Mapping[str, int],
+        overrides: Mapping[str, Sequence[int]],
+        index: int,
+        guess: Guess,
+        encoder: Mapping[str, int],
     ) -> int:
         """The encoder's sequence length of set ``index``: what the caller bound or the graph fixes on any
         input over it, else ``12 << index`` (unlike the decoder's lengths, so a mixed-up axis fails)."""
         by_name = {s.name: s for s in self.specs}
-        for name, axis in self.encoder_axes().items():
+        for name, axis in encoder.items():
             dim = by_name[name].dims[axis]
             if name in overrides and len(overrides[name]) > axis:
                 return int(overrides[name][axis])
@@ -260,10 +303,17 @@ class InputSynthesis:
     # ------------------------------------------------------------------------------------------ values
 
     def feeds(
-        self, shapes: Mapping[str, tuple[int, ...]], rng: np.random.Generator, guess: Guess = GUESSES[0]
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        rng: np.random.Generator,
+        guess: Guess = GUESSES[0],
+        cache: bool | None = None,
     ) -> dict[str, np.ndarray]:
-        past = self._past_length(shapes)
-        feeds = {s.name: self._values(s, shapes[s.name], rng, guess, past) for s in self.specs}
+        """Values for ``shapes``; ``cache``: the branch a merged decoder runs (the one its shapes were bound
+        for), the cache branch when not given."""
+        cache = True if cache is None else cache
+        past = self._past_length(shapes) if cache else 0
+        feeds = {s.name: self._values(s, shapes[s.name], rng, guess, past, cache=cache) for s in self.specs}
         self._place_markers(feeds, guess)
         return feeds
 
@@ -279,10 +329,19 @@ class InputSynthesis:
         return 0
 
     def _values(
-        self, spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, guess: Guess, past: int
+        self,
+        spec: InputSpec,
+        shape: tuple[int, ...],
+        rng: np.random.Generator,
+        guess: Guess,
+        past: int,
+        *,
+        cache: bool = True,
     ) -> np.ndarray:
         role, dtype = self._role(spec.name), spec.dtype
         kind = role.role
+        if kind == "use_cache_branch":
+            return np.full(shape, role.cache_value if cache else not role.cache_value, dtype=bool)
         if kind == "attention_mask":  # a language model's generation pads nothing (InputSynthesis.why)
             if role.cross:  # over the encoder's sequence: no past in it
                 return _mask(shape, rng, 0, guess.padding).astype(dtype)
@@ -340,9 +399,10 @@ class InputSynthesis:
         self, index: int, guess_index: int = 0, override: Mapping[str, Sequence[int]] | None = None
     ) -> InputSet:
         guess = GUESSES[guess_index]
-        shapes = self.bind(index, guess, override)
+        cache = self.cache_branch(index)
+        shapes = self.bind(index, guess, override, cache=cache)
         rng = np.random.default_rng([self.seed, index] if guess_index == 0 else [self.seed, index, guess_index])
-        feeds = self.feeds(shapes, rng, guess)
+        feeds = self.feeds(shapes, rng, guess, cache)
         roles = self.facts.roles
         provenance = {
             "source": "shapes" if override else "generated",
@@ -350,7 +410,7 @@ class InputSynthesis:
             "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
             "attempts": [],
         }
-        if (why := self.why(shapes)) is not None:
+        if (why := self.why(shapes, cache)) is not None:
             provenance["why"] = why
         following = guess_index + 1
         retry = None
@@ -359,15 +419,40 @@ class InputSynthesis:
             def retry() -> InputSet:
                 return self.input_set(index, following)
 
-        return InputSet(_set_name(shapes), feeds, provenance, retry)
+        name = _set_name(shapes)
+        if cache is not None:
+            flag = next(n for n, r in roles.items() if r.role == "use_cache_branch")
+            value = roles[flag].cache_value if cache else not roles[flag].cache_value
+            name += f" ({flag}={value}: the {'cache' if cache else 'no-cache'} branch)"
+        return InputSet(name, feeds, provenance, retry)
 
-    def why(self, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-        """For a decoder-only language model, why its set is shaped as it is (the report shows it); None for
-        other models, whose sets follow the module's rules alone."""
+    def why(self, shapes: Mapping[str, tuple[int, ...]], cache: bool | None = None) -> str | None:
+        """For a decoder-only language model, a seq2seq decoder or a merged decoder (``cache``: the branch it
+        runs), why its set is shaped as it is (the report shows it); None for other models, whose sets follow
+        the module's rules alone."""
+        if cache is not None:
+            flag = next(n for n, r in self.facts.roles.items() if r.role == "use_cache_branch")
+            value = self._role(flag).cache_value if cache else not self._role(flag).cache_value
+            if not cache:
+                ids = next((s for n, s in shapes.items() if self._role(n).role == "token_ids" and s), (1, 0))
+                return (
+                    f"merged decoder, {flag}={value}: the no-cache branch (the first generation step, "
+                    f"decoder_model.onnx's graph), {ids[0]} row(s) of {ids[-1]} token(s); every cache input a "
+                    f"dummy {NO_CACHE_PAST} position(s) long, as Optimum's runtime feeds it, which this branch "
+                    "never reads"
+                )
+            inner = self._seq2seq_why(shapes) if self.facts.encoder_decoder else self._lm_why(shapes)
+            return (
+                f"merged decoder, {flag}={value}: the cache branch (every later step, decoder_with_past's "
+                f"graph); {inner}"
+            )
         if self.facts.encoder_decoder:
             return self._seq2seq_why(shapes)
         if not self.facts.causal_lm:
             return None
+        return self._lm_why(shapes)
+
+    def _lm_why(self, shapes: Mapping[str, tuple[int, ...]]) -> str:
         batch = next((s[0] for n, s in shapes.items() if self._role(n).role == "token_ids" and s), 1)
         seq = next((s[-1] for n, s in shapes.items() if self._role(n).role == "token_ids" and s), 0)
         past = self._past_length(shapes)
@@ -403,7 +488,7 @@ class InputSynthesis:
     def feeds_for_sizes(self, sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Feeds with the symbolic dims in ``sizes`` bound (a trace call of ``shape_profile``); the dims it
         does not name (a mask over past + new tokens, audio samples) follow from them."""
-        return self.feeds(self.bind(0, GUESSES[0], preset=sizes), rng)
+        return self.feeds(self.bind(0, GUESSES[0], preset=sizes, cache=True), rng, cache=True)
 
     def feeds_at(self, batch: int, sequence: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Feeds with every batch-like dim at ``batch`` and every sequence-like one (and a past) at

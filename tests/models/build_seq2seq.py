@@ -37,8 +37,22 @@ generation chained through the three ONNX files (encoder, decoder for the start 
 decoder_with_past on the returned presents for 5 more tokens) gives, at every step, the logits of the torch
 model run on the whole generated sequence without a cache.
 
-torch and transformers are imported only inside the build functions: ``seq2seq_feeds`` and
-``greedy_chain`` need only numpy and onnxruntime, so tests import this module without them.
+``decoder_model_merged.onnx`` (the fourth file Optimum writes, the one transformers.js and onnxruntime-genai
+    load) is merged from the two decoder files as Optimum's ``merge_decoders`` does (optimum is not installable
+    here; ``merge_decoders`` below re-implements optimum/onnx/graph_transformations.py): every input of both
+    files plus ``use_cache_branch`` (bool [1]); one ``If`` on it whose then-branch is decoder_with_past and
+    else-branch the decoder; the weights (rank > 1, or rank 1 and not int32/int64) deduplicated across the
+    two into the outer graph as ``<name>_merged_<n>``, read by both branches from the outer scope, scalars and
+    1-D ints kept in each branch; the with-past branch's missing ``present.N.encoder.*`` are empty
+    constants (``[0, heads, 1, head_dim]``: the callers keep the first step's cross cache); the outputs
+    declared with the decoder's shapes. The no-cache branch is fed a dummy past of length 1 (Optimum's ORT
+    runtime; transformers.js feeds 0), which it never reads. Checked in the build: each branch gives the
+    outputs of its separate file (``verify_merged``). ``--merge-only`` merges the committed files without
+    torch.
+
+torch and transformers are imported only inside the build functions: ``seq2seq_feeds``, ``merged_feeds``,
+``merge_decoders`` and ``greedy_chain`` need only numpy, onnx and onnxruntime, so tests import this module
+without them.
 """
 
 from __future__ import annotations
@@ -63,6 +77,9 @@ OUT = HERE / "seq2seq"
 OPSET = 18
 ATOL = 1e-4
 KINDS = ("encoder", "decoder", "decoder_with_past")
+MERGED = "decoder_model_merged.onnx"
+USE_CACHE = "use_cache_branch"
+NO_CACHE_PAST = 1  # the dummy past Optimum's ORT runtime feeds the no-cache branch (it is never read)
 EXPORTERS = ("ts", "dynamo")
 EXPORT = {"batch": 2, "dec": 3, "past": 4, "enc": 5}
 GREEDY_STEPS = 6
@@ -242,6 +259,206 @@ def greedy_chain(
         out = run("decoder_with_past", feeds)
         logits.append(out["logits"][:, -1])
     return tokens, np.stack(logits, axis=1)
+
+
+def merged_input_names(arch: Arch) -> list[str]:
+    """The merged file's inputs: the decoder's, then the ones only decoder_with_past has, then the flag."""
+    first = input_names(arch, "decoder")
+    return [*first, *(n for n in input_names(arch, "decoder_with_past") if n not in first), USE_CACHE]
+
+
+def merged_feeds(
+    arch: Arch, use_cache: bool, batch: int, *, dec: int = 1, past: int = 0, enc: int = 7, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Feeds for one call of the merged file, as Optimum's runtime makes them: the cache branch gets the real
+    caches (``past`` long, the cross cache ``enc`` long) beside the encoder states it ignores; the no-cache
+    branch gets dummy caches ``NO_CACHE_PAST`` long that it ignores."""
+    feeds = seq2seq_feeds(arch, "decoder", batch, dec=dec, enc=enc, seed=seed)
+    dummy = NO_CACHE_PAST
+    with_past = seq2seq_feeds(arch, "decoder_with_past", batch, dec=dec, past=past if use_cache else dummy,
+                              enc=enc if use_cache else dummy, seed=seed + 1)  # fmt: skip
+    for name, value in with_past.items():
+        feeds.setdefault(name, value)
+    if use_cache:
+        feeds["input_ids"] = with_past["input_ids"]
+    feeds[USE_CACHE] = np.array([use_cache])
+    return {k: feeds[k] for k in merged_input_names(arch)}
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | str]:
+    return [d.dim_param if d.dim_param else int(d.dim_value) for d in value.type.tensor_type.shape.dim]
+
+
+def _unify_outputs(decoder: onnx.ModelProto, with_past: onnx.ModelProto) -> None:
+    """decoder_with_past's outputs become the decoder's, in its order and with its declared shapes; an output
+    it lacks (a cross-attention present) becomes an empty constant: the first dynamic axis 0, the later
+    ones 1 (Optimum's ``_unify_onnx_outputs`` with ``strict=False``)."""
+    have = {o.name: o for o in with_past.graph.output}
+    outputs = []
+    for out in decoder.graph.output:
+        if out.name not in have:
+            dims, first = [], True
+            for d in _dims(out):
+                dims.append(d if isinstance(d, int) else (0 if first else 1))
+                first = first and isinstance(d, int)
+            empty = onnx.helper.make_tensor("const_tensor", out.type.tensor_type.elem_type, dims, vals=[])
+            with_past.graph.node.append(
+                onnx.helper.make_node("Constant", [], [out.name], name=f"Constant_{len(with_past.graph.node) + 1}",
+                                      value=empty)
+            )  # fmt: skip
+        elif have[out.name].type.tensor_type.elem_type != out.type.tensor_type.elem_type:
+            raise ValueError(f"{out.name}: the two decoders disagree on its type")
+        outputs.append(onnx.helper.make_tensor_value_info(out.name, out.type.tensor_type.elem_type, _dims(out)))
+    if set(have) - {o.name for o in decoder.graph.output}:
+        raise ValueError("decoder_with_past has outputs the decoder lacks")
+    del with_past.graph.output[:]
+    with_past.graph.output.extend(outputs)
+
+
+def _shared(init: onnx.TensorProto) -> bool:
+    """Whether Optimum moves an initializer to the outer graph: weights yes, scalars and 1-D ints (shapes,
+    axes) stay in their branch."""
+    return len(init.dims) > 1 or (len(init.dims) == 1 and init.data_type not in (onnx.TensorProto.INT32,
+                                                                                  onnx.TensorProto.INT64))  # fmt: skip
+
+
+def _dedupe_initializers(models: Sequence[onnx.ModelProto], suffix: str) -> list[onnx.TensorProto]:
+    """The weights of ``models`` as one list for the outer graph, equal ones (same type, dims and bytes) once,
+    named ``<one of their names>_<suffix>_<n>``; the nodes reading them are renamed and the moved
+    initializers leave their graphs (Optimum's ``_deduplicated_cross_model_initializers``)."""
+    groups: dict[tuple[int, tuple[int, ...], str], list[tuple[int, str]]] = {}
+    for i, model in enumerate(models):
+        for init in model.graph.initializer:
+            if _shared(init):
+                digest = hashlib.sha512(onnx.numpy_helper.to_array(init).tobytes()).hexdigest()
+                groups.setdefault((init.data_type, tuple(init.dims), digest), []).append((i, init.name))
+    rename: dict[tuple[int, str], str] = {}
+    used: dict[str, int] = {}
+    for members in groups.values():
+        common = members[0][1]
+        used[common] = used.get(common, -1) + 1
+        for member in members:
+            rename[member] = f"{common}_{suffix}_{used[common]}"
+    outer: dict[str, onnx.TensorProto] = {}
+    for i, model in enumerate(models):
+        for node in model.graph.node:
+            for j, name in enumerate(node.input):
+                node.input[j] = rename.get((i, name), name)
+        keep = []
+        for init in model.graph.initializer:
+            new = rename.get((i, init.name))
+            if new is None:
+                keep.append(init)
+            elif new not in outer:
+                init.name = new
+                outer[new] = init
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+    return list(outer.values())
+
+
+def merge_decoders(decoder: onnx.ModelProto, with_past: onnx.ModelProto, graph_name: str = "merged") -> onnx.ModelProto:
+    """decoder_model.onnx + decoder_with_past_model.onnx -> decoder_model_merged.onnx (module docstring);
+    the arguments are copied, not changed."""
+    decoder, with_past = (
+        onnx.ModelProto.FromString(decoder.SerializeToString()),
+        onnx.ModelProto.FromString(with_past.SerializeToString()),
+    )
+    _unify_outputs(decoder, with_past)
+    inputs, seen = [], set()
+    for model in (decoder, with_past):
+        for value in model.graph.input:
+            if value.name not in seen:
+                seen.add(value.name)
+                inputs.append(value)
+    outer = _dedupe_initializers([decoder, with_past], graph_name)
+    no_past = onnx.helper.make_graph(
+        list(decoder.graph.node), "no_past", [], list(decoder.graph.output), list(decoder.graph.initializer)
+    )
+    past = onnx.helper.make_graph(
+        list(with_past.graph.node), "with_past", [], list(with_past.graph.output), list(with_past.graph.initializer)
+    )
+    flag = onnx.helper.make_tensor_value_info(USE_CACHE, onnx.TensorProto.BOOL, [1])
+    node = onnx.helper.make_node(
+        "If", [USE_CACHE], [o.name for o in no_past.output], name="optimum::if", then_branch=past, else_branch=no_past
+    )
+    graph = onnx.helper.make_graph([node], graph_name, [*inputs, flag], list(no_past.output), outer)
+    opsets: dict[str, int] = {}
+    for model in (decoder, with_past):
+        for opset in model.opset_import:
+            opsets[opset.domain] = max(opsets.get(opset.domain, 0), opset.version)
+    merged = onnx.helper.make_model(
+        graph, producer_name="optimum-onnx", opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()]
+    )
+    merged.ir_version = max(decoder.ir_version, with_past.ir_version)
+    onnx.checker.check_model(merged)
+    return merged
+
+
+# (batch, decoder tokens, self past, encoder length) for the cache branch; the no-cache branch runs the
+# decoder's CHECKS.
+MERGED_CHECKS = ((3, 1, 6, 7), (1, 2, 9, 11), (2, 1, 0, 6))
+
+
+def verify_merged(arch: Arch, where: Path) -> float:
+    """Each branch of the merged file against its separate file in ONNX Runtime (exact up to ATOL): the
+    no-cache branch against decoder_model.onnx, the cache branch against decoder_with_past_model.onnx, whose
+    missing cross presents must come out empty."""
+    import onnxruntime as ort
+
+    def session(path: Path) -> Any:
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    merged = session(where / MERGED)
+    names = [o.name for o in merged.get_outputs()]
+    worst = 0.0
+    cases = [(False, c) for c in CHECKS["decoder"]] + [(True, c) for c in MERGED_CHECKS]
+    for seed, (use_cache, (batch, dec, past, enc)) in enumerate(cases, start=1):
+        kind = "decoder_with_past" if use_cache else "decoder"
+        feeds = merged_feeds(arch, use_cache, batch, dec=dec, past=past, enc=enc, seed=seed)
+        got = dict(zip(names, merged.run(names, feeds), strict=True))
+        alone = session(where / filename(kind))
+        want_names = [o.name for o in alone.get_outputs()]
+        want = alone.run(want_names, {k: feeds[k] for k in input_names(arch, kind)})
+        for name, value in zip(want_names, want, strict=True):
+            np.testing.assert_allclose(got[name], value, atol=ATOL, rtol=0, err_msg=f"{arch.name} merged {name}")
+            worst = max(worst, float(np.max(np.abs(got[name] - value))) if value.size else 0.0)
+        for name in set(names) - set(want_names):
+            if got[name].size:
+                raise AssertionError(f"{arch.name} merged: {name} should be empty on the cache branch")
+    return worst
+
+
+def build_merged(arch: Arch, exporter: str, out: Path) -> dict[str, Any]:
+    """decoder_model_merged.onnx beside one export's decoder files, verified (``verify_merged``)."""
+    where = out / folder(arch.name, exporter)
+    decoder = onnx.load(str(where / filename("decoder")))
+    with_past = onnx.load(str(where / filename("decoder_with_past")))
+    merged = merge_decoders(decoder, with_past)
+    for prop in decoder.metadata_props:
+        merged.metadata_props.add(key=prop.key, value=prop.value)
+    path = where / MERGED
+    onnx.save(merged, str(path))
+    try:
+        worst = verify_merged(arch, where)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    rel = f"{folder(arch.name, exporter)}/{MERGED}"
+    branches = {g.name: len(g.node) for a in merged.graph.node[0].attribute for g in [a.g]}
+    print(f"wrote {rel}: {path.stat().st_size / 1e3:.0f} KB, branches {branches}, "
+          f"max |merged - separate| {worst:.1e}", flush=True)  # fmt: skip
+    return {
+        "file": rel,
+        "arch": arch.name,
+        "exporter": exporter,
+        "kind": "decoder_merged",
+        "bytes": path.stat().st_size,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "branch_nodes": branches,
+        "outer_initializers": len(merged.graph.initializer),
+        "max_abs_diff_vs_separate": float(f"{worst:.3g}"),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- torch
@@ -533,6 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=sorted(ARCHS), help="repeatable; default: all")
     parser.add_argument("--size", choices=("tiny", "bench"), default="tiny", help=f"bench: into {BENCH_OUT}")
     parser.add_argument("--exporter", action="append", choices=EXPORTERS, help="repeatable; default: both")
+    parser.add_argument("--merge-only", action="store_true", help=f"only (re)build {MERGED} from the files there")
     args = parser.parse_args(argv)
     archs = ARCHS if args.size == "tiny" else BENCH
     if args.size == "bench" and args.out == OUT:
@@ -543,20 +761,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest_path = args.out / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"files": []}
     entries: list[dict[str, Any]] = []
+    merged: list[dict[str, Any]] = []
     for name in args.only or list(ARCHS):
-        entries += build_arch(archs[name], args.out, args.exporter or EXPORTERS)
-    rebuilt = {e["file"] for e in entries}
+        for exporter in args.exporter or EXPORTERS:
+            if not args.merge_only:
+                built = build_arch(archs[name], args.out, [exporter])
+                entries += built
+                if any("error" in e for e in built):
+                    continue
+            merged.append(build_merged(archs[name], exporter, args.out))
+    rebuilt = {e["file"] for e in entries + merged}
     manifest = {
-        "versions": versions(),
+        "versions": manifest.get("versions", versions()) if args.merge_only else versions(),
         "archs": {n: asdict(a) for n, a in archs.items()},
         "files": sorted(
             [*(e for e in manifest["files"] if e["file"] not in rebuilt), *entries], key=lambda e: e["file"]
+        ),
+        # Kept apart from ``files`` (the three files of Optimum's export): merged from two of them.
+        "merged": sorted(
+            [*(e for e in manifest.get("merged", []) if e["file"] not in rebuilt), *merged], key=lambda e: e["file"]
         ),
         "exporters": {"ts": "torch.onnx.export(dynamo=False)", "dynamo": "torch.onnx.export(dynamo=True)"},
     }
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     failed = [e for e in entries if "error" in e]
-    print(f"{len(entries) - len(failed)} files verified, {len(failed)} exports failed -> {args.out}")
+    print(
+        f"{len(entries) - len(failed)} files verified, {len(failed)} exports failed, {len(merged)} merged -> {args.out}"
+    )
     return 0
 
 
