@@ -47,6 +47,10 @@ declaration                           default     what the engine does with it
                                                   this and every later stage compares those positions only
 ``PassResult.verify_with_side_file``  None        a suffix in ``adds_files``: verification of this and every later
                                                   stage loads that side file into the session (an adapter)
+``PassResult.verify_inputs``          {}          set name -> feeds the job's own input sets do not reach and the
+                                                  rewrite depends on (fuse_gqa: a cache at a sliding window's edge);
+                                                  the engine runs the original on them and verifies this and every
+                                                  later stage on them too (a set the original refuses is dropped)
 ``PassResult.inputs_changed``         None        ``changes_inputs`` passes: an ``InputChange`` saying how the pass
                                                   verified itself; the engine accepts the stage on it, then
                                                   verifies and times later passes against this stage on its
@@ -125,6 +129,8 @@ class PassResult:
     # A suffix from the pass's ``adds_files`` whose file verification must load (extract_adapters' adapter).
     verify_with_side_file: str | None = None
     inputs_changed: InputChange | None = None  # only from a pass that declares ``changes_inputs``
+    # More verification input sets, by name, each feeds by graph-input name (module docstring).
+    verify_inputs: dict[str, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 class Measure(Protocol):

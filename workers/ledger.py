@@ -233,6 +233,7 @@ class Ledger:
         if not result.modified:
             record.status, record.reason = "no_change", why_nothing(result.non_matches)
             return
+        self._verify_also(result, record, timing)
         with timed(timing, "write_s"):
             after_print = fingerprint(result.model)
         if after_print == before_print:
@@ -350,6 +351,20 @@ class Ledger:
             self.setup.pool.retain([*self._references(), self._accepted])
         return False
 
+    def _verify_also(self, result: PassResult, record: PassRecord, timing: PassTiming) -> None:
+        """A pass's ``verify_inputs`` join the sets this stage and every later one is verified on (the
+        reference's outputs on them are computed once, here); the ones the original refuses are noted."""
+        if not result.verify_inputs:
+            return
+        sets = [
+            InputSet(name, feeds, {"source": "pass", "pass": record.name})
+            for name, feeds in result.verify_inputs.items()
+        ]
+        with timed(timing, "verify_s"):
+            refused = self.verifier.add_sets(sets)
+        if refused:
+            record.notes["verify_inputs_refused_by_the_original"] = refused
+
     def _call(self, p: Pass, model: Any) -> PassResult:
         """Run ``p``; a changes_inputs pass verifies itself on the raw samples (the user's, else its own)."""
         if not p.changes_inputs:
@@ -398,6 +413,7 @@ class Ledger:
         if not result.modified:
             record.status, record.reason = "no_change", why_nothing(result.non_matches)
             return None  # whatever it touched is discarded: the next pass reloads the accepted stage
+        self._verify_also(result, record, timing)
         record.nodes_after = sum(after.values())
         record.op_histogram_delta = histogram_delta(before, after)
         path = work / f"stage-{index:03d}.onnx"

@@ -227,9 +227,28 @@ class Verifier:
                 code="INVALID_MODEL",
             ) from exc
         self.output_names = [o.name for o in session.get_outputs()]
+        self.refused: dict[str, str] = {}  # add_sets' sets the original refused, name -> error
         self.reference: list[list[np.ndarray]] = []
         for input_set in self.input_sets:
             self.reference.append(_run_original(session, input_set))
+
+    def add_sets(self, input_sets: Sequence[InputSet]) -> dict[str, str]:
+        """Verify every later candidate on ``input_sets`` too (a pass's ``PassResult.verify_inputs``), the
+        original's outputs computed now; a set held already (by name) is skipped. Returns the sets the original
+        refused, name -> its error: they are dropped, since the upload defines no output there."""
+        held = {s.name for s in self.input_sets}
+        new = [s for s in input_sets if s.name not in held and s.name not in self.refused]
+        if new:
+            session = make_session(self.original_path, target=self.target, intra_op_threads=self.intra_op_threads)
+        for input_set in new:
+            try:
+                outputs = session.run(None, input_set.feeds)
+            except Exception as exc:
+                self.refused[input_set.name] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            self.input_sets.append(input_set)
+            self.reference.append(outputs)
+        return {s.name: self.refused[s.name] for s in input_sets if s.name in self.refused}
 
     def check(
         self,

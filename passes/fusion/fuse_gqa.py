@@ -34,7 +34,9 @@ the output projection (8 Reshapes per layer and their shape arithmetic fewer per
 A sliding window (Mistral) becomes ``local_window_size``; the export's crop of the past to the window before
 attention (``past[:, :, -(W - 1):]``) is then redundant and dropped, GQA reading the cache input itself
 (``_gqa_rewrite.rewrite_gqa`` says why that is exact); its crop of the present stays: the graph's outputs are
-defined cropped.
+defined cropped. The job's own input sets keep the cache below the window, so the pass hands the engine sets
+at its edge (``PassResult.verify_inputs``: one token after a cache of W - 1 and of W, two rows, a short prompt
+across it; up to ``window_edge_up_to`` positions), on which this and every later stage is verified too.
 
 Rotary inside GQA (``do_rotary=1`` on the packed QKV projection, as the model builder emits) is not done:
 the graphs take ``position_ids`` as an input, and ORT 1.32's CPU GroupQueryAttention ignores its
@@ -95,6 +97,14 @@ class FuseGqaOptions(PassOptions):
         ge=64,
         description="Longest cache (positions) at which the mask is run to find a sliding window; a window wider "
         "than this is not detected.",
+    )
+    window_edge_up_to: int = Field(
+        8192,
+        ge=0,
+        description="With a sliding window of W keys, the job also verifies this and every later pass at the "
+        "window's edge (one token after a cache of W - 1 and of W, two rows of one token, a short prompt across "
+        "it) when the longest of them spans at most this many positions (W + 1); a wider window's edge is not "
+        "verified (the notes say so).",
     )
 
 
@@ -166,6 +176,8 @@ class FuseGqa(Pass[FuseGqaOptions]):
              "cache": s.k_past is not None}
             for s, (h, kv, d), op, _ in plans
         ]  # fmt: skip
+        windows = {k.window for _, _, _, k in plans if k.window is not None}
+        edge, notes["window_edge"] = self._window_edge(feeder, max(windows, default=None))
         counts = {
             "fused_gqa": sum(op == "gqa" for _, _, op, _ in plans),
             "fused_mha": sum(op == "mha" for _, _, op, _ in plans),
@@ -173,7 +185,29 @@ class FuseGqa(Pass[FuseGqaOptions]):
             "head_reshapes_folded": folded,
             "past_crops_dropped": crops_dropped,
         }
-        return PassResult(model, True, counts, declined, notes)
+        return PassResult(model, True, counts, declined, notes, verify_inputs=edge)
+
+    def _window_edge(self, feeder: Feeder, window: int | None) -> tuple[dict[str, dict[str, np.ndarray]], str | None]:
+        """Input sets at the edge of a sliding window of ``window`` keys, where GQA's ``local_window_size``
+        takes over from the export's mask and its crops of the cache (a present one position too long went
+        unseen once: the job's own sets stay below the window), and what the notes say about them."""
+        if window is None:
+            return {}, None
+        longest, limit = window + (1 if feeder.has_past else 2), self.options.window_edge_up_to
+        if longest > limit:
+            return (
+                {},
+                f"not verified: the window of {window} keys needs {longest} positions > window_edge_up_to={limit}",
+            )
+        if not feeder.has_past:  # no cache: one prompt reaching past the window
+            return {f"fuse_gqa window edge: a prompt of {window + 2}": feeder.feeds(1, window + 2, 0)}, "verified"
+        shapes = {
+            f"fuse_gqa window edge: 1 token after a cache of {window - 1}": (1, 1, window - 1),
+            f"fuse_gqa window edge: 1 token after a cache of {window}": (1, 1, window),
+            f"fuse_gqa window edge: 2 rows of 1 token after a cache of {window - 1}": (2, 1, window - 1),
+            f"fuse_gqa window edge: 3 tokens after a cache of {window - 2}": (1, 3, window - 2),
+        }
+        return {name: feeder.feeds(*shape) for name, shape in shapes.items()}, "verified where the upload runs"
 
     def _causal(self, model, feeder: Feeder, site: Site, masks: dict[int, MaskKind | str]) -> MaskKind:
         """The layer's mask kind (causal, its window), probed once per distinct mask value; ProbeError when
