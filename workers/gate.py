@@ -129,7 +129,8 @@ def decide(
         )
         return GateResult(None, decision)
     progress("benchmarking", 0.0)
-    params = full if config.benchmark else quick
+    # The gate decides on Comparison.slower (pooled, or one set clearly slower): its sets stop once that is taken.
+    params = dataclasses.replace(full if config.benchmark else quick, pooled_stop=True)
     if config.preset in TIE_RETURNS_UPLOAD and config.benchmark and ledger.setup.rollback_slower:
         params = dataclasses.replace(params, tie_stop=True)  # on a tie the upload comes back: never slower
     comparison = compare(
