@@ -113,12 +113,20 @@ class Ledger:
         self._pending: list[Member] = []
         self._positions: dict[str, dict[str, Any]] = {}
         self._elsewhere_s = 0.0  # time inside a pass's turn spent settling the group before it
+        # Each applied stage's verification and what it was verified against (``_verified_as``): the artifact
+        # is that stage stamped with provenance metadata, which ORT never reads, so finalize reuses it.
+        self._stage_checks: dict[Path, tuple[VerificationResult, tuple[Any, ...]]] = {}
         self.ctx = PassContext(
             target=setup.target,  # type: ignore[arg-type]
             samples=[s.feeds for s in setup.input_sets],
             constant_fold_max_bytes=setup.constant_fold_max_bytes,
             measure=BenchmarkMeasure(target=setup.target, intra_op_threads=setup.intra_op_threads),
         )
+
+    def _verified_as(self, positions: dict[str, dict[str, Any]], side_file: str | None) -> tuple[Any, ...]:
+        """What a verification result depends on besides the graph: the reference (the verifier and how many
+        input sets it holds, as a pass may add some), the positions compared and the side file loaded."""
+        return (id(self.verifier), len(self.verifier.input_sets), repr(sorted(positions.items())), side_file)
 
     def fill_baseline(self, p50: float) -> None:
         """The upload's latency, timed after the passes ran (``Setup.baseline_p50`` None): the "before" of the
@@ -327,6 +335,8 @@ class Ledger:
             for m in pending:
                 m.record.status, m.record.reason = "applied", reason
             self.valid_positions = positions
+            if verification is not None:
+                self._stage_checks[path] = (verification, self._verified_as(positions, self.verify_side_file))
             self.left_to_gate = [] if comparison is not None else names
             p50 = comparison.p50_b_ms if comparison is not None else None
             self._accept([(m.index, m.p) for m in pending], path, p50, self._model)
@@ -466,6 +476,7 @@ class Ledger:
         record.status = "applied"
         self.valid_positions = positions
         self.side_files, self.verify_side_file = side, verify_side_file
+        self._stage_checks[path] = (verification, self._verified_as(positions, verify_side_file))
         if lost:  # a may_freeze_axes pass, as asked: the axes it froze are no longer expected to be dynamic
             self.dynamic_axes = artifacts.dynamic_axes(path)
         record.reason = applied_reason(comparison, [p.name])
@@ -559,7 +570,13 @@ class Ledger:
         model = self._model if self._model is not None and accepted == self._accepted else artifacts.load_ir(accepted)
         self._model = None  # stamped below: no longer the accepted stage
         artifact = artifacts.write_stamped(model, self.kept_passes, provenance, work / "artifact.onnx", self.side_files)
-        verification = self.check(artifact)
+        # The artifact is the accepted stage plus provenance metadata (artifacts.stamp), which ORT does not read:
+        # the stage's verification against the same reference, sets, positions and side file is the artifact's.
+        known = self._stage_checks.get(accepted)
+        if known is not None and known[1] == self._verified_as(self.valid_positions, self.verify_side_file):
+            verification = known[0]
+        else:
+            verification = self.check(artifact)
         bisection: dict[str, Any] | None = None
         while not verification.ok and self.kept:
             # Each stage passed on its own, so this is an interaction (or the stamped artifact differs).
