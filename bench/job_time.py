@@ -1,6 +1,7 @@
 """Wall time of a ``fast`` job against its peer: ORT's transformers optimizer plus one benchmark of the original.
 
-Run ``python -m bench.job_time [--model bert_mlm_loss corpus:bert/dynamo ...] [--before REV] [--no-write]``.
+Run ``python -m bench.job_time [--model bert_mlm_loss corpus:bert/dynamo ...] [--before REV] [--after REV]
+[--rounds N] [--no-write]``.
 
 Issue 17 asks that a ``fast`` job take at most 3x the time of ORT's transformers optimizer plus one benchmark
 of the original. Each side runs as a fresh process, as a user would run it, on each bench-size model: a bench
@@ -17,7 +18,13 @@ job (after)    ``python -m onnxforge.cli optimize MODEL -o OUT --preset fast --r
                checkout, with the default pipeline settings
 job (before)   with ``--before REV``: the same command from revision REV's tree (``git archive``, extracted
                into a temporary directory; the repository itself is only read), in the same run
+job (after)    with ``--after REV``: revision REV's tree in place of the checkout, so that a before/after
+               compares two commits and not other engineers' uncommitted work in a shared checkout
 =============  ==========================================================================================
+
+``--rounds N`` times the peer and each job N times per model, the jobs' order reversed every other round so that
+the host's drift hits both; the table shows the median round of each, and a line below it every round's wall
+time and ratio to that round's peer.
 
 The figures depend on the machine's load: the load average is read before and after and printed beside
 them. The report's ``timings`` of each job give the stage breakdown. Written into bench/README.md between
@@ -220,7 +227,35 @@ def _speedup(job: dict[str, Any]) -> str:
     return "untimed" if job["speedup"] is None else f"{job['speedup']:.3f}"
 
 
-def render_model(model: Subject, *, peer: dict[str, Any], jobs: dict[str, dict[str, Any]]) -> str:
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of several rounds, the one of median wall time (its breakdown with it); a failed round if any failed."""
+    failed = [r for r in runs if "failed" in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r["wall_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _rounds_line(peers: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> str:
+    """Each round's wall time per job and its ratio to that round's peer."""
+    parts = []
+    for label, done in runs.items():
+        cells = [
+            "failed" if "failed" in job else f"{job['wall_s']:.1f} s ({job['wall_s'] / peer['wall_s']:.2f}x)"
+            for peer, job in zip(peers, done, strict=True)
+        ]
+        parts.append(f"{label}: {', '.join(cells)}")
+    peer_s = ", ".join(f"{p['wall_s']:.1f}" for p in peers)
+    return f"Rounds (the median round above): peer {peer_s} s; " + "; ".join(parts) + "."
+
+
+def render_model(
+    model: Subject,
+    *,
+    peer: dict[str, Any],
+    jobs: dict[str, dict[str, Any]],
+    rounds: tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]] | None = None,
+) -> str:
     budget = peer["wall_s"]
     shape = " x ".join("x".join(map(str, v.shape)) for v in model.feeds.values())
     optimizer = f"ORT transformers optimizer ({model.model_type})" if model.model_type else "no ORT model type"
@@ -249,6 +284,7 @@ def render_model(model: Subject, *, peer: dict[str, Any], jobs: dict[str, dict[s
             "| what | wall s | / peer | breakdown |",
             "|---|---|---|---|",
             *rows,
+            *(["", _rounds_line(*rounds)] if rounds is not None else []),
         ]
     )
 
@@ -314,6 +350,19 @@ def main(argv: list[str] | None = None) -> int:
         help="bench models (bench/models.py) or corpus:ARCH/EXPORTER (tests/models/corpus.py, bench size)",
     )
     parser.add_argument("--before", metavar="REV", help="also time the job of this git revision (before figures)")
+    parser.add_argument(
+        "--after",
+        metavar="REV",
+        help="time this git revision's job as the after figures instead of the working tree (which holds other "
+        "engineers' uncommitted changes on a shared checkout)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the peer and each job this many times per model, the jobs' order alternating round by round; "
+        "the table shows medians, and each round's ratio below it",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table, leave bench/README.md alone")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="copy each job's report.json here")
     args = parser.parse_args(argv)
@@ -324,32 +373,42 @@ def main(argv: list[str] | None = None) -> int:
     summary: list[str] = []
     with tempfile.TemporaryDirectory(prefix="job-time-") as tmp:
         root = Path(tmp)
-        tree = extract(args.before, root / "before") if args.before else None
+        trees: dict[str, Path] = {}
+        if args.before:
+            trees[f"before (`{args.before}`)"] = extract(args.before, root / "before")
+        after = f"after (`{args.after}`)" if args.after else "after (this checkout)"
+        trees[after] = extract(args.after, root / "after") if args.after else REPO
         for n, model in enumerate(models):
-            work = root / f"m{n}"
-            work.mkdir()
-            print(f"load {_load()}; {model.name}: peer ...", flush=True)
-            peer = run_peer(model, work)
-            jobs: dict[str, dict[str, Any]] = {}
-            if tree is not None:
-                print(f"load {_load()}; {model.name}: job at {args.before} ...", flush=True)
-                jobs[f"before (`{args.before}`)"] = run_job(model.path, work / "out-before", tree)
-            print(f"load {_load()}; {model.name}: job at this checkout ...", flush=True)
-            try:
-                jobs["after (this checkout)"] = run_job(model.path, work / "out-after", REPO)
-            except RuntimeError as exc:  # one failed job is a row of the table, not the end of a long run
-                jobs["after (this checkout)"] = {"failed": str(exc)}
-            sections.append(render_model(model, peer=peer, jobs=jobs))
-            summary.append(_summary_row(model, peer, jobs["after (this checkout)"]))
+            peers: list[dict[str, Any]] = []
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+            for round_ in range(args.rounds):
+                work = root / f"m{n}-r{round_}"
+                work.mkdir()
+                print(f"load {_load()}; {model.name}: peer ...", flush=True)
+                peers.append(run_peer(model, work))
+                order = list(trees) if round_ % 2 == 0 else list(reversed(trees))  # alternate: drift hits both
+                for label in order:
+                    print(f"load {_load()}; {model.name}: job {label} ...", flush=True)
+                    slug = label.split(" ")[0]
+                    try:
+                        runs[label].append(run_job(model.path, work / f"out-{slug}", trees[label]))
+                    except RuntimeError as exc:  # one failed job is a row of the table, not the end of a long run
+                        runs[label].append({"failed": str(exc)})
+                if args.keep:
+                    args.keep.mkdir(parents=True, exist_ok=True)
+                    name = model.name.replace(":", "_").replace("/", "_")
+                    suffix = f".r{round_}" if args.rounds > 1 else ""
+                    for out in work.glob("out-*"):
+                        if not (out / "report.json").exists():  # a failed job may have written none
+                            continue
+                        target = args.keep / f"{name}.{out.name.removeprefix('out-')}{suffix}.report.json"
+                        shutil.copyfile(out / "report.json", target)
+            peer, jobs = _median_run(peers), {label: _median_run(done) for label, done in runs.items()}
+            sections.append(
+                render_model(model, peer=peer, jobs=jobs, rounds=(peers, runs) if args.rounds > 1 else None)
+            )
+            summary.append(_summary_row(model, peer, jobs[after]))
             print(sections[-1], flush=True)
-            if args.keep:
-                args.keep.mkdir(parents=True, exist_ok=True)
-                slug = model.name.replace(":", "_").replace("/", "_")
-                for out in work.glob("out-*"):
-                    if not (out / "report.json").exists():  # a failed job may have written none
-                        continue
-                    target = args.keep / f"{slug}.{out.name.removeprefix('out-')}.report.json"
-                    shutil.copyfile(out / "report.json", target)
         loads.append(_load())
     text = render(sections, loads=loads, cmd=cmd.strip(), summary=summary)
     print(text)
