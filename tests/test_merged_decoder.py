@@ -7,7 +7,7 @@ graph), each branch giving its separate file's outputs. The roles: the flag read
 condition, the branch reading the cache), whatever its name; the rest as in the separate files, read through
 the branches. The generated sets: both branches, the no-cache one on dummy caches as Optimum's runtime feeds
 it, the cache one on a growing cache, each set saying which branch it runs. The pipeline: a no-sample
-``fast`` job per exporter succeeds, verified exactly on both branches. No torch."""
+``fast`` job per exporter succeeds, fused inside both branches, verified exactly on both. No torch."""
 
 from __future__ import annotations
 
@@ -222,6 +222,13 @@ def test_fast_job_on_a_merged_decoder_is_exact_on_both_branches_when_no_samples(
     names = [s["name"] for s in report["input_sets"]]
     assert any("the no-cache branch" in n for n in names) and any("the cache branch" in n for n in names)
     assert all(s["inputs"]["source"] == "generated" for s in report["input_sets"])
+    # fused inside both branches (passes._subgraphs), the outer graph still Optimum's one If
+    fused = next(p for p in report["passes"] if p["name"] == "fuse_transformer")
+    assert fused["status"] == "applied", fused
+    proto = onnx.load(str(artifact))
+    (node,) = proto.graph.node
+    for attr in node.attribute:
+        assert any(n.op_type == "MultiHeadAttention" for n in attr.g.node), attr.g.name
     # exact on both branches at shapes the job never generated
     want_sess, got_sess = reference_session(source), reference_session(artifact)
     for use_cache, (batch, dec, past, enc) in ((False, (3, 2, 0, 10)), (True, (3, 1, 5, 10))):

@@ -36,6 +36,7 @@ from pydantic import Field
 
 from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._subgraphs import in_branches
 
 _INLINE_LIMIT_BYTES = 1024
 
@@ -123,6 +124,10 @@ class ShapeInference(Pass[ShapeInferenceOptions]):
     in_place = True
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        # A merged decoder: inferred inside its If, a branch's shapes meet the outer outputs Optimum declared
+        # for the other branch, and the values propagated from them are wrong (a cross-attention length of 4).
+        if (branches := in_branches(self, model, ctx)) is not None:
+            return branches
         options = self.options
         try:
             with _without_large_initializers(model.graph):

@@ -77,6 +77,7 @@ from pydantic import Field
 
 from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._subgraphs import in_branches
 from passes.fusion import _fusion_families as fam
 from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
@@ -133,6 +134,8 @@ class FuseTransformer(Pass):
     Options = FuseTransformerOptions
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: fuse inside its If
+            return branches
         opts: FuseTransformerOptions = self.options  # type: ignore[assignment]
         proto = ir.serde.serialize_model(model)
         raw = proto.SerializeToString()  # hashed for the cache, and the reference session's model
