@@ -89,7 +89,7 @@ _CENTERS_B = [67.0, 154.0, 211.0]
 _GATE = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
 
 
-@pytest.mark.parametrize("seed", [14, 34])
+@pytest.mark.parametrize("seed", [8, 22, 34])
 def test_time_sets_stops_the_open_sets_once_the_pooled_decision_is_taken_when_pooled_stop(
     clock: _Clock, seed: int
 ) -> None:
@@ -107,6 +107,20 @@ def test_time_sets_stops_the_open_sets_once_the_pooled_decision_is_taken_when_po
     # The decision the gate takes on it is the one it took on every set timed to its own end: not slower.
     assert not _comparison(states, stops, params).slower
     assert not _comparison(plain_states, plain_stops, _GATE).slower
+
+
+def test_time_sets_calls_a_tie_after_the_floor_when_the_turns_show_one_and_tie_stop(clock: _Clock) -> None:
+    # Open at the floor without a tie (a set looked faster there); the turns after it bring the pooled estimate
+    # to a tie, which ends the comparison then instead of at the end of every set's budget.
+    params = dataclasses.replace(_GATE, pooled_stop=True)
+    a, b = _SyntheticRuns(_CENTERS_A, 0.12, 14), _SyntheticRuns(_CENTERS_B, 0.12, 15)
+    states, stops, tied = benchmark._time_sets(a, b, 3, params)  # type: ignore[arg-type]
+    assert tied and benchmark.TIE_STOP in stops and all(stop is not None for stop in stops)
+    assert max(len(s.a_ms) for s in states) > _GATE.min_runs  # called past the floor
+    plain_a, plain_b = _SyntheticRuns(_CENTERS_A, 0.12, 14), _SyntheticRuns(_CENTERS_B, 0.12, 15)
+    plain_states, _, plain_tied = benchmark._time_sets(plain_a, plain_b, 3, _GATE)  # type: ignore[arg-type]
+    assert not plain_tied  # at the floor alone there was no tie
+    assert sum(len(s.a_ms) for s in states) < sum(len(s.a_ms) for s in plain_states)
 
 
 def test_decided_waits_while_an_open_set_may_still_turn_clearly_slower() -> None:
