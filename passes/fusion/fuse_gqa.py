@@ -73,6 +73,7 @@ from passes.fusion import _gqa_rewrite as rewrite
 from passes.fusion._gqa_match import Site, match_sites
 from passes.fusion._gqa_probe import Feeder, MaskKind, ProbeError, measure_shapes, probe_mask
 from passes.fusion._gqa_reshapes import fold_head_reshapes
+from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_positions
 
 LEFT_PADDING = (
     "GQA reads each row's length from seqlens_k = sum(attention_mask) - 1 and assumes right padding: a "
@@ -102,9 +103,9 @@ class FuseGqaOptions(PassOptions):
         8192,
         ge=0,
         description="With a sliding window of W keys, the job also verifies this and every later pass at the "
-        "window's edge (one token after a cache of W - 1 and of W, two rows of one token, a short prompt across "
-        "it) when the longest of them spans at most this many positions (W + 1); a wider window's edge is not "
-        "verified (the notes say so).",
+        "window's edge (one token after a cache of W - 1 and of W, two rows of one token, short prompts up to "
+        "and across it), each set spanning at most this many positions (nor more than the model's "
+        "max_position_embeddings metadata, else 4096, fuse_rotary's table); the notes name the sets left out.",
     )
 
 
@@ -177,7 +178,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             for s, (h, kv, d), op, _ in plans
         ]  # fmt: skip
         windows = {k.window for _, _, _, k in plans if k.window is not None}
-        edge, notes["window_edge"] = self._window_edge(feeder, max(windows, default=None))
+        edge, notes["window_edge"] = self._window_edge(model, feeder, max(windows, default=None))
         counts = {
             "fused_gqa": sum(op == "gqa" for _, _, op, _ in plans),
             "fused_mha": sum(op == "mha" for _, _, op, _ in plans),
@@ -187,27 +188,42 @@ class FuseGqa(Pass[FuseGqaOptions]):
         }
         return PassResult(model, True, counts, declined, notes, verify_inputs=edge)
 
-    def _window_edge(self, feeder: Feeder, window: int | None) -> tuple[dict[str, dict[str, np.ndarray]], str | None]:
+    def _window_edge(
+        self, model: ir.Model, feeder: Feeder, window: int | None
+    ) -> tuple[dict[str, dict[str, np.ndarray]], str | None]:
         """Input sets at the edge of a sliding window of ``window`` keys, where GQA's ``local_window_size``
         takes over from the export's mask and its crops of the cache (a present one position too long went
-        unseen once: the job's own sets stay below the window), and what the notes say about them."""
+        unseen once: the job's own sets stay below the window), and what the notes say about them. No set
+        goes past ``window_edge_up_to`` positions, nor past the model's ``max_position_embeddings`` metadata,
+        else fuse_rotary's table (its RotaryEmbedding refuses a position beyond its rows; a table in the graph
+        bounds them by its own rows)."""
         if window is None:
             return {}, None
-        longest, limit = window + (1 if feeder.has_past else 2), self.options.window_edge_up_to
-        if longest > limit:
-            return (
-                {},
-                f"not verified: the window of {window} keys needs {longest} positions > window_edge_up_to={limit}",
-            )
-        if not feeder.has_past:  # no cache: one prompt reaching past the window
-            return {f"fuse_gqa window edge: a prompt of {window + 2}": feeder.feeds(1, window + 2, 0)}, "verified"
-        shapes = {
-            f"fuse_gqa window edge: 1 token after a cache of {window - 1}": (1, 1, window - 1),
-            f"fuse_gqa window edge: 1 token after a cache of {window}": (1, 1, window),
-            f"fuse_gqa window edge: 2 rows of 1 token after a cache of {window - 1}": (2, 1, window - 1),
-            f"fuse_gqa window edge: 3 tokens after a cache of {window - 2}": (1, 3, window - 2),
+        positions = min(self.options.window_edge_up_to, metadata_max_positions(model) or DEFAULT_MAX_POSITIONS)
+        for node in model.graph:  # a rotary table already in the graph (fuse_rotary ran first) bounds them too
+            if node.op_type == "RotaryEmbedding" and len(node.inputs) > 2 and node.inputs[2] is not None:
+                table = ir.convenience.get_const_tensor(node.inputs[2])
+                positions = min(positions, table.shape[0]) if table is not None else positions
+        if feeder.has_past:
+            cases = {
+                f"1 token after a cache of {window - 1}": (1, 1, window - 1),  # the present's crop cuts one
+                f"2 rows of 1 token after a cache of {window - 1}": (2, 1, window - 1),
+                f"2 tokens after a cache of {window - 2}": (1, 2, window - 2),
+                f"1 token after a cache of {window}": (1, 1, window),  # the window leaves the first key out
+                f"3 tokens after a cache of {window - 2}": (1, 3, window - 2),
+            }
+        else:
+            cases = {f"a prompt of {window + 1}": (1, window + 1, 0)}
+        sets = {
+            f"fuse_gqa window edge: {n}": feeder.feeds(*shape)
+            for n, shape in cases.items()
+            if sum(shape[1:]) <= positions
         }
-        return {name: feeder.feeds(*shape) for name, shape in shapes.items()}, "verified where the upload runs"
+        beyond = [n for n, shape in cases.items() if sum(shape[1:]) > positions]
+        if not beyond:
+            return sets, f"verified at the window of {window} keys where the upload runs"
+        limit = f"{positions} positions (window_edge_up_to, max_position_embeddings or rotary table)"
+        return sets, f"the window of {window} keys: not verified at {', '.join(beyond)}: beyond {limit}"
 
     def _causal(self, model, feeder: Feeder, site: Site, masks: dict[int, MaskKind | str]) -> MaskKind:
         """The layer's mask kind (causal, its window), probed once per distinct mask value; ProbeError when

@@ -57,21 +57,29 @@ def _job(tmp_path, *passes: Pass):
     return {p["name"]: p for p in run_pipeline(request).report["passes"]}
 
 
-def test_fuse_gqa_declares_caches_at_the_window_edge_and_none_when_the_window_is_beyond_its_limit():
+def _shapes(result: PassResult) -> list[tuple[tuple[int, ...], int]]:
+    return sorted((f["input_ids"].shape, f["past_key_values.0.key"].shape[2]) for f in result.verify_inputs.values())
+
+
+def test_fuse_gqa_declares_caches_at_the_window_edge_and_across_it_within_the_positions_it_may_use():
     # setup
-    model, capped = ir.load(OUT / "mistral_past_dynamo.onnx"), ir.load(OUT / "mistral_past_dynamo.onnx")
+    models = [ir.load(OUT / "mistral_past_dynamo.onnx") for _ in range(3)]
     # execute
-    result = FuseGqa()(model)
-    none = FuseGqa({"window_edge_up_to": WINDOW})(capped)  # the edge needs W + 1 positions
-    # assert: a decode step after W - 1 and W, two rows after W - 1, a prompt crossing the window
-    pasts = sorted((f["input_ids"].shape, f["past_key_values.0.key"].shape[2]) for f in result.verify_inputs.values())
-    assert pasts == [((1, 1), WINDOW - 1), ((1, 1), WINDOW), ((1, 3), WINDOW - 2), ((2, 1), WINDOW - 1)]
+    result = FuseGqa()(models[0])
+    edge_only = FuseGqa({"window_edge_up_to": WINDOW})(models[1])  # reaching the edge takes W positions
+    none = FuseGqa({"window_edge_up_to": WINDOW - 1})(models[2])
+    # assert: a decode step after W - 1, two rows, a prompt up to the edge; then across it (after W, 3 tokens)
+    edge = [((1, 1), WINDOW - 1), ((1, 2), WINDOW - 2), ((2, 1), WINDOW - 1)]
+    assert _shapes(result) == sorted([*edge, ((1, 1), WINDOW), ((1, 3), WINDOW - 2)])
     for feeds in result.verify_inputs.values():
         past, new = feeds["past_key_values.0.key"].shape[2], feeds["input_ids"].shape[1]
         assert feeds["attention_mask"].shape[1] == past + new
         np.testing.assert_array_equal(feeds["position_ids"][0], np.arange(past, past + new))
-    assert result.notes["window_edge"] == "verified where the upload runs"
-    assert none.modified and none.verify_inputs == {} and "not verified" in none.notes["window_edge"]
+    assert result.notes["window_edge"] == f"verified at the window of {WINDOW} keys where the upload runs"
+    assert (
+        _shapes(edge_only) == edge and "not verified at 1 token after a cache of 64" in edge_only.notes["window_edge"]
+    )
+    assert none.modified and none.verify_inputs == {}
 
 
 @pytest.mark.parametrize("edge", [True, False])
