@@ -178,3 +178,50 @@ def test_program_digest_differs_when_a_node_fills_an_optional_output_no_one_read
 
     assert program_digest(pool(False)) != program_digest(pool(True))
     assert program_digest(pool(True)) == program_digest(pool(True))
+
+
+def _attention(*, fused: bool) -> onnx.ModelProto:
+    """q, k, v [B, S, 8] -> attention over 2 heads: com.microsoft::MultiHeadAttention, or (unfused) a plain Add
+    standing in for the ONNX ops ORT's CPU session turns into no MultiHeadAttention."""
+    names = ["q", "k", "v"]
+    if fused:
+        node = helper.make_node("MultiHeadAttention", names, ["y"], domain="com.microsoft", num_heads=2)
+        nodes = [node]
+    else:
+        nodes = [helper.make_node("Add", ["q", "k"], ["s"]), helper.make_node("Add", ["s", "v"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", 8]) for n in names],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 8])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def test_same_program_says_differ_without_building_the_artifact_when_it_holds_an_attention_ort_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The artifact holds a MultiHeadAttention that ORT's CPU session neither builds for the reference nor
+    removes: the graphs differ, said from the reference's optimized graph and the artifact as written."""
+    from workers import same_program as module
+
+    upload, fused = tmp_path / "upload.onnx", tmp_path / "fused.onnx"
+    onnx.save(_attention(fused=False), upload)
+    onnx.save(_attention(fused=True), fused)
+    built: list[str] = []
+    real = module.make_session
+
+    def counting(path: Path, *args: object, **kwargs: object) -> object:
+        built.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, "make_session", counting)
+    answer = same_program(upload, fused, target="cpu", intra_op_threads=1)
+    assert answer["same"] is False
+    assert "com.microsoft::MultiHeadAttention" in answer["reason"] and "keeps" in answer["reason"]
+    assert built == ["upload.onnx"]  # the artifact's session was never built
+    # The full proof agrees: ORT's optimized graph of the artifact keeps the node, and the digests differ.
+    assert ("com.microsoft", "MultiHeadAttention") in module.optimized_ops(fused, target="cpu", intra_op_threads=1)
+    cpu = {"target": "cpu", "intra_op_threads": 1}
+    assert module.optimized_digest(fused, **cpu) != module.optimized_digest(upload, **cpu)  # type: ignore[arg-type]
