@@ -38,7 +38,10 @@ How far attention is fused is an option, because the fullest fusion is not the f
 ``attention="attention"`` (default) packs Q/K/V into ``com.microsoft::Attention``; ``"mha"`` stops at
 ``MultiHeadAttention`` with the Q/K/V MatMuls left separate (quantizable: ``QAttention`` has no
 ``attention_bias`` input); ``"none"`` leaves the attention core to ORT's own kernels, which on AVX2 CPUs at
-batch 1, sequence 128 ran faster than both contrib kernels (bench/README.md, presets section).
+batch 1, sequence 128 ran faster than both contrib kernels (bench/README.md, presets section). On the CPU
+target, windowed attention with a bias (Swin: static windows of 16 or 49 tokens) stays unfused whatever the
+option says: there ``MultiHeadAttention`` leaves its flash kernel for a per-window loop measured slower than
+ORT's own ops (``_short_attention``).
 ``pack_qkv`` then merges the projections that read one activation (Q, K, V) into one wider MatMul, so a
 CPU runs one GEMM of N = 3·hidden instead of three, and int8 quantizes the activation once::
 
@@ -89,6 +92,7 @@ from passes.fusion import _where_mask as where_mask
 from passes.fusion._batched_heads import fold_static_sizes, unfold_batched_heads
 from passes.fusion._identity_reshape import drop_identity_reshapes
 from passes.fusion._qkv_packing import pack_qkv
+from passes.fusion._short_attention import short_biased_attention
 
 KnownFamily = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2"]
 Engine = Literal["onnxscript", "ort", "onnxscript+ort"]
@@ -115,7 +119,9 @@ class FuseTransformerOptions(PassOptions):
         description="How far to fuse attention: 'attention' packs Q/K/V into com.microsoft Attention; 'mha' stops "
         "at MultiHeadAttention with separate Q/K/V MatMuls (quantizable); 'none' leaves the attention core to "
         "ORT's kernels (faster on AVX2 CPUs at short sequences). 'mha' and 'none' apply to the onnxscript engine; "
-        "ORT's engine fuses no attention on current exports.",
+        "ORT's engine fuses no attention on current exports. On the CPU target a model whose every attention is "
+        "a window of at most 64 static tokens with a bias on the scores (Swin) keeps its attention unfused "
+        "whatever this says: measured slower fused, the reason is in the report.",
     )
     pack_qkv: bool = Field(
         False,
@@ -171,9 +177,15 @@ class FuseTransformer(Pass):
             return PassResult(unchanged, False, {}, [NonMatch(reason)], notes | _skip(reason)), proto
         heads, hidden = opts.num_heads or heads, opts.hidden_size or hidden
         expected = fam.expected_fusions(family, layers, cross)
-        if opts.attention == "none":  # left unfused on purpose: not a shortfall to report
+        attention: AttentionMode = opts.attention
+        # Windows with a bias run slower fused on the CPU EP (_short_attention): unfused, and the report says why.
+        windows = short_biased_attention(base) if attention != "none" and ctx.target == "cpu" else None
+        if windows:
+            attention = "none"
+            notes["attention_left_unfused"] = windows
+        if attention == "none":  # left unfused on purpose: not a shortfall to report
             expected.pop("attention", None)
-        notes |= {"num_heads": heads, "hidden_size": hidden, "expected": expected, "attention_mode": opts.attention}
+        notes |= {"num_heads": heads, "hidden_size": hidden, "expected": expected, "attention_mode": attention}
 
         reference = _session(raw)
         complete = [f for f in ctx.samples if all(name in f for name in _names(reference))]
@@ -197,11 +209,11 @@ class FuseTransformer(Pass):
             candidates[engine] = report
             try:
                 if engine == "onnxscript":
-                    built[engine] = _onnxscript(proto, report, opts.attention)
+                    built[engine] = _onnxscript(proto, report, attention)
                 elif engine == "ort":
                     built[engine] = _ort(proto, family, heads, hidden, ort_failures)
                 else:
-                    first = built.get("onnxscript") or _onnxscript(proto, report, opts.attention)
+                    first = built.get("onnxscript") or _onnxscript(proto, report, attention)
                     report["gemm"] = candidates.get("onnxscript", report).get("gemm", 0)
                     built[engine] = _ort(first, family, heads, hidden, ort_failures)
                 fused = ir.serde.deserialize_model(built[engine])
@@ -287,6 +299,9 @@ class FuseTransformer(Pass):
         missing = _missing(expected, achieved, result, ort_failures, symbolic)
         non_matches += [NonMatch(f"{group}: {reason}") for group, reason in missing.items()]
         non_matches += _per_layer(result, base, family, missing)
+        if windows:  # after the per-layer reasons: no pattern blocked these, the measured kernel cost did
+            missing["attention"] = windows
+            non_matches.append(NonMatch(f"attention: {windows}"))
         notes |= {"chosen": best, "achieved": achieved, "missing": missing, "decision": f"applied ({best})"}
         counts = {f"fused_{g}": n for g, n in achieved.items()} | {"gemm_to_matmul": candidates[best].get("gemm", 0)}
         if opts.pack_qkv:

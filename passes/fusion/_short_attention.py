@@ -1,0 +1,73 @@
+"""Window attention with a bias is left to ORT's own kernels: its fused form is slower on the CPU EP.
+
+Swin (and every windowed attention: SwinV2, Donut's encoder) attends within fixed windows of w x w tokens
+(16 or 49) with a relative-position bias, plus the shifted-window mask on every other block, added to the
+scores::
+
+    s = MatMul(q, kT) [* scale]      q, k, v: [batch * windows, heads, w*w, d]
+    Softmax(Add(s, bias))            bias: [1, heads, w*w, w*w] (+ mask): static, broadcast over the batch
+
+onnxscript's SDPA -> MultiHeadAttention rules take ``bias`` as ``attention_bias``, already broadcastable (no
+``Expand`` to the batch is left: ``drop_noop_bias_expands``). The cost is the kernel's: ORT's CPU
+``MultiHeadAttention`` runs its flash kernel (``MlasFlashAttention``) only without an ``attention_bias``;
+with one it takes the generic path, a loop over (batch * windows, heads) of a bias copy, a GEMM accumulating
+onto it, a softmax and a second GEMM, whose per-window overhead outweighs the work of a 16 x 16 tile. ORT's
+own batched MatMul/Softmax/Add on the unfused graph run the same attention faster. Measured (onnxruntime
+1.32, 1 thread, interleaved; bench/README.md "One coverage cell re-measured"): the bias costs the fused kernel
+the same whatever its shape ([1, h, S, S] broadcast or materialized [N, h, S, S]), and with a bias
+``MultiHeadAttention`` ran 1.04-1.33x ORT's unfused kernels at S = T = 16..64 (head sizes 8 and 32, the gap
+widest at 16), 1.02-1.07x at 100 and 144, and 0.88x at 256. Text models keep their fusion: their lengths
+are dynamic, so no static length is read here.
+
+When every attention of the model is such a block (static query and key lengths of at most ``SHORT``, an
+additive bias on the scores), ``fuse_transformer`` leaves attention unfused, as ``attention="none"``, and
+names the reason in its report. A model that also has other attention keeps every fusion.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from passes.fusion._attention_bias import _is_scores
+
+_ONNX_DOMAINS = ("", "ai.onnx")
+SHORT = 64  # the longest static window measured slower fused (above: within a few percent, then faster)
+
+
+def _short_biased(softmax: ir.Node) -> tuple[int, int] | None:
+    """(S, T) when ``softmax`` normalizes biased scores over static lengths of at most ``SHORT``."""
+    scores = softmax.inputs[0]
+    add = scores.producer() if scores is not None else None
+    if add is None or add.op_type != "Add" or add.domain not in _ONNX_DOMAINS:
+        return None
+    terms = [v for v in add.inputs if v is not None]
+    if len(terms) != 2 or sum(_is_scores(v) for v in terms) != 1:
+        return None
+    dims = list(scores.shape) if scores.shape is not None else []
+    if len(dims) != 4 or not all(isinstance(d, int) for d in dims[2:]):
+        return None
+    s, t = dims[2], dims[3]
+    return (s, t) if s <= SHORT and t <= SHORT else None
+
+
+def short_biased_attention(model: ir.Model) -> str | None:
+    """Why attention should stay unfused, when every attention Softmax of ``model`` (scores from
+    ``MatMul(q, kT)``) is a short biased window; None otherwise or when the model has no attention."""
+    blocks = []
+    for node in model.graph:
+        if node.op_type != "Softmax" or node.domain not in _ONNX_DOMAINS:
+            continue
+        source = node.inputs[0].producer() if node.inputs[0] is not None else None
+        feeds_scores = source is not None and any(_is_scores(v) for v in source.inputs if v is not None)
+        if not (_is_scores(node.inputs[0]) or feeds_scores):
+            continue  # a Softmax that normalizes something other than attention scores
+        blocks.append(_short_biased(node))
+    windows = [b for b in blocks if b is not None]
+    if not blocks or len(windows) < len(blocks):
+        return None
+    lengths = sorted({f"{s}x{t}" for s, t in windows})
+    return (
+        f"left to ORT's kernels: all {len(blocks)} attention blocks are windows of static length "
+        f"({', '.join(lengths)} <= {SHORT}) with a bias on the scores, where ORT's CPU MultiHeadAttention "
+        "leaves its flash kernel for a per-window loop measured slower than the unfused MatMul/Softmax"
+    )
