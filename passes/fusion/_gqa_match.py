@@ -13,7 +13,10 @@ for one layer, by value, with the names this module gives them::
                                                                            --Transpose(0,2,1,3)--> out [B,S,H,D]
     past_v, v_new ---Concat(axis 2)--> v_all --repeat_kv--> v_rep
 
-Without a cache, ``k_all`` is ``k_new`` itself; with as many kv heads as heads (GPT-2), ``k_rep`` is ``k_all``.
+TorchScript's SDPA decomposition puts a ``Reshape`` back to the query's 4-D shape between ``MatMul(., v_rep)``
+and the ``Transpose``, its target computed from the product's own ``Shape``: looked through (``Site.reshaped``),
+the probe proving it keeps every dim. Without a cache, ``k_all`` is ``k_new`` itself; with as many kv heads as
+heads (GPT-2), ``k_rep`` is ``k_all``.
 The scale may also sit on q and k^T (one Mul each). Casts to the same element type and single-input
 Concat/Identity copies are looked through. q, k_new and v_new are opaque values, so rotary embedding,
 fused (``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads, kv heads, head
@@ -59,10 +62,14 @@ class Site:
     context: ir.Node  # MatMul(probs, v): every input of the fused op is computed before it
     out: ir.Value
     k_bsnd: bool = False  # k_new is [B,S,kv,D] (keys transposed once, straight to k^T)
+    # TorchScript's SDPA reshapes MatMul(probs, v) to the query's shape before the Transpose: that Reshape's
+    # output (the probe checks it keeps every dim), else None.
+    reshaped: ir.Value | None = None
 
     def probed(self) -> list[ir.Value]:
         """The values whose run-time shapes ``_gqa_probe`` measures for this site."""
-        return [self.q, self.k_all, self.v_all, self.k_rep, self.v_rep, self.out]
+        extra = [self.context.outputs[0], self.reshaped] if self.reshaped is not None else []
+        return [self.q, self.k_all, self.v_all, self.k_rep, self.v_rep, self.out, *extra]
 
 
 class Declined(Exception):
@@ -93,7 +100,8 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     context = _single_use(probs, "MatMul", "the Softmax's output")
     if context.inputs[0] is not probs:
         raise Declined("found the probabilities as the MatMul's second input, not its first")
-    out_t = _single_use(context.outputs[0], "Transpose", "MatMul(probs, v)")
+    reshaped = _shape_restoring_reshape(context.outputs[0])
+    out_t = _single_use(reshaped or context.outputs[0], "Transpose", "MatMul(probs, v)")
     if list(out_t.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
         raise Declined(f"found Transpose perm {list(out_t.attributes.get_ints('perm', []))} after MatMul(probs, v)")
     scores, mask = _strip_mask(softmax.inputs[0])
@@ -108,8 +116,20 @@ def _match(layer: int, softmax: ir.Node) -> Site:
         raise Declined("found a cache Concat on one of key and value only")
     return Site(
         layer, softmax, q, k_new, v_new, k_past, v_past, k_all, v_all, k_rep, context.inputs[1], mask, scale,
-        context, out_t.outputs[0], k_bsnd,
+        context, out_t.outputs[0], k_bsnd, reshaped,
     )  # fmt: skip
+
+
+def _shape_restoring_reshape(value: ir.Value) -> ir.Value | None:
+    """The output of the one ``Reshape`` reading ``value`` (MatMul(probs, v)) when nothing else reads it but
+    ``Shape`` nodes (the target shape's arithmetic): TorchScript's SDPA restores the query's 4-D shape so.
+    The probe proves it keeps every dim (``fuse_gqa._sizes``); None for any other reader."""
+    uses = _live_uses(value)
+    reshapes = [u.node for u in uses if u.node.op_type == "Reshape" and u.node.domain in _ONNX]
+    shapes = [u.node for u in uses if u.node.op_type == "Shape" and u.node.domain in _ONNX]
+    if len(reshapes) != 1 or len(reshapes) + len(shapes) != len(uses) or reshapes[0].inputs[0] is not value:
+        return None
+    return reshapes[0].outputs[0]
 
 
 def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:

@@ -325,6 +325,10 @@ def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], has_past: bool) -> tu
     expanded = (1, heads, total, head_size)
     if shapes[site.k_rep.name] != expanded or shapes[site.v_rep.name] != expanded or heads % kv_heads:
         raise ProbeError(f"repeated key/value {shapes[site.k_rep.name]} are not {expanded} from {kv_heads} kv heads")
+    if site.reshaped is not None and shapes[site.reshaped.name] != shapes[site.context.outputs[0].name]:
+        raise ProbeError(
+            f"MatMul(probs, v) {shapes[site.context.outputs[0].name]} is reshaped to {shapes[site.reshaped.name]}"
+        )
     if shapes[site.out.name] != (1, 3, heads, head_size):
         raise ProbeError(f"the attention output has shape {shapes[site.out.name]}, not [1, 3, {heads}, {head_size}]")
     return heads, kv_heads, head_size
