@@ -1,19 +1,21 @@
 """Does fusing Swin's window attention pay on the CPU EP? (issue 17: swin/ts_sdpa slower at batch 8)
 
-Run ``python -m bench.window_attention [--kernel] [--size tiny|bench] [--exporter ts_sdpa] [--batches 1 2 4 8]
-[--seconds 15]``. Two measurements, each timed at ORT's default level, 1 thread, in one process, interleaved in
-blocks whose order rotates; medians over blocks and the median of the per-block ratio (paired):
+Run ``python -m bench.window_attention [--kernel] [--arch swin] [--size tiny|bench] [--exporter ts_sdpa]
+[--batches 1 2 4 8] [--seconds 15]``. Two measurements, each timed at ORT's default level, 1 thread, in one
+process, interleaved in blocks whose order rotates; medians over blocks and the median of the per-block ratio
+(paired):
 
 ``--kernel``: one ``com.microsoft::MultiHeadAttention`` against the same attention in ORT's own ops
 (Reshape/Transpose, MatMul, Mul, Add, Softmax, MatMul, Transpose/Reshape), with and without a bias on the
 scores, over windows of S x S tokens (16 and 49 are Swin's 4x4 and 7x7), head sizes 8 and 32, about the
 same work per row. Without a bias ORT runs its flash kernel; with one, a per-(window, head) loop.
 
-the model (default): the corpus's Swin (``tests/models/corpus``: tiny is the committed export, bench builds the
-7x7-window config into ``bench/out/corpus/bench``) through ``fuse_transformer`` + ``unfuse_skip_layernorm``
-as ``fast`` leaves it, with the windows unfused (the CPU rule, ``passes/fusion/_short_attention``) and fused
-(the same pass for the cuda target, where the rule does not apply), plus a second session of the unfused
-graph (A/A: the host's noise). Outputs are checked equal first. Prints tables; writes nothing.
+the model (default): a corpus model (``--arch``, default Swin; ``tests/models/corpus``: tiny is the committed
+export, bench builds the 7x7-window config into ``bench/out/corpus/bench``) through ``fuse_transformer`` +
+``unfuse_skip_layernorm`` as ``fast`` leaves it, with attention unfused (``attention="none"``, what the CPU
+rule ``passes/fusion/_short_attention`` picks for Swin) and fused (the pass for the cuda target, where that
+rule does not apply), plus a second session of the unfused graph (A/A: the host's noise). Outputs are
+checked equal first. Prints tables; writes nothing.
 """
 
 from __future__ import annotations
@@ -138,19 +140,22 @@ def kernel(seconds: float) -> None:
             )
 
 
-def model(size: str, exporter: str, batches: list[int], seconds: float) -> None:
+def model(arch: str, size: str, exporter: str, batches: list[int], seconds: float) -> None:
     from tests.models import corpus
 
-    if size == "tiny":
-        path = corpus.committed_path("swin", exporter)
+    if size == "tiny" and corpus.committed_path(arch, exporter).exists():
+        path = corpus.committed_path(arch, exporter)
     else:
-        info = corpus.cached("swin", exporter, size) or corpus.build("swin", exporter, size)
+        info = corpus.cached(arch, exporter, size) or corpus.build(arch, exporter, size)
         if not info.get("ok"):
-            raise SystemExit(f"swin {exporter}: {info.get('error')}")
-        path = Path(corpus.default_out(size)) / corpus.filename("swin", exporter)
+            raise SystemExit(f"{arch} {exporter}: {info.get('error')}")
+        path = Path(corpus.default_out(size)) / corpus.filename(arch, exporter)
     blobs = {"export": path.read_bytes()}
-    for name, target in (("unfused", "cpu"), ("fused", "cuda")):
-        fused = FuseTransformer({"engines": ["onnxscript"]})(ir.load(path), PassContext(target=target))
+    # unfused: attention="none", what the CPU rule (_short_attention) picks for Swin; fused: the pass for the cuda
+    # target, where that rule does not apply (the graph is the CPU one otherwise)
+    for name, mode, target in (("unfused", "none", "cpu"), ("fused", "attention", "cuda")):
+        options = {"engines": ["onnxscript"], "attention": mode}
+        fused = FuseTransformer(options)(ir.load(path), PassContext(target=target))
         cpu = UnfuseSkipLayerNorm()(fused.model, PassContext())
         blobs[name] = ir.serde.serialize_model(cpu.model).SerializeToString()
         print(f"<!-- {name}: { ({k: v for k, v in fused.counts.items() if k.startswith('fused_') and v}) } -->")
@@ -160,7 +165,7 @@ def model(size: str, exporter: str, batches: list[int], seconds: float) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for batch in batches:
-        feeds = corpus.feeds("swin", size, batch, 64, seed=batch)
+        feeds = corpus.feeds(arch, size, batch, 64, seed=batch)
         sessions = {name: _session(blob) for name, blob in blobs.items()}
         ref = sessions["export"].run(None, feeds)[0]
         for name in blobs:
@@ -178,6 +183,7 @@ def model(size: str, exporter: str, batches: list[int], seconds: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.window_attention", description=__doc__.split("\n")[0])
     parser.add_argument("--kernel", action="store_true", help="the kernel sweep instead of the model")
+    parser.add_argument("--arch", default="swin", help="a corpus architecture (tests.models.corpus)")
     parser.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     parser.add_argument("--exporter", choices=["ts_eager", "ts_sdpa", "dynamo"], default="ts_sdpa")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel:
         kernel(args.seconds)
     else:
-        model(args.size, args.exporter, args.batches, args.seconds)
+        model(args.arch, args.size, args.exporter, args.batches, args.seconds)
     return 0
 
 

@@ -39,7 +39,7 @@ How far attention is fused is an option, because the fullest fusion is not the f
 ``MultiHeadAttention`` with the Q/K/V MatMuls left separate (quantizable: ``QAttention`` has no
 ``attention_bias`` input); ``"none"`` leaves the attention core to ORT's own kernels, which on AVX2 CPUs at
 batch 1, sequence 128 ran faster than both contrib kernels (bench/README.md, presets section). On the CPU
-target, windowed attention with a bias (Swin: static windows of 16 or 49 tokens) stays unfused whatever the
+target, windowed attention with a per-head bias (Swin: static windows of 16 or 49 tokens) stays unfused whatever the
 option says: there ``MultiHeadAttention`` leaves its flash kernel for a per-window loop measured slower than
 ORT's own ops (``_short_attention``).
 ``pack_qkv`` then merges the projections that read one activation (Q, K, V) into one wider MatMul, so a
@@ -120,7 +120,7 @@ class FuseTransformerOptions(PassOptions):
         "at MultiHeadAttention with separate Q/K/V MatMuls (quantizable); 'none' leaves the attention core to "
         "ORT's kernels (faster on AVX2 CPUs at short sequences). 'mha' and 'none' apply to the onnxscript engine; "
         "ORT's engine fuses no attention on current exports. On the CPU target a model whose every attention is "
-        "a window of at most 64 static tokens with a bias on the scores (Swin) keeps its attention unfused "
+        "a window of at most 64 static tokens with a bias per head on the scores (Swin) keeps its attention unfused "
         "whatever this says: measured slower fused, the reason is in the report.",
     )
     pack_qkv: bool = Field(

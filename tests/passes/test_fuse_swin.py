@@ -72,12 +72,13 @@ def test_fuse_transformer_fuses_swin_attention_when_target_is_not_cpu():
     ("arch", "exporter", "why"),
     [
         ("vit", "ts_sdpa", "static 17 tokens, no bias: the flash kernel runs"),
+        ("vit", "dynamo", "an all-true mask broadcast over the heads, not a per-head table"),
         ("bert", "ts_sdpa", "a padding mask on a dynamic length"),
         ("deberta_v3", "dynamo", "relative terms on a dynamic length"),
         ("clip_text", "ts_eager", "a causal mask on a dynamic length"),
     ],
 )
-def test_short_biased_attention_is_none_when_not_biased_static_windows(arch, exporter, why):
+def test_short_biased_attention_is_none_when_not_static_windows_with_a_bias_per_head(arch, exporter, why):
     model = _load(arch, exporter)
     common_passes.ShapeInferencePass()(model)
     assert short_biased_attention(model) is None, why
