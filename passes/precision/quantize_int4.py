@@ -81,6 +81,7 @@ from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import take_graph_output
+from passes._subgraphs import in_branches
 from passes.precision import _quantization as q
 from passes.precision._accuracy import TokenAccuracy, TokenProbe, head_outputs, logits_output, round_sig
 from passes.precision._nbits_bias import fold_bias_adds
@@ -173,6 +174,8 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
     in_place = False
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: each branch's MatMuls
+            return branches
         options = self.options
         unchanged = q.unchanged(model)
         refusal = q.unknown_node_names(model, options.nodes_to_exclude)

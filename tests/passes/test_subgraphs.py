@@ -1,6 +1,6 @@
 """passes._subgraphs: a graph pass run inside the If branches holding a model's bulk (Optimum's merged decoders).
 
-fuse_transformer, one of the two passes that call it (shape_inference the other), on the committed merged
+fuse_transformer, one of the passes that call it (shape_inference and quantize_int4 the others), on the committed merged
 Whisper, T5 and BART decoders (both exporters): each branch fused as its separate file is (MultiHeadAttention
 reading the caches, SkipLayerNormalization), the weights the two branches pack alike read from the outer graph
 once, and ONNX Runtime gives the original's outputs on both branches at shapes other than the generated sets'.
@@ -25,6 +25,7 @@ from passes._subgraphs import bulk_ifs, in_branches, put_back, standalone
 from passes.cleanup.constant_folding import ConstantFolding
 from passes.cleanup.shape_inference import ShapeInference
 from passes.fusion.fuse_transformer import FuseTransformer
+from passes.precision.quantize_int4 import QuantizeInt4
 from tests.models.build_seq2seq import ARCHS, MERGED, OUT, folder, merged_feeds
 from tests.numerics import reference_session, run_named
 
@@ -210,3 +211,31 @@ def test_shapes_inferred_per_branch_keep_constant_folding_exact_when_the_model_i
         want, got = run_named(want_sess, feeds), run_named(got_sess, feeds)
         for key, expected in want.items():
             np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{use_cache}: {key}")
+
+
+@pytest.mark.parametrize(("arch", "exporter"), [("bart", "ts"), ("whisper", "dynamo")])
+def test_quantize_int4_quantizes_inside_both_branches_when_the_model_is_a_merged_decoder(arch, exporter):
+    # setup
+    source = onnx.load(str(OUT / folder(arch, exporter) / MERGED))
+    model = ir.serde.deserialize_model(source)
+    ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
+    # execute
+    result = QuantizeInt4()(model, ctx)
+    # assert: MatMulNBits in both branches; packed weights equal in both held once, outside them (each branch
+    # picks its block size by measurement: where the two picks differ, each branch keeps its own)
+    proto = ir.serde.serialize_model(result.model)
+    assert result.modified and result.counts["nodes_quantized"] > 0
+    for branch, ops in _branch_ops(proto).items():
+        assert ops["MatMulNBits"] > 0, (branch, ops)
+    (node,) = proto.graph.node
+    tensors = [*proto.graph.initializer, *(t for a in node.attribute for t in a.g.initializer if len(t.dims) > 1)]
+    digests = [(tuple(t.dims), onnx.numpy_helper.to_array(t).tobytes()) for t in tensors]
+    assert len(digests) == len(set(digests))
+    assert sum(t.ByteSize() for t in tensors) < sum(t.ByteSize() for t in source.graph.initializer)
+    # numerics: int4 on random weights, within the int4 preset's tolerance, on both branches at other shapes
+    want_sess, got_sess = reference_session(source), reference_session(proto)
+    for use_cache, (batch, dec, past, enc) in ((False, (3, 2, 0, 9)), (True, (2, 1, 7, 9))):
+        feeds = merged_feeds(ARCHS[arch], use_cache, batch, dec=dec, past=past, enc=enc, seed=5)
+        want, got = run_named(want_sess, feeds)["logits"], run_named(got_sess, feeds)["logits"]
+        cosine = float(np.sum(want * got) / np.linalg.norm(want) / np.linalg.norm(got))
+        assert cosine > 0.98, (use_cache, cosine)
