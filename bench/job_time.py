@@ -23,8 +23,8 @@ job (after)    with ``--after REV``: revision REV's tree in place of the checkou
 =============  ==========================================================================================
 
 ``--rounds N`` times the peer and each job N times per model, the jobs' order reversed every other round so that
-the host's drift hits both; the table shows the median round of each, and a line below it every round's wall
-time and ratio to that round's peer.
+the host's drift hits both; the table shows the median round of each (its ratio: the median of the rounds' job /
+that round's peer), and a line below it every round's wall time and ratio to that round's peer.
 
 The figures depend on the machine's load: the load average is read before and after and printed beside
 them. The report's ``timings`` of each job give the stage breakdown. Written into bench/README.md between
@@ -227,13 +227,18 @@ def _speedup(job: dict[str, Any]) -> str:
     return "untimed" if job["speedup"] is None else f"{job['speedup']:.3f}"
 
 
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Of several rounds, the one of median wall time (its breakdown with it); a failed round if any failed."""
+def _median_run(runs: list[dict[str, Any]], peers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Of several rounds, the one of median wall time (its breakdown with it); a failed round if any failed.
+    With the rounds' ``peers``, its ``ratio`` is the median of each round's job / that round's peer (the host's
+    load moves both within a round), not the median job over the median peer."""
     failed = [r for r in runs if "failed" in r]
     if failed:
         return failed[0]
     ordered = sorted(runs, key=lambda r: r["wall_s"])
-    return ordered[(len(ordered) - 1) // 2]
+    middle = dict(ordered[(len(ordered) - 1) // 2])
+    if peers is not None and len(runs) > 1:
+        middle["ratio"] = float(np.median([r["wall_s"] / p["wall_s"] for r, p in zip(runs, peers, strict=True)]))
+    return middle
 
 
 def _rounds_line(peers: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> str:
@@ -271,7 +276,7 @@ def render_model(
             reason = " ".join(job["failed"].split())[-300:].replace("|", "/")
             rows.append(f"| `fast` job, {label} | - | failed | {reason} |")
             continue
-        ratio = job["wall_s"] / budget
+        ratio = job.get("ratio", job["wall_s"] / budget)
         mark = "within" if ratio <= TARGET_RATIO else "over"
         rows.append(
             f"| `fast` job, {label} | {job['wall_s']:.1f} | **{ratio:.2f}x** ({mark} {TARGET_RATIO:g}x) | "
@@ -299,7 +304,7 @@ def _summary_row(model: Subject, peer: dict[str, Any], job: dict[str, Any]) -> s
     """One line of the summary table: this checkout's job against the peer."""
     if "failed" in job:
         return f"| `{model.name}` | {peer['wall_s']:.1f} | - | failed | - | - | - |"
-    ratio = job["wall_s"] / peer["wall_s"]
+    ratio = job.get("ratio", job["wall_s"] / peer["wall_s"])
     mark = f"**{ratio:.2f}x**" if ratio > TARGET_RATIO else f"{ratio:.2f}x"
     gate = (job.get("timings") or {}).get("gate_s")
     gate_s = f"{gate:.1f}" if gate is not None else "-"
@@ -403,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         target = args.keep / f"{name}.{out.name.removeprefix('out-')}{suffix}.report.json"
                         shutil.copyfile(out / "report.json", target)
-            peer, jobs = _median_run(peers), {label: _median_run(done) for label, done in runs.items()}
+            peer, jobs = _median_run(peers), {label: _median_run(done, peers) for label, done in runs.items()}
             sections.append(
                 render_model(model, peer=peer, jobs=jobs, rounds=(peers, runs) if args.rounds > 1 else None)
             )
