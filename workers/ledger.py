@@ -21,8 +21,9 @@
       once against the reference and timed once against the accepted stage, as above for one pass
           ─> every check passes: all its passes applied (``latency.group`` names them)
           ─> any check fails: each of its passes runs again alone (above), from the accepted stage
-    finalize: the last stage + provenance, verified; if out of tolerance (an interaction of passes each
-    verified alone), bisect the applied passes to name the first culprit, drop it, replay, re-check.
+    finalize: the last stage + provenance, verified (the stage's own verification stands for it when nothing it
+    depends on changed since); if out of tolerance (an interaction of passes each verified alone), bisect the
+    applied passes to name the first culprit, drop it, replay, re-check.
 
 Guarantee: every applied pass was verified within tolerance and timed not slower beyond noise, either alone
 or as part of the group it was applied with; a wrong or slower group is never kept as a group (its passes are
