@@ -8,10 +8,14 @@
                                                    │    right after the input change; with fail_on_regression
                                                    │    the job fails naming the guilty pass
                                                    ├─ preset fast (full benchmark, rollback_slower on), a tie
-                                                   │    at the floor (pooled gain under 3%, under 10% at 95%,
-                                                   │    an answer still open): the upload is returned, as
-                                                   │    above, never a failure (``decision.gate.tie``)
+                                                   │    at the floor or a later turn (pooled gain under 3%,
+                                                   │    under 10% at 95%, an answer still open): the upload is
+                                                   │    returned, as above, never a failure (``decision.gate.tie``)
                                                    └─ else: optimized
+
+The timing stops once this decision is taken over every input set (``BenchmarkParams.pooled_stop``,
+workers/benchmark.py ``decided``): the pooled verdict settled or futile and no set able to turn clearly slower,
+though one set's own interval may still straddle 1 +- 3%, which the decision does not read.
 
 Before any timing, the same-program proof (workers/same_program.py): when ORT, at ORT_ENABLE_ALL on the job's
 target, turns the artifact and the reference into equal graphs, the artifact is the same program as the upload
