@@ -68,8 +68,9 @@ AUDIO_HOP = 320  # wav2vec2's feature encoder emits one frame per 320 samples
 # the view fails ("Cannot view a tensor with shape [16*s, 16, 2, 8] and strides (256, 8, 128, 1)"; torch's
 # issues #136543, #141107). The transformers code is not at fault and a static batch fails the same way; the
 # user's way out is transformers' other attention, ``attn_implementation="eager"``, which exports with the
-# dynamic batch kept.
-DYNAMO_ATTENTION = {"swin": "eager"}
+# dynamic batch kept. T5 fails the same way (its heads merged by a ``view`` after the decomposed SDPA: "Cannot
+# view a tensor with shape [s, s, 4, 8] ... as [s, s, 32]") and takes the same way out.
+DYNAMO_ATTENTION = {"swin": "eager", "t5": "eager"}
 
 # The committed tiny subset: one architecture per family the fusions target (a post-norm encoder with token
 # types, ViT, CLIP's text tower with its causal mask and EOS pooling, a pre-norm GPT decoder, a GQA/RMSNorm
