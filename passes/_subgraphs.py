@@ -292,7 +292,8 @@ def in_branches(pass_: _GraphPass, model: ir.Model, ctx: PassContext) -> PassRes
             if pass_.in_place
             else PassResult(ir.serde.deserialize_model(proto), False, dict(counts), non_matches, notes)
         )
-    onnx.checker.check_model(proto)
+    # No onnx.checker here: it serializes the whole model (a copy of every weight, refused past 2 GB); the
+    # engine loads and verifies the result as it does every pass's.
     new = ir.serde.deserialize_model(proto)
     if pass_.in_place:
         model.graph = new.graph
