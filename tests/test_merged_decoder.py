@@ -186,6 +186,20 @@ def test_generated_sets_run_both_branches_and_say_which_when_synthesized(arch, e
     assert all(new == 1 and batch > 1 for _, new, batch in pasts)  # a batch decoding one token per row
 
 
+def test_sizes_with_an_empty_past_run_the_no_cache_branch_when_fed_for_sizes():
+    # setup: a prefill as the decoder benchmark and the shape profile bind it
+    path = merged_path("bart", "ts")
+    synthesis = InputSynthesis(onnx.load(str(path)))
+    sizes = {"batch_size": 2, "past_decoder_sequence_length": 0, "decoder_sequence_length": 6}
+    # execute
+    feeds = synthesis.feeds_for_sizes({**sizes, "encoder_sequence_length": 9}, np.random.default_rng(0))
+    # assert: the first step, on the no-cache branch; the cross presents come from the encoder's states
+    assert bool(feeds[USE_CACHE][0]) is False
+    out = run_named(reference_session(path), feeds)
+    assert out["present.0.decoder.key"].shape == (2, 4, 6, 8)
+    assert out["present.0.encoder.key"].shape == (2, 4, 9, 8)
+
+
 def test_sizes_a_caller_binds_run_the_cache_branch_when_fed_for_sizes():
     synthesis = InputSynthesis(onnx.load(str(merged_path("bart", "ts"))))
     feeds = synthesis.feeds_for_sizes(

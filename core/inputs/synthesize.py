@@ -16,7 +16,7 @@ every third after it run the no-cache branch (the first generation step: the dec
 and every cache a dummy ``NO_CACHE_PAST`` long, as Optimum's runtime feeds it; the branch never reads them),
 the others the cache branch with the self-attention cache growing from set to set; the set's name and
 ``why`` say which branch ran. Sizes a caller binds (``feeds_for_sizes``) run the cache branch, which honours
-every one of them.
+every one of them, except a past bound to 0: the first step, the no-cache branch.
 
 Values. Token ids uniform below the vocabulary of the table they index, ids the graph compares them with
 kept out except a position marker (BART's ``</s>``) at each row's last valid token; right-padded attention
@@ -487,8 +487,18 @@ class InputSynthesis:
 
     def feeds_for_sizes(self, sizes: Mapping[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Feeds with the symbolic dims in ``sizes`` bound (a trace call of ``shape_profile``); the dims it
-        does not name (a mask over past + new tokens, audio samples) follow from them."""
-        return self.feeds(self.bind(0, GUESSES[0], preset=sizes, cache=True), rng, cache=True)
+        does not name (a mask over past + new tokens, audio samples) follow from them. A merged decoder runs
+        its cache branch, unless ``sizes`` bind the past to 0: that call is the first step, its no-cache
+        branch (a prefill, as Optimum's runtime makes it)."""
+        cache = True
+        for spec in self.specs:
+            role = self._role(spec.name)
+            if role.role == "past_key_values" and role.past_axis is not None and role.past_axis < spec.rank:
+                dim = spec.dims[role.past_axis]
+                if isinstance(dim, str) and sizes.get(dim) == 0 and self.cache_branch(0) is not None:
+                    cache = False
+                break
+        return self.feeds(self.bind(0, GUESSES[0], preset=sizes, cache=cache), rng, cache=cache)
 
     def feeds_at(self, batch: int, sequence: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Feeds with every batch-like dim at ``batch`` and every sequence-like one (and a past) at
