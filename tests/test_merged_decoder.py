@@ -236,13 +236,21 @@ def test_fast_job_on_a_merged_decoder_is_exact_on_both_branches_when_no_samples(
     names = [s["name"] for s in report["input_sets"]]
     assert any("the no-cache branch" in n for n in names) and any("the cache branch" in n for n in names)
     assert all(s["inputs"]["source"] == "generated" for s in report["input_sets"])
-    # fused inside both branches (passes._subgraphs), the outer graph still Optimum's one If
+    # fused and verified inside both branches (passes._subgraphs): self and cross attention of each layer
     fused = next(p for p in report["passes"] if p["name"] == "fuse_transformer")
     assert fused["status"] == "applied", fused
+    assert fused["counts"]["fused_attention"] == 2 * 2 * ARCHS[arch].layers
+    assert {n["reason"].split(":")[0] for n in fused["non_matches"]} <= {
+        "inside If optimum::if then_branch (with_past)",
+        "inside If optimum::if else_branch (no_past)",
+    }
+    # the artifact: the fused model, or the upload when the final gate times it slower (tiny models, timing
+    # noise); Optimum's one If either way
     proto = onnx.load(str(artifact))
     (node,) = proto.graph.node
-    for attr in node.attribute:
-        assert any(n.op_type == "MultiHeadAttention" for n in attr.g.node), attr.g.name
+    if report["decision"]["result"] != "original":
+        for attr in node.attribute:
+            assert any(n.op_type == "MultiHeadAttention" for n in attr.g.node), attr.g.name
     # exact on both branches at shapes the job never generated
     want_sess, got_sess = reference_session(source), reference_session(artifact)
     for use_cache, (batch, dec, past, enc) in ((False, (3, 2, 0, 10)), (True, (3, 1, 5, 10))):
