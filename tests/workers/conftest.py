@@ -6,7 +6,10 @@ catches each case. They are injected through ``PipelineRequest.pass_resolver``, 
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -17,10 +20,36 @@ from onnx import TensorProto, helper, numpy_helper
 from core.config import EXACT_TOLERANCE, JobConfig
 from core.settings import PipelineSettings
 from passes._infra import NonMatch, Pass, PassContext, PassResult
+from workers import benchmark
 from workers.pipeline import ResolvedPasses
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 CHAIN = 200
+
+
+class SyntheticClock:
+    """``time.perf_counter`` for workers.benchmark, advanced only by the synthetic runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> SyntheticClock:
+    """workers.benchmark on a clock its synthetic runs advance by the milliseconds they return."""
+    fake = SyntheticClock()
+    monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+
+    def time_one(run: Callable[[], Any]) -> float:
+        ms = float(run())
+        fake.now += ms / 1000.0
+        return ms
+
+    monkeypatch.setattr(benchmark, "_time_one", time_one)
+    return fake
 
 
 # ----------------------------------------------------------------------------------------- test passes

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 
 from core.settings import PipelineSettings
 from core.verdict import Verdict
+from tests.workers.conftest import SyntheticClock
 from workers import benchmark
 from workers.benchmark import (
     FUTILITY_MIN_PAIRS,
@@ -25,30 +25,6 @@ from workers.benchmark import (
     tie,
     warmed,
 )
-
-
-class _Clock:
-    """``time.perf_counter`` for workers.benchmark, advanced only by the synthetic runs."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    fake = _Clock()
-    monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
-
-    def time_one(run: Callable[[], Any]) -> float:
-        ms = float(run())
-        fake.now += ms / 1000.0
-        return ms
-
-    monkeypatch.setattr(benchmark, "_time_one", time_one)
-    return fake
 
 
 def _runs(center_ms: float, spread: float, seed: int) -> Callable[[], float]:
@@ -74,7 +50,7 @@ def test_benchmark_params_carry_the_floor_in_time_in_full_mode_only() -> None:
     assert PipelineSettings().benchmark_min_seconds == 5.0
 
 
-def test_runs_of_seconds_that_settle_stop_at_five_pairs_once_min_seconds_passed(clock: _Clock) -> None:
+def test_runs_of_seconds_that_settle_stop_at_five_pairs_once_min_seconds_passed(clock: SyntheticClock) -> None:
     # A second per A run, B 25% faster: five pairs (9 s) already clear 0.97.
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=60.0, max_runs=1000)
     a_ms, b_ms, stopped = benchmark._timed_blocks(_runs(1000, 0.02, 1), _runs(750, 0.02, 2), params, 0)
@@ -85,13 +61,13 @@ def test_runs_of_seconds_that_settle_stop_at_five_pairs_once_min_seconds_passed(
     assert (len(a_ms), stopped) == (10, "settled: clearly faster")
 
 
-def test_short_runs_keep_the_floor_in_blocks_when_min_seconds_is_not_reached(clock: _Clock) -> None:
+def test_short_runs_keep_the_floor_in_blocks_when_min_seconds_is_not_reached(clock: SyntheticClock) -> None:
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=60.0, max_runs=1000)
     a_ms, _, stopped = benchmark._timed_blocks(_runs(10, 0.02, 3), _runs(7.5, 0.02, 4), params, 0)
     assert (len(a_ms), stopped) == (10, "settled: clearly faster")
 
 
-def test_an_open_answer_still_gets_min_runs_when_the_budget_is_spent(clock: _Clock) -> None:
+def test_an_open_answer_still_gets_min_runs_when_the_budget_is_spent(clock: SyntheticClock) -> None:
     # Runs of 2 s with 30% noise and no real difference: open at five pairs, the 10 s budget spent by then.
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=10.0, max_runs=1000)
     a_ms, b_ms, stopped = benchmark._timed_blocks(_runs(2000, 0.3, 5), _runs(2000, 0.3, 6), params, 0)
@@ -179,7 +155,7 @@ def test_tie_needs_an_open_answer_a_bounded_pooled_gain_under_the_floor_and_no_s
     assert not tie(near, _verdict(0.99), answered)
 
 
-def test_time_sets_stops_every_set_at_its_floor_when_a_noisy_tie_and_tie_stop(clock: _Clock) -> None:
+def test_time_sets_stops_every_set_at_its_floor_when_a_noisy_tie_and_tie_stop(clock: SyntheticClock) -> None:
     # ViT at bench size on a loaded host: the same speed on three sets, pairs off by 20%; without the tie stop
     # the sets run on until the interval clears 1.03 or the budget says futile.
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
@@ -197,7 +173,7 @@ def test_time_sets_stops_every_set_at_its_floor_when_a_noisy_tie_and_tie_stop(cl
     assert not tied and TIE_STOP not in stops and max(len(s.a_ms) for s in states) > 10
 
 
-def test_time_sets_goes_on_past_the_floor_when_one_set_gains_beyond_the_floor(clock: _Clock) -> None:
+def test_time_sets_goes_on_past_the_floor_when_one_set_gains_beyond_the_floor(clock: SyntheticClock) -> None:
     # Batch 1 clearly faster, the larger sets a noisy tie: no tie, each set is timed to its own answer.
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
     a = _SyntheticRuns([40.0, 80.0, 160.0], 0.15, 9)
@@ -209,7 +185,7 @@ def test_time_sets_goes_on_past_the_floor_when_one_set_gains_beyond_the_floor(cl
     assert all(len(s.a_ms) == len(s.b_ms) >= 10 for s in states)
 
 
-def test_time_sets_ends_as_the_rules_say_when_every_set_is_settled_at_the_floor(clock: _Clock) -> None:
+def test_time_sets_ends_as_the_rules_say_when_every_set_is_settled_at_the_floor(clock: SyntheticClock) -> None:
     # A quiet host and a real tie: every interval sits inside 0.97..1.03 at ten blocks; "within noise" is the
     # rules' answer, the artifact is handed back as before (no tie).
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)

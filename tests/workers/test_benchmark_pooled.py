@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
 
 from core.verdict import LatencyStats, slower_beyond_noise
+from tests.workers.conftest import SyntheticClock
 from workers import benchmark
 from workers.benchmark import (
     POOLED_STOP,
@@ -21,30 +20,6 @@ from workers.benchmark import (
     cannot_turn_clearly_slower,
     decided,
 )
-
-
-class _Clock:
-    """``time.perf_counter`` for workers.benchmark, advanced only by the synthetic runs."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
-    fake = _Clock()
-    monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
-
-    def time_one(run: Callable[[], Any]) -> float:
-        ms = float(run())
-        fake.now += ms / 1000.0
-        return ms
-
-    monkeypatch.setattr(benchmark, "_time_one", time_one)
-    return fake
 
 
 class _SyntheticRuns:
@@ -91,7 +66,7 @@ _GATE = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs
 
 @pytest.mark.parametrize("seed", [8, 22, 34])
 def test_time_sets_stops_the_open_sets_once_the_pooled_decision_is_taken_when_pooled_stop(
-    clock: _Clock, seed: int
+    clock: SyntheticClock, seed: int
 ) -> None:
     plain_a, plain_b = _SyntheticRuns(_CENTERS_A, 0.12, seed), _SyntheticRuns(_CENTERS_B, 0.12, seed + 1)
     plain_states, plain_stops, _ = benchmark._time_sets(plain_a, plain_b, 3, _GATE)  # type: ignore[arg-type]
@@ -109,7 +84,7 @@ def test_time_sets_stops_the_open_sets_once_the_pooled_decision_is_taken_when_po
     assert not _comparison(plain_states, plain_stops, _GATE).slower
 
 
-def test_time_sets_calls_a_tie_after_the_floor_when_the_turns_show_one_and_tie_stop(clock: _Clock) -> None:
+def test_time_sets_calls_a_tie_after_the_floor_when_the_turns_show_one_and_tie_stop(clock: SyntheticClock) -> None:
     # Open at the floor without a tie (a set looked faster there); the turns after it bring the pooled estimate
     # to a tie, which ends the comparison then instead of at the end of every set's budget.
     params = dataclasses.replace(_GATE, pooled_stop=True)
