@@ -37,6 +37,22 @@ class SyntheticClock:
         return self.now
 
 
+class SyntheticRuns:
+    """A model's runs per input set for ``_time_sets``: ``centers[i]`` ms with a relative normal spread."""
+
+    def __init__(self, centers: list[float], spread: float, seed: int) -> None:
+        self.centers, self.spread = centers, spread
+        self.rng = np.random.default_rng(seed)
+        self.warmed: list[int] = []
+
+    def warm_up(self, index: int, _warmup: int) -> int:
+        self.warmed.append(index)
+        return 0
+
+    def select(self, index: int) -> Callable[[], float]:
+        return lambda: self.centers[index] * (1.0 + self.spread * float(self.rng.standard_normal()))
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> SyntheticClock:
     """workers.benchmark on a clock its synthetic runs advance by the milliseconds they return."""

@@ -13,7 +13,7 @@ import pytest
 
 from core.settings import PipelineSettings
 from core.verdict import Verdict
-from tests.workers.conftest import SyntheticClock
+from tests.workers.conftest import SyntheticClock, SyntheticRuns
 from workers import benchmark
 from workers.benchmark import (
     FUTILITY_MIN_PAIRS,
@@ -120,22 +120,6 @@ def test_warm_up_of_zero_makes_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _built(300.0).warm_up(0, 0) == 0
 
 
-class _SyntheticRuns:
-    """A model's runs per input set for ``_time_sets``: ``centers[i]`` ms with a relative normal spread."""
-
-    def __init__(self, centers: list[float], spread: float, seed: int) -> None:
-        self.centers, self.spread = centers, spread
-        self.rng = np.random.default_rng(seed)
-        self.warmed: list[int] = []
-
-    def warm_up(self, index: int, _warmup: int) -> int:
-        self.warmed.append(index)
-        return 0
-
-    def select(self, index: int) -> Callable[[], float]:
-        return lambda: self.centers[index] * (1.0 + self.spread * float(self.rng.standard_normal()))
-
-
 def _verdict(paired_ratio: float, half_width: float = 0.05) -> Verdict:
     lo, hi = paired_ratio - half_width, paired_ratio + half_width
     margin = max(0.03, half_width)
@@ -160,7 +144,7 @@ def test_time_sets_stops_every_set_at_its_floor_when_a_noisy_tie_and_tie_stop(cl
     # the sets run on until the interval clears 1.03 or the budget says futile.
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
     centers = [40.0, 80.0, 160.0]
-    a, b = _SyntheticRuns(centers, 0.15, 7), _SyntheticRuns(centers, 0.15, 8)
+    a, b = SyntheticRuns(centers, 0.15, 7), SyntheticRuns(centers, 0.15, 8)
     states, stops, tied = benchmark._time_sets(a, b, 3, params)  # type: ignore[arg-type]
     assert tied and all(len(s.a_ms) == len(s.b_ms) == 10 for s in states)
     assert all(stop == TIE_STOP or stop.startswith(("settled", "futile")) for stop in stops)
@@ -168,7 +152,7 @@ def test_time_sets_stops_every_set_at_its_floor_when_a_noisy_tie_and_tie_stop(cl
     assert a.warmed == b.warmed == [0, 1, 2]  # each set warmed up once
     # The same runs without the tie stop: at least one set goes on past its floor.
     plain = dataclasses.replace(params, tie_stop=False)
-    a, b = _SyntheticRuns(centers, 0.15, 7), _SyntheticRuns(centers, 0.15, 8)
+    a, b = SyntheticRuns(centers, 0.15, 7), SyntheticRuns(centers, 0.15, 8)
     states, stops, tied = benchmark._time_sets(a, b, 3, plain)  # type: ignore[arg-type]
     assert not tied and TIE_STOP not in stops and max(len(s.a_ms) for s in states) > 10
 
@@ -176,8 +160,8 @@ def test_time_sets_stops_every_set_at_its_floor_when_a_noisy_tie_and_tie_stop(cl
 def test_time_sets_goes_on_past_the_floor_when_one_set_gains_beyond_the_floor(clock: SyntheticClock) -> None:
     # Batch 1 clearly faster, the larger sets a noisy tie: no tie, each set is timed to its own answer.
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
-    a = _SyntheticRuns([40.0, 80.0, 160.0], 0.15, 9)
-    b = _SyntheticRuns([30.0, 80.0, 160.0], 0.15, 10)
+    a = SyntheticRuns([40.0, 80.0, 160.0], 0.15, 9)
+    b = SyntheticRuns([30.0, 80.0, 160.0], 0.15, 10)
     states, stops, tied = benchmark._time_sets(a, b, 3, params)  # type: ignore[arg-type]
     assert not tied and TIE_STOP not in stops
     assert all(stop is not None for stop in stops) and a.warmed == [0, 1, 2]
@@ -189,7 +173,7 @@ def test_time_sets_ends_as_the_rules_say_when_every_set_is_settled_at_the_floor(
     # A quiet host and a real tie: every interval sits inside 0.97..1.03 at ten blocks; "within noise" is the
     # rules' answer, the artifact is handed back as before (no tie).
     params = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs=1000, tie_stop=True)
-    a, b = _SyntheticRuns([40.0, 80.0], 0.002, 11), _SyntheticRuns([40.0, 80.0], 0.002, 12)
+    a, b = SyntheticRuns([40.0, 80.0], 0.002, 11), SyntheticRuns([40.0, 80.0], 0.002, 12)
     states, stops, tied = benchmark._time_sets(a, b, 2, params)  # type: ignore[arg-type]
     assert not tied and stops == ["settled: within noise"] * 2
     assert [len(s.a_ms) for s in states] == [10, 10]

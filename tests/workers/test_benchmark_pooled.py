@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from core.verdict import LatencyStats, slower_beyond_noise
-from tests.workers.conftest import SyntheticClock
+from tests.workers.conftest import SyntheticClock, SyntheticRuns
 from workers import benchmark
 from workers.benchmark import (
     POOLED_STOP,
@@ -20,22 +19,6 @@ from workers.benchmark import (
     cannot_turn_clearly_slower,
     decided,
 )
-
-
-class _SyntheticRuns:
-    """A model's runs per input set for ``_time_sets``: ``centers[i]`` ms with a relative normal spread."""
-
-    def __init__(self, centers: list[float], spread: float, seed: int) -> None:
-        self.centers, self.spread = centers, spread
-        self.rng = np.random.default_rng(seed)
-        self.warmed: list[int] = []
-
-    def warm_up(self, index: int, _warmup: int) -> int:
-        self.warmed.append(index)
-        return 0
-
-    def select(self, index: int) -> Callable[[], float]:
-        return lambda: self.centers[index] * (1.0 + self.spread * float(self.rng.standard_normal()))
 
 
 def _blocks(pairs: list[float], a_ms: float = 100.0, elapsed_s: float = 1.0) -> benchmark._Blocks:
@@ -68,10 +51,10 @@ _GATE = BenchmarkParams(min_runs=10, min_seconds=5.0, max_seconds=30.0, max_runs
 def test_time_sets_stops_the_open_sets_once_the_pooled_decision_is_taken_when_pooled_stop(
     clock: SyntheticClock, seed: int
 ) -> None:
-    plain_a, plain_b = _SyntheticRuns(_CENTERS_A, 0.12, seed), _SyntheticRuns(_CENTERS_B, 0.12, seed + 1)
+    plain_a, plain_b = SyntheticRuns(_CENTERS_A, 0.12, seed), SyntheticRuns(_CENTERS_B, 0.12, seed + 1)
     plain_states, plain_stops, _ = benchmark._time_sets(plain_a, plain_b, 3, _GATE)  # type: ignore[arg-type]
     params = dataclasses.replace(_GATE, pooled_stop=True)
-    a, b = _SyntheticRuns(_CENTERS_A, 0.12, seed), _SyntheticRuns(_CENTERS_B, 0.12, seed + 1)
+    a, b = SyntheticRuns(_CENTERS_A, 0.12, seed), SyntheticRuns(_CENTERS_B, 0.12, seed + 1)
     states, stops, tied = benchmark._time_sets(a, b, 3, params)  # type: ignore[arg-type]
     assert not tied and any(stop is not None and stop.startswith(POOLED_STOP) for stop in stops)
     assert all(stop is not None for stop in stops)
@@ -88,11 +71,11 @@ def test_time_sets_calls_a_tie_after_the_floor_when_the_turns_show_one_and_tie_s
     # Open at the floor without a tie (a set looked faster there); the turns after it bring the pooled estimate
     # to a tie, which ends the comparison then instead of at the end of every set's budget.
     params = dataclasses.replace(_GATE, pooled_stop=True)
-    a, b = _SyntheticRuns(_CENTERS_A, 0.12, 14), _SyntheticRuns(_CENTERS_B, 0.12, 15)
+    a, b = SyntheticRuns(_CENTERS_A, 0.12, 14), SyntheticRuns(_CENTERS_B, 0.12, 15)
     states, stops, tied = benchmark._time_sets(a, b, 3, params)  # type: ignore[arg-type]
     assert tied and benchmark.TIE_STOP in stops and all(stop is not None for stop in stops)
     assert max(len(s.a_ms) for s in states) > _GATE.min_runs  # called past the floor
-    plain_a, plain_b = _SyntheticRuns(_CENTERS_A, 0.12, 14), _SyntheticRuns(_CENTERS_B, 0.12, 15)
+    plain_a, plain_b = SyntheticRuns(_CENTERS_A, 0.12, 14), SyntheticRuns(_CENTERS_B, 0.12, 15)
     plain_states, _, plain_tied = benchmark._time_sets(plain_a, plain_b, 3, _GATE)  # type: ignore[arg-type]
     assert not plain_tied  # at the floor alone there was no tie
     assert sum(len(s.a_ms) for s in states) < sum(len(s.a_ms) for s in plain_states)
