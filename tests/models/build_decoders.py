@@ -28,6 +28,14 @@ Every export is checked against torch in ONNX Runtime (atol 1e-4) at shapes othe
 (exported at batch 2, sequence 3, past 4): a prefill (batch 2, prompt 5, past 0) and a decode step (batch 2,
 1 token, past 7); without a cache at (2, 5) and (1, 11). A failed check deletes the file and raises.
 
+``<family>_merged_{ts,dynamo}.onnx`` (``--merged``; Llama and GPT-2): Optimum's ``decoder_model_merged.onnx``
+of an older ``text-generation-with-past`` export. The same seeded model is exported as Optimum's
+``decoder_model.onnx`` (``prefill``: the first three inputs, ``logits`` and the presents out; TorchScript
+leaves its presents' head dim symbolic) and the ``past`` file, merged by ``tests.models.merge`` (one ``If`` on
+``use_cache_branch``, the weights once in the outer graph) and each branch checked against its torch module:
+the no-cache branch fed a dummy past of ``NO_CACHE_PAST`` as Optimum's runtime does. Their manifest entries
+are under ``merged``.
+
 ``trained_llama_past_ts.onnx`` is a small Llama (hidden 64, 2 layers, 4/2 heads, byte-level vocabulary of
 256) trained for 300 steps (batch 16 x 128 bytes) on Python's own documentation (``pydoc_data.topics``, shipped with
 every CPython), with ``trained_llama_heldout.npy``: byte sequences of the held-out topics (never trained on),
@@ -40,6 +48,7 @@ needs only numpy and onnx, so tests and bench scripts import this module without
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -52,6 +61,8 @@ from typing import Any
 
 import numpy as np
 import onnx
+
+from tests.models.merge import NO_CACHE_PAST, USE_CACHE, merge_decoders
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "decoders"
@@ -117,13 +128,15 @@ def filename(family: str, cache: str, exporter: str) -> str:
 
 
 def input_names(layers: int, cache: str) -> list[str]:
+    """``cache``: "past" (with past inputs), "nopast" or "prefill" (Optimum's decoder_model.onnx: no past in,
+    presents out)."""
     past = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
     return ["input_ids", "attention_mask", "position_ids", *(past if cache == "past" else [])]
 
 
 def output_names(layers: int, cache: str) -> list[str]:
     present = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    return ["logits", *(present if cache == "past" else [])]
+    return ["logits", *(present if cache in ("past", "prefill") else [])]
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -269,6 +282,22 @@ def wrap(model: Any, cache: str) -> Any:
             presents = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
             return (out.logits, *presents)
 
+    class Prefill(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=DynamicCache(config=config),
+                use_cache=True,
+            )
+            presents = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            return (out.logits, *presents)
+
     class NoPast(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -280,7 +309,7 @@ def wrap(model: Any, cache: str) -> Any:
             )
             return (out.logits,)
 
-    return (WithPast() if cache == "past" else NoPast()).eval()
+    return {"past": WithPast, "prefill": Prefill, "nopast": NoPast}[cache]().eval()
 
 
 def _torch_args(family: Family, cache: str, batch: int, seq: int, past: int, seed: int) -> tuple[Any, ...]:
@@ -311,7 +340,7 @@ def export(module: Any, family: Family, cache: str, exporter: str, path: Path) -
             for name in names_in[3:]:
                 axes[name] = {0: "batch", 2: "past_sequence"}
             for name in names_out[1:]:
-                axes[name] = {0: "batch", 2: "total_sequence"}
+                axes[name] = {0: "batch", 2: "total_sequence" if cache == "past" else "sequence"}
             torch.onnx.export(
                 module,
                 args,
@@ -387,6 +416,8 @@ def _check_graph(model: onnx.ModelProto, names_in: Sequence[str], names_out: Seq
         dims = value.type.tensor_type.shape.dim
         symbolic = [i for i, d in enumerate(dims) if d.dim_param]
         want = [0, 2] if value.name.startswith(("past_key_values.", "present.")) else [0, 1]
+        if value.name.startswith("present.") and symbolic == [0, 2, 3]:
+            continue  # without a past input to read it from, TorchScript leaves the prefill's head dim symbolic
         if symbolic != want:
             raise AssertionError(f"{value.name}: symbolic axes {symbolic}, expected {want}: {dims}")
 
@@ -548,6 +579,79 @@ def build_trained(out: Path, steps: int) -> dict[str, Any]:
     return entry
 
 
+# ----------------------------------------------------------------------------------------------- merged
+
+
+def merged_filename(family: str, exporter: str) -> str:
+    return f"{family}_merged_{exporter}.onnx"
+
+
+def merged_decoder_feeds(
+    model: onnx.ModelProto | str | Path, use_cache: bool, batch: int, seq: int, past: int = 0, *, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Feeds for one call of a merged decoder-only file, as Optimum's runtime makes them: the cache branch a
+    cache of ``past`` positions (the mask ``past + seq`` long); the no-cache branch (the first step) a dummy
+    cache ``NO_CACHE_PAST`` long that it never reads, and a mask as long as the prompt."""
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+    signature = Signature.of(proto)
+    names = [n for n in signature.inputs if n != USE_CACHE]
+    cached = dataclasses.replace(signature, inputs=tuple(names))
+    feeds = decoder_feeds(cached, batch, seq, past if use_cache else NO_CACHE_PAST, seed=seed)
+    if not use_cache:
+        first = decoder_feeds(dataclasses.replace(cached, inputs=tuple(names[:3]), layers=0), batch, seq, 0, seed=seed)
+        feeds.update(first)  # ids, a mask and positions for the prompt alone
+    feeds[USE_CACHE] = np.array([use_cache])
+    return {n: feeds[n] for n in signature.inputs}
+
+
+MERGED_FAMILIES = ("llama", "gpt2")
+MERGED_CHECKS = ((False, 2, 5, 0), (False, 1, 11, 0), (True, 2, 1, 7), (True, 3, 2, 4))  # cache?, b, s, past
+
+
+def build_merged(family: Family, exporter: str, out: Path) -> dict[str, Any]:
+    """``<family>_merged_<exporter>.onnx``: Optimum's decoder_model.onnx (``prefill``: no past in, presents
+    out) and decoder_with_past_model.onnx (``past``) exported from one model and merged as Optimum does
+    (tests.models.merge); each branch checked against its torch module in ONNX Runtime (atol 1e-4)."""
+    import tempfile
+
+    import onnxruntime as ort
+    import torch
+
+    t0 = time.perf_counter()
+    model = causal_lm(family)
+    protos = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cache in ("prefill", "past"):
+            path = Path(tmp) / filename(family.name, cache, exporter)
+            protos[cache] = export(wrap(model, cache), family, cache, exporter, path)
+    merged = merge_decoders(protos["prefill"], protos["past"])
+    builder = f"tests.models.build_decoders --merged --only {family.name}"
+    for prop in protos["prefill"].metadata_props:
+        merged.metadata_props.add(key=prop.key, value=builder if prop.key == "onnxforge.builder" else prop.value)
+    path = out / merged_filename(family.name, exporter)
+    save(merged, path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names_out = output_names(family.layers, "past")
+    worst = 0.0
+    try:
+        for seed, (use_cache, batch, seq, past) in enumerate(MERGED_CHECKS, start=1):
+            feeds = merged_decoder_feeds(merged, use_cache, batch, seq, past, seed=seed)
+            cache = "past" if use_cache else "prefill"
+            args = [torch.from_numpy(feeds[n]) for n in input_names(family.layers, cache)]
+            with torch.no_grad():
+                ref = wrap(model, cache)(*args)
+            got = session.run(names_out, feeds)
+            where = f"use_cache_branch={use_cache}, batch {batch}, sequence {seq}, past {past}"
+            worst = max(worst, compare_with_torch([f"{path.name}.{n}" for n in names_out], ref, got, where))
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    branches = {a.g.name: len(a.g.node) for a in merged.graph.node[0].attribute}
+    entry = {"file": path.name, "family": family.name, "cache": "merged", "exporter": exporter}
+    entry.update(branch_nodes=branches, outer_initializers=len(merged.graph.initializer))
+    return _entry(entry, path, merged, worst, t0)
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 
@@ -584,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-trained", action="store_true", help="do not train and export the trained Llama")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--reuse", action="store_true", help="keep existing corpus files (verified again)")
+    parser.add_argument("--merged", action="store_true", help="only build the merged files (--only: families)")
     parser.add_argument("--qwen05", type=Path, default=None, help="build only the Qwen2.5-0.5B-shaped decoder here")
     args = parser.parse_args(argv)
     if args.qwen05 is not None:
@@ -592,6 +697,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path = args.out / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"files": []}
+    if args.merged:
+        built = [build_merged(FAMILIES[n], x, args.out) for n in args.only or MERGED_FAMILIES for x in EXPORTERS]
+        done = {e["file"] for e in built}
+        # Kept apart from ``files`` (the corpus exports): what the corpus tests read stays as it was.
+        manifest["merged"] = sorted([*(e for e in manifest.get("merged", []) if e["file"] not in done), *built],
+                                    key=lambda e: e["file"])  # fmt: skip
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        print(f"{len(built)} merged files verified -> {args.out}")
+        return 0
     entries = build_corpus(args.only or list(FAMILIES), args.out, reuse=args.reuse)
     if not args.skip_trained:
         entries.append(build_trained(args.out, args.train_steps))
@@ -601,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "families": {n: asdict(f) for n, f in [*FAMILIES.items(), (TRAINED, TRAINED_FAMILY)]},
         "files": sorted([*kept, *entries], key=lambda e: e["file"]),
+        "merged": manifest.get("merged", []),
     }
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     failed = [e for e in entries if "error" in e]
