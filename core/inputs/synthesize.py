@@ -227,7 +227,24 @@ class InputSynthesis:
             fixed = list(shapes[name])
             fixed[axis] = value
             shapes[name] = tuple(fixed)
+        if not no_cache and past_len and self.cache_branch(index) is not None:
+            self._mask_over_past(shapes, overrides, past_len)
         return shapes
+
+    def _mask_over_past(
+        self, shapes: dict[str, tuple[int, ...]], overrides: Mapping[str, Sequence[int]], past: int
+    ) -> None:
+        """A merged decoder-only file declares its inputs with the no-cache decoder's dims (Optimum's merge
+        takes the first file's), so its mask shares the ids' sequence name; the cache branch reads a mask over
+        past + new tokens."""
+        new = next((s[-1] for n, s in shapes.items() if self._role(n).role == "token_ids" and s), None)
+        for spec in self.specs:
+            role = self._role(spec.name)
+            if new is None or role.role != "attention_mask" or role.cross or spec.name in overrides or not spec.rank:
+                continue
+            fixed = list(shapes[spec.name])
+            fixed[-1] = new + past
+            shapes[spec.name] = tuple(fixed)
 
     def encoder_axes(self, cross_cache: bool = True) -> dict[str, int]:
         """Input -> its axis over the encoder's sequence: encoder states (axis 1), a cross-attention mask (its
