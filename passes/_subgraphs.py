@@ -48,6 +48,14 @@ class _GraphPass(Protocol):
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult: ...
 
 
+def _follower(pass_: _GraphPass, notes: dict[str, Any]) -> _GraphPass:
+    """The pass to run on the other branches of an If: ``pass_.for_other_branches(notes)`` where the pass has
+    one (it fixes what it measured on the first branch, e.g. quantize_int4's block size, so that weights the
+    branches share come out equal and stay stored once), else ``pass_``."""
+    follow = getattr(pass_, "for_other_branches", None)
+    return pass_ if follow is None else follow(notes)
+
+
 def _count(graph: onnx.GraphProto) -> int:
     return sum(1 + sum(_count(a.g) for a in n.attribute if a.HasField("g")) for n in graph.node)
 
@@ -105,6 +113,7 @@ def standalone(proto: onnx.ModelProto, branch: onnx.GraphProto) -> onnx.ModelPro
     )  # no value_info: shapes inferred inside the If (under the outer outputs Optimum declared) can be wrong
     model = onnx.helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
     model.functions.extend(proto.functions)
+    model.metadata_props.extend(proto.metadata_props)  # what a pass reads there (max_position_embeddings)
     return model
 
 
@@ -255,11 +264,13 @@ def in_branches(pass_: _GraphPass, model: ir.Model, ctx: PassContext) -> PassRes
     notes: dict[str, Any] = {}
     modified = False
     for node in targets:
-        for attr in node.attribute:
-            if attr.name not in _BRANCHES:
-                continue
+        branches = [(a, standalone(proto, a.g)) for a in node.attribute if a.name in _BRANCHES]
+        # The branch reading the most outer inputs first: the cache branch (it reads the caches beside the
+        # decoder's inputs), the one a decode step runs, where a pass that measures should measure.
+        branches.sort(key=lambda b: -len(b[1].graph.input) if not isinstance(b[1], str) else 0)
+        runner, first = pass_, None
+        for attr, alone in branches:
             where = f"If {node.name or node.output[0]} {attr.name} ({attr.g.name})"
-            alone = standalone(proto, attr.g)
             if isinstance(alone, str):
                 non_matches.append(NonMatch(f"inside {where}: not optimized: {alone}", node.name, "If"))
                 continue
@@ -271,10 +282,12 @@ def in_branches(pass_: _GraphPass, model: ir.Model, ctx: PassContext) -> PassRes
                 side_files=ctx.side_files,
                 measure=ctx.measure,
             )
-            result = pass_.call(ir.serde.deserialize_model(alone), sub_ctx)
+            result = runner.call(ir.serde.deserialize_model(alone), sub_ctx)
             for m in result.non_matches:
                 non_matches.append(NonMatch(f"inside {where}: {m.reason}", m.node, m.op_type))
-            notes[where] = result.notes
+            notes[where] = result.notes if first is None else {**result.notes, "choices_from": first}
+            if first is None:
+                first, runner = where, _follower(pass_, result.notes)
             if not result.modified:
                 continue
             why = put_back(proto, attr.g, ir.serde.serialize_model(result.model))

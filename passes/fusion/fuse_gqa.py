@@ -69,6 +69,7 @@ import onnx_ir.passes.common as common_passes
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._subgraphs import in_branches
 from passes.fusion import _gqa_rewrite as rewrite
 from passes.fusion._gqa_match import Site, match_sites
 from passes.fusion._gqa_probe import Feeder, MaskKind, ProbeError, measure_shapes, probe_mask
@@ -116,6 +117,8 @@ class FuseGqa(Pass[FuseGqaOptions]):
     in_place = True
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: fuse inside its If
+            return branches
         sites, declined = match_sites(model.graph)
         notes: dict[str, Any] = {"attention_layers": len(sites) + len(declined), "padding": LEFT_PADDING}
         if ctx.target == "tensorrt":

@@ -32,6 +32,7 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._subgraphs import in_branches
 from passes.fusion import _decoder_structure
 from passes.fusion._decoder_norm import divide_rms_norms
 from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_positions, rows
@@ -58,6 +59,8 @@ class FuseRotary(Pass[FuseRotaryOptions]):
     )
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: fuse inside its If
+            return branches
         del ctx  # the rewrite is decided from the graph alone
         graph = model.graph
         outputs = set(graph.outputs)

@@ -173,6 +173,22 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
     exact = False
     in_place = False
 
+    def for_other_branches(self, notes: dict[str, Any]) -> QuantizeInt4:
+        """passes._subgraphs: the block size and lm_head precision measured on a merged decoder's cache branch,
+        given to its other branch as options. Picked apart, they differed (merged Whisper: block 16 and 64;
+        GPT-2: an 8-bit head in one branch, float in the other, on timing noise), and every weight both
+        branches read was packed, and stored, twice. The accuracy level stays each branch's: it is a node
+        attribute, no stored bytes, and fixing it fixed the head's too (GPT-2's no-cache branch then refused
+        its 8-bit head at level 0). The budget still holds per branch: a MatMul too sensitive in one branch
+        alone stays 8-bit there (stored apart)."""
+        update: dict[str, Any] = {}
+        if isinstance(size := notes.get("block_size"), dict):
+            update["block_size"] = size["chosen"]
+        head = str(notes.get("lm_head_decision", "")).split(" ")[0].rstrip(":")
+        if self.options.lm_head == "auto" and head in ("int8", "float"):
+            update["lm_head"] = head
+        return type(self)(self.options.model_copy(update=update))
+
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: each branch's MatMuls
             return branches

@@ -221,8 +221,8 @@ def test_quantize_int4_quantizes_inside_both_branches_when_the_model_is_a_merged
     ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
     # execute
     result = QuantizeInt4()(model, ctx)
-    # assert: MatMulNBits in both branches; packed weights equal in both held once, outside them (each branch
-    # picks its block size by measurement: where the two picks differ, each branch keeps its own)
+    # assert: MatMulNBits in both branches; packed weights equal in both held once, outside them (the block
+    # size is measured on the cache branch and given to the other: tests/test_merged_decoder_only.py)
     proto = ir.serde.serialize_model(result.model)
     assert result.modified and result.counts["nodes_quantized"] > 0
     for branch, ops in _branch_ops(proto).items():

@@ -1,0 +1,243 @@
+"""Optimum's merged decoder-only files (older ``text-generation-with-past`` exports of Llama, GPT-2, ...): one
+``If`` on ``use_cache_branch`` whose then-branch is decoder_with_past and else-branch the decoder (no past in,
+presents out), the weights in the outer graph (tests/models/decoders/<family>_merged_<exporter>.onnx, built by
+``python -m tests.models.build_decoders --merged``).
+
+The files: Optimum's layout, each branch giving the corpus file of the same seeded model (the no-cache branch
+the no-past file's logits, the cache branch every output of the past file). The generated sets: the cache
+branch's mask spans past + new tokens although Optimum declares it with the decoder's dims. The passes:
+fuse_rotary and fuse_gqa inside both branches (passes._subgraphs), exact on both at shapes other than the
+generated sets'; quantize_int4 picks its block size and lm_head precision once, on the cache branch, so each
+packed weight both branches read is stored once. The pipeline: a no-sample ``fast`` job, verified on both."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from core.config import JobConfig
+from core.inputs import InputSynthesis, generate_input_sets
+from core.settings import PipelineSettings
+from passes._infra import PassContext
+from passes.fusion.fuse_gqa import FuseGqa
+from passes.fusion.fuse_rotary import FuseRotary
+from passes.precision.quantize_int4 import QuantizeInt4
+from passes.registry import build_passes, get_preset
+from tests.models.build_decoders import OUT, filename, input_names, merged_decoder_feeds, merged_filename, output_names
+from tests.models.merge import NO_CACHE_PAST, USE_CACHE
+from tests.numerics import reference_session, run_named
+from workers.pipeline import PipelineRequest, run_pipeline
+
+MANIFEST = json.loads((OUT / "manifest.json").read_text())
+ENTRIES = {e["file"]: e for e in MANIFEST.get("merged", [])}
+BUILT = sorted((e["family"], e["exporter"]) for e in ENTRIES.values())
+LAYERS = 2
+ATOL = 1e-4
+# (use_cache_branch, batch, new tokens, past): none of them a generated set's shape
+OTHER_SHAPES = ((False, 3, 7, 0), (False, 1, 2, 0), (True, 3, 1, 5), (True, 1, 3, 9))
+
+
+def _stem(name: str) -> str:
+    """A packed weight's name less the quantizer's suffix: the MatMul weight it came from."""
+    return re.sub(r"_(Q4|Q8|scales|zero_points)$", "", name)
+
+
+def path_of(family: str, exporter: str) -> Path:
+    return OUT / merged_filename(family, exporter)
+
+
+def _branch_ops(proto: onnx.ModelProto) -> dict[str, Counter[str]]:
+    (node,) = proto.graph.node
+    return {a.g.name: Counter(n.op_type for n in a.g.node) for a in node.attribute}
+
+
+def _assert_exact_on_both_branches(source: Path, optimized: onnx.ModelProto | Path) -> None:
+    want_sess, got_sess = reference_session(source), reference_session(optimized)
+    for seed, (use_cache, batch, seq, past) in enumerate(OTHER_SHAPES):
+        feeds = merged_decoder_feeds(source, use_cache, batch, seq, past, seed=seed)
+        want, got = run_named(want_sess, feeds), run_named(got_sess, feeds)
+        assert want.keys() == got.keys()
+        for key, expected in want.items():
+            where = f"use_cache={use_cache}, {seq} new on {past}: {key}"
+            np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=where)
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def test_merged_decoder_only_files_exist_for_llama_and_gpt2_by_both_exporters_when_built():
+    assert set(BUILT) == {(f, x) for f in ("llama", "gpt2") for x in ("ts", "dynamo")}
+    assert sum(e["bytes"] for e in ENTRIES.values()) < 1_500_000  # small enough to commit
+
+
+@pytest.mark.parametrize(("family", "exporter"), BUILT)
+def test_merged_decoder_only_file_has_optimums_layout_when_loaded(family, exporter):
+    # setup
+    path = path_of(family, exporter)
+    # execute
+    model = onnx.load(str(path))
+    # assert: unchanged since the build; one If on the flag; the decoder's inputs, the caches, the flag
+    assert ENTRIES[path.name]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    (node,) = model.graph.node
+    assert node.op_type == "If" and list(node.input) == [USE_CACHE]
+    branches = {a.name: a.g.name for a in node.attribute}
+    assert branches == {"then_branch": "with_past", "else_branch": "no_past"}
+    assert [i.name for i in model.graph.input] == [*input_names(LAYERS, "past"), USE_CACHE]
+    assert [o.name for o in model.graph.output] == output_names(LAYERS, "past")
+    assert model.graph.initializer and all("_merged_" in t.name for t in model.graph.initializer)
+
+
+@pytest.mark.parametrize(("family", "exporter"), BUILT)
+def test_each_branch_gives_the_corpus_file_of_the_same_model_when_run(family, exporter):
+    # setup: the corpus files export the same seeded model, with and without a cache
+    merged = reference_session(path_of(family, exporter))
+    past = reference_session(OUT / filename(family, "past", exporter))
+    nopast = reference_session(OUT / filename(family, "nopast", exporter))
+    for seed, (use_cache, batch, seq, length) in enumerate(OTHER_SHAPES):
+        feeds = merged_decoder_feeds(path_of(family, exporter), use_cache, batch, seq, length, seed=seed)
+        # execute
+        got = run_named(merged, feeds)
+        alone = past if use_cache else nopast
+        want = run_named(alone, {i.name: feeds[i.name] for i in alone.get_inputs()})
+        # assert: the cache branch every output of the past file; the first step its logits and presents as
+        # long as the prompt
+        for key, expected in want.items():
+            np.testing.assert_allclose(got[key], expected, atol=ATOL, rtol=0, err_msg=f"{use_cache}: {key}")
+        if not use_cache:
+            assert got["present.0.key"].shape[2] == seq
+
+
+def test_generated_sets_give_the_cache_branch_a_mask_over_past_and_new_tokens_when_synthesized():
+    # setup: Optimum declares the mask with the decoder's dims, the ids' sequence name
+    path = path_of("llama", "ts")
+    model = onnx.load(str(path))
+    assert model.graph.input[1].type.tensor_type.shape.dim[1].dim_param == "sequence"
+    # execute
+    sets = InputSynthesis(model).generate(3)
+    # assert: both branches run, each on the mask it reads
+    sess = reference_session(path)
+    for input_set in sets:
+        feeds = input_set.feeds
+        cache = bool(feeds[USE_CACHE][0])
+        past, new = feeds["past_key_values.0.key"].shape[2], feeds["input_ids"].shape[1]
+        assert feeds["attention_mask"].shape[1] == (past + new if cache else new)
+        assert cache or past == NO_CACHE_PAST
+        assert run_named(sess, feeds)["present.0.key"].shape[2] == (past + new if cache else new)
+    assert [bool(s.feeds[USE_CACHE][0]) for s in sets] == [False, True, True]
+
+
+# ---------------------------------------------------------------------------------------------- passes
+
+
+@pytest.mark.parametrize(("family", "exporter"), BUILT)
+def test_rotary_and_gqa_fuse_inside_both_branches_when_the_decoder_only_model_is_merged(family, exporter):
+    # setup: the fast preset's cleanups first (GPT-2's TorchScript prefill concatenates each new key with
+    # nothing, a one-input Concat they remove)
+    source = path_of(family, exporter)
+    model = ir.serde.deserialize_model(onnx.load(str(source)))
+    ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
+    specs = get_preset("fast").specs
+    for cleanup in build_passes(specs[: [s.name for s in specs].index("fuse_rotary")]):
+        model = cleanup(model, ctx).model
+    # execute
+    rotary = FuseRotary()(model, ctx)
+    gqa = FuseGqa()(rotary.model, ctx)
+    proto = ir.serde.serialize_model(gqa.model)
+    # assert: every attention of both branches a GroupQueryAttention (GPT-2: MHA as GQA, kv heads = heads),
+    # Llama's rotaries a RotaryEmbedding in both; the outer graph still Optimum's one If
+    assert gqa.counts["fused_gqa"] == 2 * LAYERS, gqa.non_matches
+    assert [n.op_type for n in proto.graph.node] == ["If"]
+    for branch, ops in _branch_ops(proto).items():
+        assert ops["GroupQueryAttention"] == LAYERS, (branch, ops)
+        assert ops["Softmax"] == 0, (branch, ops)
+        if family == "llama":
+            assert ops["RotaryEmbedding"] >= 2 * LAYERS, (branch, ops)
+    if family == "llama":
+        assert rotary.counts["rotary_embeddings"] >= 2 * 2 * LAYERS
+    layers = {w: [x["cache"] for x in n["layers"]] for w, n in gqa.notes["branches"].items()}
+    assert sorted(layers.values()) == [[False] * LAYERS, [True] * LAYERS]  # each branch fused as its kind
+    _assert_exact_on_both_branches(source, proto)
+
+
+@pytest.mark.parametrize(("family", "exporter"), [("llama", "ts"), ("gpt2", "dynamo")])
+def test_quantize_int4_picks_one_block_size_so_shared_weights_are_stored_once_when_merged(family, exporter):
+    # setup
+    source = onnx.load(str(path_of(family, exporter)))
+    model = ir.serde.deserialize_model(source)
+    ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
+    # execute
+    result = QuantizeInt4()(model, ctx)
+    proto = ir.serde.serialize_model(result.model)
+    # assert: measured on the cache branch, given to the other
+    notes = result.notes["branches"]
+    cache_where, other_where = list(notes)  # in the order they ran
+    assert "with_past" in cache_where and notes[other_where]["choices_from"] == cache_where
+    assert notes[other_where]["block_size"] == {"chosen": notes[cache_where]["block_size"]["chosen"], "by": "option"}
+    # assert: every packed weight once: no two equal tensors anywhere; a branch holds a weight of its own
+    # only where the accuracy loop kept that MatMul 8-bit in one branch and not the other
+    assert result.modified and result.counts["branch_weights_shared"] > 0
+    (node,) = proto.graph.node
+    tensors = [*proto.graph.initializer, *(t for a in node.attribute for t in a.g.initializer if len(t.dims) > 1)]
+    digests = [(t.data_type, tuple(t.dims), onnx.numpy_helper.to_array(t).tobytes()) for t in tensors]
+    assert len(digests) == len(set(digests))
+    bits = [
+        {_stem(n.input[1]): next(a.i for a in n.attribute if a.name == "bits") for n in a.g.node
+         if n.op_type == "MatMulNBits"}
+        for a in node.attribute
+    ]  # fmt: skip
+    assert bits[0] and bits[0].keys() == bits[1].keys()
+    for attr in node.attribute:
+        for tensor in attr.g.initializer:
+            if len(tensor.dims) > 1:
+                stem = _stem(tensor.name)
+                assert bits[0][stem] != bits[1][stem], (attr.g.name, tensor.name)
+    assert sum(t.ByteSize() for t in tensors) < 0.7 * sum(t.ByteSize() for t in source.graph.initializer)
+    # numerics: int4 on random weights, within the int4 preset's tolerance, on both branches at other shapes
+    want_sess, got_sess = reference_session(source), reference_session(proto)
+    for use_cache, batch, seq, past in ((False, 3, 5, 0), (True, 2, 1, 7)):
+        feeds = merged_decoder_feeds(source, use_cache, batch, seq, past, seed=4)
+        want, got = run_named(want_sess, feeds)["logits"], run_named(got_sess, feeds)["logits"]
+        cosine = float(np.sum(want * got) / np.linalg.norm(want) / np.linalg.norm(got))
+        assert cosine > 0.98, (use_cache, cosine)
+
+
+# -------------------------------------------------------------------------------------------- pipeline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "exporter"), [("llama", "ts"), ("llama", "dynamo")])
+def test_fast_job_on_a_merged_decoder_only_model_fuses_gqa_and_rotary_in_both_branches_when_no_samples(
+    family, exporter, tmp_path
+):
+    # setup
+    source = path_of(family, exporter)
+    settings = PipelineSettings(
+        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.1, ledger_runs=5,
+        intra_op_threads=1,
+    )  # fmt: skip
+    config = JobConfig(preset="fast", rollback_slower=False, benchmark=False)
+    # execute
+    result = run_pipeline(PipelineRequest(source, tmp_path / "job", config, settings))
+    report = result.report
+    # assert: verified on sets of both branches; the fusions read from the verified pass record
+    assert report["verification"]["ok"] is True, report["verification"]
+    names = [s["name"] for s in report["input_sets"]]
+    assert any("the no-cache branch" in n for n in names) and any("the cache branch" in n for n in names)
+    passes = {p["name"]: p for p in report["passes"]}
+    assert passes["fuse_gqa"]["status"] == "applied" and passes["fuse_gqa"]["counts"]["fused_gqa"] == 2 * LAYERS
+    assert passes["fuse_rotary"]["status"] == "applied"
+    assert passes["fuse_rotary"]["counts"]["rotary_embeddings"] >= 2 * 2 * LAYERS
+    # the artifact (the fused model, or the upload when the final gate times it slower on a tiny model)
+    proto = onnx.load(str(result.model_path))
+    if report["decision"]["result"] != "original":
+        for branch, ops in _branch_ops(proto).items():
+            assert ops["GroupQueryAttention"] == LAYERS and ops["RotaryEmbedding"] >= 2 * LAYERS, (branch, ops)
+    _assert_exact_on_both_branches(source, result.model_path)
