@@ -130,13 +130,22 @@ class FuseGqa(Pass[FuseGqaOptions]):
         feeder = Feeder(model)
         if (why := feeder.unfeedable()) is not None:
             return PassResult(model, False, {}, [*declined, NonMatch(f"shape probe: {why}")], notes)
+        masks: dict[int, MaskKind | str] = {}  # by mask value: layers share one
+        if not self._any_causal(model, feeder, sites, masks):
+            # No layer's mask is causal (an encoder-decoder's padding and cross masks, a decoder fed no mask of
+            # its own): each is declined for its mask, before the whole model is run to measure shapes.
+            for site in sites:
+                head = f"attention layer {site.layer} (node {site.softmax.name})"
+                why = masks.get(id(site.mask), "not causal self-attention")
+                declined.append(NonMatch(f"{head}: {why}", node=site.softmax.name, op_type="Softmax"))
+            notes["masks"] = []
+            return PassResult(model, False, {}, declined, notes)
         try:
             probed = [v for site in sites for v in site.probed()]
             shapes = measure_shapes(model, feeder, probed + [s.mask for s in sites if s.mask is not None])
         except ProbeError as exc:
             return PassResult(model, False, {}, [*declined, NonMatch(f"shape probe: {exc}")], notes)
         unfit = _samples_unfit(ctx.samples, feeder)
-        masks: dict[int, MaskKind | str] = {}
         plans: list[tuple[Site, tuple[int, int, int], str, MaskKind]] = []
         for site in sites:
             head = f"attention layer {site.layer} (node {site.softmax.name})"
@@ -227,6 +236,17 @@ class FuseGqa(Pass[FuseGqaOptions]):
             return sets, f"verified at the window of {window} keys where the upload runs"
         limit = f"{positions} positions (window_edge_up_to, max_position_embeddings or rotary table)"
         return sets, f"the window of {window} keys: not verified at {', '.join(beyond)}: beyond {limit}"
+
+    def _any_causal(self, model, feeder: Feeder, sites: list[Site], masks: dict[int, MaskKind | str]) -> bool:
+        """Probe each distinct mask once (into ``masks``, which ``_causal`` reads); whether any is causal."""
+        causal = False
+        for site in sites:
+            try:
+                self._causal(model, feeder, site, masks)
+                causal = True
+            except ProbeError:
+                pass
+        return causal
 
     def _causal(self, model, feeder: Feeder, site: Site, masks: dict[int, MaskKind | str]) -> MaskKind:
         """The layer's mask kind (causal, its window), probed once per distinct mask value; ProbeError when
