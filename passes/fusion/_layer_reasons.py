@@ -62,13 +62,16 @@ def layer_reasons(
     sites = [(group, node) for node in model.graph for group in _groups_of(node) if group in groups]
     if not sites:
         return reasons
-    traced = {
-        "attention": adapter.trace_roots(_before_sdpa(model), ["sdpa"]),
-        "skip_layer_norm": adapter.trace_roots(
+    # Traced only for the groups left with a site: each trace applies its rule sets to a copy of the model,
+    # a second on a seq2seq export, for a group whose every site fused.
+    tracers = {
+        "attention": lambda: adapter.trace_roots(_before_sdpa(model), ["sdpa"]),
+        "skip_layer_norm": lambda: adapter.trace_roots(
             model, ["skip_layer_normalization", "rms_normalization", rms_norm_opset17.rules]
         ),
-        "gelu": adapter.trace_roots(model, ["gelu", "bias_gelu", tanh_gelu.rules]),
+        "gelu": lambda: adapter.trace_roots(model, ["gelu", "bias_gelu", tanh_gelu.rules]),
     }
+    traced = {group: tracers[group]() for group in dict.fromkeys(group for group, _ in sites)}
     order = _ranks(original)
     for group, anchor in sites:
         label, layer = order.get((anchor.op_type, anchor.name), (None, "?"))
@@ -157,7 +160,7 @@ def _before_sdpa(model: ir.Model) -> ir.Model:
     """A copy with the steps fuse_for_ort runs before the SDPA rules (the head-merge guard, T5's bias and mask
     grouped into one): traced without them, a T5 attention would be reported as stopped by its second
     additive term, a form the pipeline does fuse."""
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    copy = model.clone()  # shares the weights: the rules rewrite nodes, never a tensor
     merge_heads.rules.apply_to_model(copy)
     attention_bias.rules.apply_to_model(copy)
     return copy

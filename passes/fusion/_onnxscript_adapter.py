@@ -170,7 +170,7 @@ def closest_match(model: ir.Model, step: str) -> str:
     Uses the exported ``MatchingTracer``; the fields of the matches it records (``MatchInfo``) are not
     documented, so they are read here and nowhere else.
     """
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # tracing must never touch the result
+    copy = model.clone()  # tracing must never touch the result; the clone shares the weights, never written
     tracer = pattern.MatchingTracer()
     rule_set(step).apply_to_model(copy, tracer=tracer)
     best = max((m for ms in tracer.best_matches_map.values() for m in ms), key=lambda m: m.score(), default=None)
@@ -225,6 +225,6 @@ def trace_roots(model: ir.Model, rule_sets: list[pattern.RewriteRuleSet | str]) 
     sets of ours) there, traced on a copy: tracing never touches ``model``."""
     tracer = _PerRootTracer()
     for rules in rule_sets:
-        copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        copy = model.clone()  # shares the weights (a serialized copy copied them all, per rule set)
         (rule_set(rules) if isinstance(rules, str) else rules).apply_to_model(copy, tracer=tracer)
     return {root: attempt for root, (_score, attempt) in tracer.per_root.items()}
