@@ -652,6 +652,28 @@ def build_merged(family: Family, exporter: str, out: Path) -> dict[str, Any]:
     return _entry(entry, path, merged, worst, t0)
 
 
+def sdpa_filename(family: str) -> str:
+    return f"{family}_past_ts_sdpa.onnx"
+
+
+def build_sdpa(family: Family, out: Path) -> dict[str, Any]:
+    """``<family>_past_ts_sdpa.onnx``: the cache decoder as TorchScript exports it with
+    ``attn_implementation="sdpa"`` (its attention decomposed, with a Reshape of ``MatMul(probs, v)`` to the
+    query's shape that the eager export does not have), checked against torch like the corpus files."""
+    import shutil
+    import tempfile
+
+    model = causal_lm(family)
+    model.config._attn_implementation = "sdpa"
+    with tempfile.TemporaryDirectory() as tmp:  # built under the eager file's name, which must stay as it is
+        entry = build_one(lambda c: wrap(model, c), family, "past", "ts", Path(tmp))
+        if "error" in entry:
+            return {**entry, "file": sdpa_filename(family.name), "exporter": "ts_sdpa"}
+        path = out / sdpa_filename(family.name)
+        shutil.move(str(Path(tmp) / entry["file"]), path)
+    return {**entry, "file": path.name, "exporter": "ts_sdpa"}
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 
@@ -689,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--reuse", action="store_true", help="keep existing corpus files (verified again)")
     parser.add_argument("--merged", action="store_true", help="only build the merged files (--only: families)")
+    parser.add_argument("--sdpa", action="store_true", help="only build the TorchScript SDPA cache files")
     parser.add_argument("--qwen05", type=Path, default=None, help="build only the Qwen2.5-0.5B-shaped decoder here")
     args = parser.parse_args(argv)
     if args.qwen05 is not None:
@@ -706,6 +729,14 @@ def main(argv: list[str] | None = None) -> int:
         manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         print(f"{len(built)} merged files verified -> {args.out}")
         return 0
+    if args.sdpa:
+        built = [build_sdpa(FAMILIES[n], args.out) for n in args.only or FAMILIES]
+        done = {e["file"] for e in built}
+        manifest["sdpa"] = sorted([*(e for e in manifest.get("sdpa", []) if e["file"] not in done), *built],
+                                  key=lambda e: e["file"])  # fmt: skip
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        print(f"{len(built)} TorchScript SDPA files verified -> {args.out}")
+        return 0
     entries = build_corpus(args.only or list(FAMILIES), args.out, reuse=args.reuse)
     if not args.skip_trained:
         entries.append(build_trained(args.out, args.train_steps))
@@ -716,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         "families": {n: asdict(f) for n, f in [*FAMILIES.items(), (TRAINED, TRAINED_FAMILY)]},
         "files": sorted([*kept, *entries], key=lambda e: e["file"]),
         "merged": manifest.get("merged", []),
+        "sdpa": manifest.get("sdpa", []),
     }
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     failed = [e for e in entries if "error" in e]

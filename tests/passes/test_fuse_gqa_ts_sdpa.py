@@ -3,13 +3,16 @@
 TorchScript's SDPA decomposition reshapes ``MatMul(probs, v)`` back to the query's 4-D shape (a ``Reshape``
 whose target is read off the product's own ``Shape``) before the model's ``Transpose(0,2,1,3)``; the matcher
 expected the Transpose right after the MatMul and declined every layer of every family ("expected
-MatMul(probs, v) to feed one Transpose; found Shape, Reshape"). Exported here at test time from the corpus's
-families (tests/models/build_decoders), as ``test_fuse_rotary``'s partial Phi-3 is; numerics against the export
-under ORT with graph optimizations off, at caches and batches other than the export's, and for Mistral at and
-beyond its window (its crop of the past dropped, of the present kept).
+MatMul(probs, v) to feed one Transpose; found Shape, Reshape"). The files are the corpus families' cache
+decoders exported that way (``python -m tests.models.build_decoders --sdpa``, committed under
+tests/models/decoders/ and listed under ``sdpa`` in its manifest); numerics against the export under ORT with
+graph optimizations off, at caches and batches other than the export's, and for Mistral at and beyond its
+window (its crop of the past dropped, of the present kept).
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx_ir as ir
@@ -17,23 +20,17 @@ import pytest
 
 from passes._infra import op_histogram
 from passes.fusion.fuse_gqa import FuseGqa
-from tests.models import build_decoders as bd  # torch and transformers are imported by its build functions
+from tests.models import build_decoders as bd
 from tests.numerics import reference_session, run_named
-
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
 
 # (batch, new tokens, past); mistral's window is 64: 63 + 1 fills it, 100 + 3 is a past the export refuses
 CASES = ((1, 1, 5), (4, 1, 7), (1, 9, 6), (2, 20, 0), (1, 1, 63), (2, 1, 63), (1, 70, 0), (1, 3, 100))
+SDPA = {e["family"]: e for e in json.loads((bd.OUT / "manifest.json").read_text())["sdpa"]}
 
 
-def _export(name: str, tmp_path) -> tuple[bd.Family, object]:
-    family = bd.FAMILIES[name]
-    model = bd.causal_lm(family)
-    model.config._attn_implementation = "sdpa"
-    path = tmp_path / f"{name}_past_ts_sdpa.onnx"
-    bd.save(bd.export(bd.wrap(model, "past"), family, "past", "ts", path), path)
-    return family, path
+def _committed(name: str) -> tuple[bd.Family, object]:
+    assert "error" not in SDPA[name], SDPA[name]
+    return bd.FAMILIES[name], bd.OUT / bd.sdpa_filename(name)
 
 
 def _feeds(reference, family: bd.Family, batch: int, new: int, past: int, rng) -> dict[str, np.ndarray]:
@@ -50,10 +47,10 @@ def _feeds(reference, family: bd.Family, batch: int, new: int, past: int, rng) -
     return feeds
 
 
-@pytest.mark.parametrize("name", ["mistral", "llama", "gpt2"])
-def test_fuse_gqa_fuses_every_layer_of_a_torchscript_sdpa_export_with_a_cache_exactly(name, tmp_path):
+@pytest.mark.parametrize("name", sorted(bd.FAMILIES))
+def test_fuse_gqa_fuses_every_layer_of_a_torchscript_sdpa_export_with_a_cache_exactly(name):
     # setup
-    family, path = _export(name, tmp_path)
+    family, path = _committed(name)
     model = ir.load(path)
     window = dict(family.extra).get("sliding_window")
     # execute
