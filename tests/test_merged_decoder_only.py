@@ -241,3 +241,28 @@ def test_fast_job_on_a_merged_decoder_only_model_fuses_gqa_and_rotary_in_both_br
         for branch, ops in _branch_ops(proto).items():
             assert ops["GroupQueryAttention"] == LAYERS and ops["RotaryEmbedding"] >= 2 * LAYERS, (branch, ops)
     _assert_exact_on_both_branches(source, result.model_path)
+
+
+@pytest.mark.parametrize(("family", "exporter"), [("llama", "ts"), ("gpt2", "ts")])
+def test_unfuse_skip_layernorm_takes_the_residual_norms_apart_inside_both_branches_when_merged(family, exporter):
+    # setup: the fast preset up to unfuse_skip_layernorm, which leaves Skip*LayerNormalization in the branches
+    from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
+
+    source = path_of(family, exporter)
+    model = ir.serde.deserialize_model(onnx.load(str(source)))
+    ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
+    specs = get_preset("fast").specs
+    for earlier in build_passes(specs[: [s.name for s in specs].index("unfuse_skip_layernorm")]):
+        model = earlier(model, ctx).model
+    fused = _branch_ops(ir.serde.serialize_model(model))
+    skips = {b: ops["SkipSimplifiedLayerNormalization"] + ops["SkipLayerNormalization"] for b, ops in fused.items()}
+    assert any(skips.values()), fused  # the no-cache branch may have kept its norms (fuse_transformer)
+    # execute
+    result = UnfuseSkipLayerNorm()(model, ctx)
+    # assert: none left in either branch, each one counted; exact on both branches
+    proto = ir.serde.serialize_model(result.model)
+    for branch, ops in _branch_ops(proto).items():
+        assert ops["SkipSimplifiedLayerNormalization"] == ops["SkipLayerNormalization"] == 0, (branch, ops)
+    unfused = result.counts["skip_rms_norms_unfused"] + result.counts["skip_layernorms_unfused"]
+    assert unfused == sum(skips.values())
+    _assert_exact_on_both_branches(source, proto)

@@ -45,8 +45,9 @@ def rms_nodes(h: ir.Value, gamma: ir.Value, epsilon: float, opset: int, name: st
     root = ir.node("Sqrt", [shifted.outputs[0]], name=f"{name}/rms")
     normed = ir.node("Div", [h, root.outputs[0]], name=f"{name}/normalize")
     scaled = ir.node("Mul", [normed.outputs[0], gamma], name=f"{name}/scale")
-    for node in (shifted, root, normed, scaled):
-        node.outputs[0].dtype = h.dtype
+    if h.dtype is not None:  # an untyped input (an If branch) leaves them untyped: Tensor(None) cannot serialize
+        for node in (shifted, root, normed, scaled):
+            node.outputs[0].dtype = h.dtype
     scaled.outputs[0].shape = h.shape
     return [*nodes, shifted, root, normed, scaled]
 

@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import node_label, take_graph_output
+from passes._subgraphs import in_branches
 from passes.fusion import _rms_norm as rms_norm
 
 _ONNX_DOMAINS = ("", "ai.onnx")
@@ -72,6 +73,8 @@ class UnfuseSkipLayerNorm(Pass):
         if opset < _MIN_OPSET:
             reason = f"opset {opset} has no LayerNormalization (needs {_MIN_OPSET})"
             return PassResult(model, False, counts, [NonMatch(reason)], {"decision": "skipped: opset"})
+        if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: what fuse_transformer fused
+            return branches
         non_matches: list[NonMatch] = []
         graph = model.graph
         for node in list(graph):
