@@ -19,9 +19,7 @@ import numpy as np
 import onnx
 import pytest
 
-from core.config import JobConfig
 from core.inputs import InputSynthesis, analyze
-from core.settings import PipelineSettings
 from tests.models.build_seq2seq import (
     ARCHS,
     MERGED,
@@ -36,7 +34,7 @@ from tests.models.build_seq2seq import (
     verify_merged,
 )
 from tests.numerics import reference_session, run_named
-from workers.pipeline import PipelineRequest, run_pipeline
+from tests.test_seq2seq import fast_job
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
 MERGED_ENTRIES = {e["file"]: e for e in MANIFEST.get("merged", [])}
@@ -214,23 +212,13 @@ def test_sizes_a_caller_binds_run_the_cache_branch_when_fed_for_sizes():
 # -------------------------------------------------------------------------------------------- pipeline
 
 
-def _fast_job(source: Path, out: Path) -> tuple[Path, dict]:
-    settings = PipelineSettings(
-        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.1, ledger_runs=5,
-        intra_op_threads=1,
-    )  # fmt: skip
-    config = JobConfig(preset="fast", rollback_slower=False, benchmark=False)
-    result = run_pipeline(PipelineRequest(source, out, config, settings))
-    return result.model_path, result.report
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "exporter"), [("whisper", "ts"), ("t5", "dynamo")])
 def test_fast_job_on_a_merged_decoder_is_exact_on_both_branches_when_no_samples(arch, exporter, tmp_path):
     # setup
     source = merged_path(arch, exporter)
     # execute
-    artifact, report = _fast_job(source, tmp_path / "job")
+    artifact, report = fast_job(source, tmp_path / "job")
     # assert: verified on sets of both branches, named in the report
     assert report["verification"]["ok"] is True, report["verification"]
     names = [s["name"] for s in report["input_sets"]]
