@@ -23,7 +23,6 @@ import os
 import shlex
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -34,29 +33,15 @@ if str(REPO) not in sys.path:
 
 import onnxruntime as ort  # noqa: E402
 
-from bench.coverage_ab import _upload  # noqa: E402
-from core.recipe import apply_recipe, read_recipe, sanitize_recipe  # noqa: E402
+from bench.coverage_ab import _upload, profiled_session  # noqa: E402
+from core.recipe import read_recipe  # noqa: E402
 from tests.models import corpus  # noqa: E402
 
 SKIP = 3  # first runs allocate
 
 
 def _session(path: Path, prefix: str, with_recipe: bool) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    providers: list = ["CPUExecutionProvider"]
-    recipe = read_recipe(path) if with_recipe else None
-    if recipe:
-        with warnings.catch_warnings():  # as workers.sessions.make_session applies it
-            warnings.simplefilter("ignore")
-            recipe = {k: v for k, v in sanitize_recipe(dict(recipe)).items() if k != "warmup"}
-        options, providers = apply_recipe(recipe, options, target="cpu")
-    options.enable_profiling = True
-    options.profile_file_prefix = prefix
-    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    return profiled_session(path, read_recipe(path) if with_recipe else None, prefix)
 
 
 def _totals(profile: str, nodes: float | None) -> tuple[float, dict[str, float]]:

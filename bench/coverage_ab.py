@@ -29,6 +29,7 @@ import tempfile
 import warnings
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -75,8 +76,9 @@ def _interleave(sessions: dict, feeds: dict, seconds: float, min_blocks: int) ->
     return interleave(sessions, feeds, seconds, min_blocks)
 
 
-def _op_totals(path: Path, recipe: dict | None, feeds: dict, runs: int, prefix: str) -> dict[str, float]:
-    """ms per run by op type from ORT's profiler (kernel events only)."""
+def profiled_session(path: Path, recipe: dict | None, prefix: str) -> Any:
+    """A profiling ORT session of ``path`` at ORT_ENABLE_ALL and 1 thread, with the job's session recipe applied
+    as the service applies it (``warmup`` aside); profiles written under ``prefix``."""
     import onnxruntime as ort
 
     from core.recipe import apply_recipe, sanitize_recipe
@@ -86,17 +88,20 @@ def _op_totals(path: Path, recipe: dict | None, feeds: dict, runs: int, prefix: 
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    options.enable_profiling = True
-    options.profile_file_prefix = prefix
     providers: list = ["CPUExecutionProvider"]
     if recipe:
         with warnings.catch_warnings():  # as workers.sessions.make_session applies it
             warnings.simplefilter("ignore")
             recipe = {k: v for k, v in sanitize_recipe(dict(recipe)).items() if k != "warmup"}
         options, providers = apply_recipe(recipe, options, target="cpu")
-        options.enable_profiling = True
-        options.profile_file_prefix = prefix
-    sess = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    options.enable_profiling = True
+    options.profile_file_prefix = prefix
+    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+
+def _op_totals(path: Path, recipe: dict | None, feeds: dict, runs: int, prefix: str) -> dict[str, float]:
+    """ms per run by op type from ORT's profiler (kernel events only)."""
+    sess = profiled_session(path, recipe, prefix)
     feed = {i.name: feeds[i.name] for i in sess.get_inputs()}
     for _ in range(3):
         sess.run(None, feed)

@@ -26,17 +26,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
+from bench._decoder_ab import session
 from tests.models.build_seq2seq import ARCHS, BENCH, merged_feeds
-
-
-def session(path: Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def main(argv: list[str] | None = None) -> int:
