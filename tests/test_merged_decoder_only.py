@@ -59,6 +59,16 @@ def _branch_ops(proto: onnx.ModelProto) -> dict[str, Counter[str]]:
     return {a.g.name: Counter(n.op_type for n in a.g.node) for a in node.attribute}
 
 
+def _fast_until(source: Path, stop: str) -> tuple[ir.Model, PassContext]:
+    """``source`` through the fast preset's passes before ``stop``, on its generated sets; and that context."""
+    model = ir.serde.deserialize_model(onnx.load(str(source)))
+    ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
+    specs = get_preset("fast").specs
+    for earlier in build_passes(specs[: [s.name for s in specs].index(stop)]):
+        model = earlier(model, ctx).model
+    return model, ctx
+
+
 def _assert_exact_on_both_branches(source: Path, optimized: onnx.ModelProto | Path) -> None:
     want_sess, got_sess = reference_session(source), reference_session(optimized)
     for seed, (use_cache, batch, seq, past) in enumerate(OTHER_SHAPES):
@@ -142,11 +152,7 @@ def test_rotary_and_gqa_fuse_inside_both_branches_when_the_decoder_only_model_is
     # setup: the fast preset's cleanups first (GPT-2's TorchScript prefill concatenates each new key with
     # nothing, a one-input Concat they remove)
     source = path_of(family, exporter)
-    model = ir.serde.deserialize_model(onnx.load(str(source)))
-    ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
-    specs = get_preset("fast").specs
-    for cleanup in build_passes(specs[: [s.name for s in specs].index("fuse_rotary")]):
-        model = cleanup(model, ctx).model
+    model, ctx = _fast_until(source, "fuse_rotary")
     # execute
     rotary = FuseRotary()(model, ctx)
     gqa = FuseGqa()(rotary.model, ctx)
@@ -249,11 +255,7 @@ def test_unfuse_skip_layernorm_takes_the_residual_norms_apart_inside_both_branch
     from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
 
     source = path_of(family, exporter)
-    model = ir.serde.deserialize_model(onnx.load(str(source)))
-    ctx = PassContext(samples=[s.feeds for s in generate_input_sets(model, 3)])
-    specs = get_preset("fast").specs
-    for earlier in build_passes(specs[: [s.name for s in specs].index("unfuse_skip_layernorm")]):
-        model = earlier(model, ctx).model
+    model, ctx = _fast_until(source, "unfuse_skip_layernorm")
     fused = _branch_ops(ir.serde.serialize_model(model))
     skips = {b: ops["SkipSimplifiedLayerNormalization"] + ops["SkipLayerNormalization"] for b, ops in fused.items()}
     assert any(skips.values()), fused  # the no-cache branch may have kept its norms (fuse_transformer)
