@@ -50,7 +50,10 @@ declaration                           default     what the engine does with it
 ``PassResult.verify_inputs``          {}          set name -> feeds the job's own input sets do not reach and the
                                                   rewrite depends on (fuse_gqa: a cache at a sliding window's edge);
                                                   the engine runs the original on them and verifies this and every
-                                                  later stage on them too (a set the original refuses is dropped)
+                                                  later stage on them too (a set the original refuses is dropped);
+                                                  after an input change, on the new model fed by input name where
+                                                  it takes no input the set lacks; each is in the report's
+                                                  ``input_sets`` (origin ``pass``), kept or dropped and why
 ``PassResult.inputs_changed``         None        ``changes_inputs`` passes: an ``InputChange`` saying how the pass
                                                   verified itself; the engine accepts the stage on it, then
                                                   verifies and times later passes against this stage on its

@@ -8,7 +8,9 @@
           ─> written: the same bytes as the accepted stage? ─> no_change (neither verified nor timed)
           ─> onnx.checker ─ fails ───────────────────────────> rolled_back
           ─> inputs_changed (a changes_inputs pass)? ────────> applied on its own verification; its stage
-                                                                becomes the reference of what follows (rebase)
+                                                                becomes the reference of what follows (rebase),
+                                                                on the raw inputs and the sets passes declared
+                                                                that it can run (the others: dropped, reported)
           ─> froze a dynamic axis and not may_freeze_axes ──> rolled_back
           ─> verify vs the reference ─ out of tolerance ────> rolled_back (which output, how far off)
           ─> quick interleaved latency ─ slower beyond noise and rollback_slower ─> rolled_back
@@ -65,11 +67,13 @@ from workers.ledger_parts import (
     applied_reason,
     axis_freezers,
     bisect_first_failing,
+    carry_sets,
     fingerprint,
     groupable,
     histogram_delta,
     latency_summary,
     lost_axes,
+    pass_sets,
     quick_compare,
     remove_stage,
     speed,
@@ -106,6 +110,7 @@ class Ledger:
         self.left_to_gate: list[str] = []
         self.input_sets = setup.input_sets
         self.verifier = setup.verifier
+        self.pass_sets = setup.pass_sets
         # The run's state: the accepted stage (a file), its latency, the in-memory model (the accepted stage
         # plus the pending group) and its fingerprint, the pending group and the valid positions it declares.
         self._accepted, self._accepted_p50 = setup.source, setup.baseline_p50
@@ -364,17 +369,41 @@ class Ledger:
 
     def _verify_also(self, result: PassResult, record: PassRecord, timing: PassTiming) -> None:
         """A pass's ``verify_inputs`` join the sets this stage and every later one is verified on (the
-        reference's outputs on them are computed once, here); the ones the original refuses are noted."""
+        reference's outputs on them are computed once, here); the ones the reference refuses are noted."""
         if not result.verify_inputs:
             return
-        sets = [
-            InputSet(name, feeds, {"source": "pass", "pass": record.name})
-            for name, feeds in result.verify_inputs.items()
-        ]
+        reference = "original" if self.rebase is None else f"the model after {self.rebase.pass_name}"
         with timed(timing, "verify_s"):
-            refused = self.verifier.add_sets(sets)
+            sets = pass_sets(result.verify_inputs, record.name, reference, self.verifier)
+        refused = {s.name: s.provenance["error"] for s in sets if not s.provenance["accepted"]}
         if refused:
-            record.notes["verify_inputs_refused_by_the_original"] = refused
+            key = "original" if self.rebase is None else "reference"
+            record.notes[f"verify_inputs_refused_by_the_{key}"] = refused
+        self._list(sets)
+
+    def _list(self, sets: list[InputSet]) -> None:
+        """Into the report's ``input_sets``, once: a pass run again (alone, after its group failed, or by the
+        gate's second ledger) declares the same sets, which its verifier holds already."""
+        listed = {(s.name, s.provenance["reference"]) for s in self.pass_sets}
+        self.pass_sets.extend(s for s in sets if (s.name, s.provenance["reference"]) not in listed)
+
+    def _carry_pass_sets(self, by: str, record: PassRecord, before: Verifier) -> None:
+        """After the input change ``by`` made, the sets passes declared that the stages before it were verified
+        on (``before`` holds them) go on verifying the later stages where the new reference can run them
+        (``carry_sets``); each says whether it was carried or dropped and why (the report's ``input_sets``, and
+        this pass's notes)."""
+        met = [s for s in before.input_sets if s.provenance.get("source") == "pass"]
+        if not met:
+            return
+        done = carry_sets(met, by, self.verifier)
+        for s in met:
+            copy, why = done[s.name]
+            s.provenance["after_input_change"] = {"by": by, "carried": copy is not None, "why": why}
+        self._list([c for c, _ in done.values() if c is not None])
+        record.notes["verify_inputs_carried"] = [c.name for c, _ in done.values() if c is not None]
+        dropped = {name: why for name, (c, why) in done.items() if c is None}
+        if dropped:
+            record.notes["verify_inputs_dropped"] = dropped
 
     def _call(self, p: Pass, model: Any) -> PassResult:
         """Run ``p``; a changes_inputs pass verifies itself on the raw samples (the user's, else its own)."""
@@ -510,6 +539,7 @@ class Ledger:
         reference = path.with_name(f"reference-{index}.onnx")
         shutil.copyfile(path, reference)
         artifacts.write_side_files(reference, side)
+        before = self.verifier
         self.verifier = Verifier(
             reference,
             sets,
@@ -517,6 +547,7 @@ class Ledger:
             target=self.setup.target,
             intra_op_threads=self.setup.intra_op_threads,
         )
+        self._carry_pass_sets(p.name, record, before)
         stats = measure(reference, sets, self.setup.quick, pool=self.setup.pool)
         p50 = sum(st.p50_ms for st in stats) / len(stats)
         record.verification = {

@@ -52,6 +52,10 @@ class Setup:
     provenance: artifacts.Provenance
     progress: ProgressFn
     pool: SessionPool = dataclasses.field(default_factory=SessionPool)  # the job's warm benchmark sessions
+    # Every set a pass declared (``PassResult.verify_inputs``) and every copy of one carried over an input change,
+    # with its provenance: the report's ``input_sets`` list them. Shared by the job's ledgers, as the verifier
+    # they are added to is (a set one candidate of preset auto declared verifies the later ones too).
+    pass_sets: list[InputSet] = dataclasses.field(default_factory=list)
     group_passes: bool = True  # verify and time runs of groupable passes together (module docstring)
 
     @property
@@ -208,6 +212,78 @@ def lost_axes(expected: dict[str, set[int]], model: ir.Model) -> list[str]:
     return [
         f"{key} axis {axis}" for key, axes in sorted(expected.items()) for axis in sorted(axes - now.get(key, set()))
     ]
+
+
+def pass_sets(
+    declared: dict[str, dict[str, Any]], pass_name: str, reference: str, verifier: Verifier
+) -> list[InputSet]:
+    """A pass's ``verify_inputs`` as input sets whose provenance says, for the report's ``input_sets``, who
+    asked for them and why, what computed their expected outputs (``reference``), and whether it ran them
+    (``accepted``; ``error`` when not: the set is dropped, as no output is defined there). The reference's
+    outputs are computed here (``Verifier.add_sets``)."""
+    why = (
+        f"declared by {pass_name} (PassResult.verify_inputs): inputs the job's own sets do not reach and its "
+        "rewrite depends on (the set's name says which); this stage and every later one are verified on them"
+    )
+    taken = {s.name: s for s in verifier.input_sets}
+    sets, mine = [], []
+    for name, feeds in declared.items():
+        provenance = {"source": "pass", "pass": pass_name, "why": why, "reference": reference}
+        holder = taken.get(name)
+        if holder is not None and holder.provenance.get("pass") != pass_name:
+            # The verifier holds sets by name: another set of this name would never be run.
+            owner = holder.provenance.get("pass")
+            error = f"not run: the name is taken by {f'a set {owner} declared' if owner else 'a set of the job'}"
+            sets.append(InputSet(name, feeds, {**provenance, "accepted": False, "error": error}))
+            continue
+        mine.append(InputSet(name, feeds, provenance))
+    refused = verifier.add_sets(mine)
+    for s in mine:
+        s.provenance["accepted"] = s.name not in refused
+        if s.name in refused:
+            s.provenance["error"] = refused[s.name]
+    return [*sets, *mine]
+
+
+def carry_sets(met: Sequence[InputSet], by: str, verifier: Verifier) -> dict[str, tuple[InputSet | None, str]]:
+    """Carry the pass-declared sets ``met`` over the input change ``by`` made to ``verifier``'s reference (the
+    model after it): each set fed by the names that reference still takes, its outputs computed there. The
+    job's own sets give way to the change's raw inputs, which a pass's tensors have no counterpart in; a set
+    survives only where the new reference names no input the set lacks and runs it. Returns, per set name, the
+    carried copy (None: dropped) and why."""
+    names, done = verifier.input_names, {}
+    copies = []
+    for s in met:
+        missing = [n for n in names if n not in s.feeds]
+        if missing:
+            done[s.name] = (
+                None,
+                f"dropped: the model after {by} takes {', '.join(missing)}, which this set has no value for (an "
+                "input change cannot be undone on a set's tensors)",
+            )
+            continue
+        left = [n for n in s.feeds if n not in names]
+        copy = InputSet(
+            f"{s.name} (after {by})",
+            {n: s.feeds[n] for n in names},
+            {
+                **{k: v for k, v in s.provenance.items() if k not in ("accepted", "error", "after_input_change")},
+                "reference": f"the model after {by}",
+                "carried_from": s.name,
+            },
+        )
+        copies.append(copy)
+        without = f", without {', '.join(left)} (no longer inputs)" if left else ""
+        fed = f"fed by input name{without}"
+        done[s.name] = (copy, f"carried: {fed}, its outputs computed by the model after {by}")
+    refused = verifier.add_sets(copies)
+    for copy in copies:
+        origin = copy.provenance["carried_from"]
+        copy.provenance["accepted"] = copy.name not in refused
+        if copy.name in refused:
+            copy.provenance["error"] = refused[copy.name]
+            done[origin] = (None, f"dropped: the model after {by} refuses it: {refused[copy.name]}")
+    return done
 
 
 def remove_stage(path: Path, side: dict[str, bytes]) -> None:

@@ -196,6 +196,23 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _set_why(provenance: Mapping[str, Any]) -> str:
+    """A pass-declared set's line in the Inputs table: who asked for it, whether its reference ran it, and what
+    an input change did to it; empty for the job's own sets (their roles are in report.json)."""
+    if provenance.get("source") != "pass":
+        return ""
+    reference = provenance.get("reference")
+    who = "the original" if reference == "original" else reference
+    ran = "ran it" if provenance.get("accepted") else f"refused it ({provenance.get('error')}): not verified on"
+    parts = [f"declared by {provenance.get('pass')}", f"{who} {ran}"]
+    if provenance.get("carried_from"):
+        parts.append(f"carried from {provenance['carried_from']!r}")
+    change = provenance.get("after_input_change")
+    if change:
+        parts.append(f"at {change.get('by')}'s input change: {change.get('why')}")
+    return "; ".join(parts)
+
+
 def write_report(report: Mapping[str, Any], output_dir: Path) -> tuple[Path, Path]:
     """Write report.json and report.html into ``output_dir``; return their paths."""
     json_path = output_dir / "report.json"
@@ -526,8 +543,11 @@ def render_html(report: Mapping[str, Any]) -> str:
     sections.append("<h2>Inputs</h2>")
     sections.append(
         _table(
-            ["input set", "origin", "shapes"],
-            [[_E(s["name"]), _E(s["origin"]), _E(json.dumps(s["shapes"]))] for s in report.get("input_sets") or []],
+            ["input set", "origin", "shapes", "why"],
+            [
+                [_E(s["name"]), _E(s["origin"]), _E(json.dumps(s["shapes"])), _E(_set_why(s.get("inputs") or {}))]
+                for s in report.get("input_sets") or []
+            ],
         )
     )
     sections.append("<h2>Provenance</h2>")

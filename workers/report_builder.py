@@ -108,8 +108,12 @@ def build_report(
         "preset": preset,
         "tolerance": tolerance.model_dump(mode="json"),
         "input_sets": [_input_set_entry(s, origin) for s in original_sets]
+        # the sets passes declared, against the original: who asked, why, whether the original ran them
+        + [_input_set_entry(s, "pass") for s in ledger.pass_sets if s.provenance["reference"] == "original"]
         # after an input change: the raw inputs the later passes and the gate used (the pass's own)
-        + ([_input_set_entry(s, raw_origin) for s in ledger.input_sets] if rebase is not None else []),
+        + ([_input_set_entry(s, raw_origin) for s in ledger.input_sets] if rebase is not None else [])
+        # and the declared sets carried over it, or declared after it, against the model it made
+        + [_input_set_entry(s, "pass") for s in ledger.pass_sets if s.provenance["reference"] != "original"],
         "baseline": baseline,
         "passes": [r.to_dict() for r in ledger.records],
         "verification": verification.to_dict(),

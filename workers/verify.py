@@ -227,6 +227,9 @@ class Verifier:
                 code="INVALID_MODEL",
             ) from exc
         self.output_names = [o.name for o in session.get_outputs()]
+        # What a feed must name: an input set made for other inputs (a pass's, before an input change) is
+        # carried to this reference by these names (``workers.ledger``).
+        self.input_names = [i.name for i in session.get_inputs()]
         self.refused: dict[str, str] = {}  # add_sets' sets the original refused, name -> error
         self.reference: list[list[np.ndarray]] = []
         for input_set in self.input_sets:
