@@ -19,18 +19,31 @@ is itself a graph input or output, an Identity carries the second name instead (
 Never merged: If/Loop/Scan (subgraph attributes are not compared), random ops (two draws differ),
 custom-domain ops unless allowed, and Constant nodes over ``max_constant_elements``
 (``initializer`` deduplication is the tool for large weights).
+
+``Shape`` nodes of the main graph also merge when their inputs differ but provably have the same sizes in
+the axes they return (``shapes_by_dims``). Exporters read each layer's own activation for its shape
+arithmetic (TorchScript: ``Shape(hidden) -> Gather -> Unsqueeze -> Concat -> Reshape``; DeBERTa expands its
+relative-position indices from each query's shape), so these chains never shared an input; once their
+``Shape`` nodes are one, the chains collapse in the same run::
+
+    q: [batch,seq,32] --> Shape --> Gather(0) --> ...        q: [batch,seq,32] --> Shape --> Gather(0) --> ...
+    k: [batch,seq,32] --> Shape --> Gather(0) --> ...        k (its Shape, Gather... gone; readers take q's)
+
+What counts as proof is in ``_provable_dims``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
+import onnx
 import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import all_graphs, is_input_of, is_output_of, node_label
+from passes.cleanup.shape_inference import _without_large_initializers
 
 _ONNX_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml"})
 _RANDOM_OPS = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
@@ -44,6 +57,12 @@ class CommonSubexpressionEliminationOptions(PassOptions):
         False,
         description="Also merge ops outside the ONNX domains. Only safe when every custom op is "
         "deterministic and side-effect free.",
+    )
+    shapes_by_dims: bool = Field(
+        True,
+        description="Also merge main-graph Shape nodes over different values whose returned sizes are provably "
+        "equal (equal integers, or one symbolic name, by a fresh ONNX shape inference that sees only the "
+        "graph inputs' declarations); the shape arithmetic computed from them then merges too.",
     )
 
 
@@ -78,6 +97,104 @@ def _node_key(node: ir.Node, max_elements: int) -> Hashable:
     return (node.op_identifier(), len(node.outputs), inputs, attributes)
 
 
+Dims = tuple[int | str | None, ...]
+
+
+def _shape_key(node: ir.Node, dims: dict[ir.Value, Dims]) -> Hashable | None:
+    """The key of a main-graph ``Shape`` node by the sizes it returns, or None when one of them is unproven.
+
+    ``Shape(x, start, end)`` returns ``dims(x)[start:end]``: the ONNX spec clamps negative and out-of-range
+    axes exactly as a Python slice does, so two nodes whose slices hold equal proven sizes return equal
+    tensors whatever their inputs and attributes."""
+    if node.op_type != "Shape" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
+        return None
+    known = dims.get(node.inputs[0]) if node.inputs[0] is not None else None
+    if known is None:
+        return None
+    start = node.attributes.get_int("start", 0)
+    end = node.attributes.get_int("end", None)
+    sliced = known[start:end]
+    if any(d is None for d in sliced):
+        return None  # an unknown size equals nothing, not even another unknown one
+    return (node.op_identifier(), "dims", sliced)
+
+
+def _graphs_of_proto(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                yield from _graphs_of_proto(sub)
+
+
+def _forget_annotations(proto: onnx.ModelProto) -> None:
+    """Drop every shape ONNX would otherwise trust but that does not come from the graph inputs' declarations:
+    value_info (exporters', users', and this project's earlier inference runs, whose ``unk__N`` names a later
+    run reuses for other sizes and which graph edits leave stale), the graph outputs' declarations, and the
+    declared inputs and outputs of subgraphs (a Loop body's ``[batch]`` state may grow every iteration)."""
+    for index, graph in enumerate(_graphs_of_proto(proto.graph)):
+        del graph.value_info[:]
+        declared = list(graph.output) if index == 0 else [*graph.input, *graph.output]
+        for info in declared:
+            if info.type.HasField("tensor_type"):
+                info.type.tensor_type.ClearField("shape")
+    for function in proto.functions:
+        del function.value_info[:]
+
+
+def _dims_of(info: onnx.ValueInfoProto) -> Dims | None:
+    tensor = info.type.tensor_type if info.type.HasField("tensor_type") else None
+    if tensor is None or not tensor.HasField("shape"):
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
+
+
+def _provable_dims(model: ir.Model) -> dict[ir.Value, Dims]:
+    """The sizes of main-graph values, per axis an int, a symbolic name, or None (unknown), as far as they
+    are proven to hold at run time.
+
+    Why these are proofs. ONNX shape inference runs afresh on a copy stripped by ``_forget_annotations``, so
+    every size it reports is either a static int or a name that reached the value through inference rules,
+    each of which copies a size only where the op makes it equal at run time (broadcasting keeps a symbol only
+    against 1 or the same symbol; Concat, MatMul and the like copy the sizes the op requires equal, and the
+    model would fail otherwise; data propagation copies a size from the ``Shape`` it was read from). A name
+    has two sources: a graph input's declaration, where one name is one size across all inputs (ONNX IR;
+    TensorRT enforces it, ORT does not check it, so a caller feeding ``input_ids`` and ``attention_mask`` of
+    different lengths is outside the model's contract), or the run itself, which invents a fresh ``unk__N``
+    for each size it cannot name and only copies it on by the same rules. Names from anywhere else were
+    stripped; in particular the model's own annotations are never read. Values computed from a Loop, Scan or
+    If output (or any op with a graph attribute) are left out: their sizes depend on how inference bounds
+    the iterations, which is not needed here. An inference failure proves nothing: no entry at all."""
+    try:
+        with _without_large_initializers(model.graph):
+            proto = ir.serde.serialize_model(model)
+        _forget_annotations(proto)
+        inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # onnx raises InferenceError, ValidationError or RuntimeError: nothing proven
+        return {}
+    by_name: dict[str, Dims] = {}
+    graph = inferred.graph
+    for info in [*graph.input, *graph.value_info, *graph.output]:
+        dims = _dims_of(info)
+        if dims is not None:
+            by_name[info.name] = dims
+    tainted: set[ir.Value] = set()
+    result: dict[ir.Value, Dims] = {}
+    for value in model.graph.inputs:
+        if value.name in by_name and value.const_value is None:
+            result[value] = by_name[value.name]
+    for node in model.graph:
+        if any(
+            attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()
+        ) or any(v in tainted for v in node.inputs if v is not None):
+            tainted.update(node.outputs)
+            continue
+        for value in node.outputs:
+            if value.name is not None and value.name in by_name:
+                result[value] = by_name[value.name]
+    return result
+
+
 class CommonSubexpressionElimination(Pass[CommonSubexpressionEliminationOptions]):
     name = "common_subexpression_elimination"
     summary = "Merge nodes with the same op, inputs and attributes into one."
@@ -87,16 +204,23 @@ class CommonSubexpressionElimination(Pass[CommonSubexpressionEliminationOptions]
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         options = self.options
         merged: Counter[str] = Counter()
+        shapes_by_dims = 0
         non_matches: list[NonMatch] = []
+        # Inferred once, before any merge: a merge replaces a value by an equal one, so no size changes.
+        dims = _provable_dims(model) if options.shapes_by_dims and _has_shapes_of_distinct_values(model) else {}
         # The main graph first: merging there rewires captured values inside subgraphs, which can make
         # their nodes equal too.
         for graph in list(all_graphs(model)):
             seen: dict[Hashable, ir.Node] = {}
             for node in list(graph):
-                try:
-                    key = _node_key(node, options.max_constant_elements)
-                except _Skip:
-                    continue  # graph attributes, huge constants: nothing to compare, nothing to say
+                # Graph order is a topological order, so the kept node (first seen) is computed before every
+                # reader of the dropped one.
+                key = _shape_key(node, dims) if graph is model.graph and dims else None
+                if key is None:
+                    try:
+                        key = _node_key(node, options.max_constant_elements)
+                    except _Skip:
+                        continue  # graph attributes, huge constants: nothing to compare, nothing to say
                 kept = seen.get(key)
                 if kept is None:
                     seen[key] = node
@@ -105,10 +229,14 @@ class CommonSubexpressionElimination(Pass[CommonSubexpressionEliminationOptions]
                 if reason is not None:
                     non_matches.append(NonMatch(reason, node=node_label(node), op_type=node.op_type))
                     continue
+                if node.op_type == "Shape" and kept.inputs[0] is not node.inputs[0]:
+                    shapes_by_dims += 1
                 _merge(graph, drop=node, keep=kept)
                 merged[node.op_type] += 1
         counts = {"nodes_merged": sum(merged.values())}
-        notes = {"merged_by_op": dict(sorted(merged.items()))} if merged else {}
+        notes: dict[str, object] = {"merged_by_op": dict(sorted(merged.items()))} if merged else {}
+        if shapes_by_dims:
+            notes["shapes_merged_by_dims"] = shapes_by_dims
         return PassResult(model, modified=bool(merged), counts=counts, non_matches=non_matches, notes=notes)
 
     @staticmethod
@@ -120,6 +248,12 @@ class CommonSubexpressionElimination(Pass[CommonSubexpressionEliminationOptions]
         elif node.op_type in _RANDOM_OPS:
             return f"{node.op_type} is random: two identical nodes draw different values"
         return None
+
+
+def _has_shapes_of_distinct_values(model: ir.Model) -> bool:
+    """Whether two main-graph Shape nodes read different values: otherwise inference would buy nothing."""
+    read = {id(n.inputs[0]) for n in model.graph if n.op_type == "Shape" and n.inputs and n.inputs[0] is not None}
+    return len(read) > 1
 
 
 def _merge(graph: ir.Graph | ir.Function, *, drop: ir.Node, keep: ir.Node) -> None:
