@@ -45,7 +45,7 @@ def infer(proto: onnx.ModelProto, report: dict[str, Any]) -> onnx.ModelProto:
     # transformers optimizer imports it (a top-level module on its path), not as ``onnxruntime.tools.*``: that
     # package's __init__ imports torch wherever torch is installed (seconds per job, for nothing), and the
     # optimizer in ``_ort`` would load a second copy of the module anyway.
-    from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInference
+    from passes.fusion._symbolic_gqa import infer_shapes  # ORT's, with GQA's presents typed without a past
 
     readable = onnx.ModelProto()
     readable.CopyFrom(proto)
@@ -55,7 +55,7 @@ def infer(proto: onnx.ModelProto, report: dict[str, Any]) -> onnx.ModelProto:
         # directory for debugging: a read-only directory in a container would turn the refusal into another
         # error, and a shared one would collect a copy of every upload. Passes run one at a time per process.
         with tempfile.TemporaryDirectory(prefix="onnxforge-symshapes-") as scratch, contextlib.chdir(scratch):
-            inferred = SymbolicShapeInference.infer_shapes(readable, auto_merge=True)
+            inferred = infer_shapes(readable, auto_merge=True)
     except Exception as exc:  # any refusal only costs the fusions that need it
         report["symbolic_shapes"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
         return proto

@@ -1,0 +1,63 @@
+"""ORT's symbolic shape inference, taught GroupQueryAttention's presents when the op has no past.
+
+ORT 1.32's ``SymbolicShapeInference`` types GroupQueryAttention's ``present_key``/``present_value`` only by
+copying the past's shape. ``fuse_gqa`` gives a decoder without a cache (a no-past export, the no-cache branch
+of Optimum's merged decoder) GQA with an empty past, so those two outputs stay untyped, the inference stops
+there ("Incomplete symbolic shape inference") and every value after the first attention is left without a
+type or shape. ``fuse_transformer``'s onnxscript rules then cannot prove a residual RMS norm's input a float
+vector over the hidden size, and on the merged Llama's no-cache branch (whose standalone graph carries no
+earlier value_info, ``passes._subgraphs``) 4 of its 5 norms stayed decomposed while the cache branch fused
+them all.
+
+Without a past the kernel writes the new keys and values alone, heads first (ORT's
+``group_query_attention_helper.h``: present length = max(past length, total_sequence_length))::
+
+    present_key, present_value : [batch, kv_num_heads, L, head_size]    (k's [batch, S, kv_num_heads * head_size])
+
+with ``L`` a fresh symbol (``total_sequence_length`` is a run-time input), so no dim is claimed equal to
+another that the kernel does not make equal. Everything else is ORT's inference as it is.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+# As ORT's transformers optimizer imports it (see _symbolic_shapes.infer): the module is imported lazily, by it.
+from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInference
+
+_PAST_KEY, _KEY = 3, 1
+
+
+class _GqaPresents(SymbolicShapeInference):
+    def _infer_GroupQueryAttention(self, node: onnx.NodeProto) -> None:  # ORT dispatches on this name
+        super()._infer_GroupQueryAttention(node)
+        if len(node.input) > _PAST_KEY and node.input[_PAST_KEY]:
+            return  # ORT copies the past's shape
+        if len(node.input) <= _KEY or not node.input[_KEY]:
+            return  # packed QKV: the head size is not k's alone
+        key = self._get_shape(node, _KEY)
+        kv_heads = next((a.i for a in node.attribute if a.name == "kv_num_heads"), 0)
+        if key is None or len(key) != 3 or not isinstance(key[2], int) or kv_heads <= 0 or key[2] % kv_heads:
+            return
+        dtype = self.known_vi_[node.input[0]].type.tensor_type.elem_type
+        for index in (1, 2):
+            if len(node.output) <= index or not node.output[index]:
+                continue
+            length = str(self._new_symbolic_dim_from_output(node, index, 2))
+            shape = [key[0], kv_heads, length, key[2] // kv_heads]
+            self.known_vi_[node.output[index]].CopyFrom(helper.make_tensor_value_info(node.output[index], dtype, shape))
+
+
+def infer_shapes(proto: onnx.ModelProto, auto_merge: bool = True) -> onnx.ModelProto:
+    """``SymbolicShapeInference.infer_shapes`` (which builds its own instance, so a subclass needs this copy of
+    its loop), with GroupQueryAttention's presents typed without a past. Raises as ORT's does."""
+    inference = _GqaPresents(2**31 - 1, auto_merge, False, 0)
+    inference._preprocess(proto)
+    complete = False
+    while inference.run_:
+        complete = inference._infer_impl()
+    inference._update_output_from_vi()
+    if not complete:
+        raise Exception("Incomplete symbolic shape inference")  # what ORT raises: reports read its type
+    return inference.out_mp_
