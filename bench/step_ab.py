@@ -21,9 +21,11 @@ CPU is left out (their cache and memory traffic is not).
 
 ``--profile`` runs ORT's profiler on every model, the models interleaved call by call (so a load spike hits
 all of them alike), and prints the median over blocks of each op type's kernel time per call; profiling
-inflates every figure, compare within one run. ``--optimized DIR`` also writes each model as ORT leaves it
-after its session optimizations (``ORT_ENABLE_ALL``, what the session runs) into DIR, and prints its nodes
-per op type: the graphs compared are the ones that run, not the ones on disk.
+inflates every figure, compare within one run; ``--markdown`` adds the figures as one table, op types by
+models, with each op's share of its model's kernel time (shares move less with the host's load).
+``--optimized DIR`` also writes each model as ORT leaves it after its session optimizations
+(``ORT_ENABLE_ALL``, what the session runs) into DIR, and prints its nodes per op type: the graphs compared
+are the ones that run, not the ones on disk.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def write_optimized(paths: list[str], folder: Path) -> None:
         print("  " + ", ".join(f"{op} {count}" for op, count in sorted(ops.items())))
 
 
-def profile(paths: list[str], call: Call) -> None:
+def profile(paths: list[str], call: Call, markdown: bool = False) -> None:
     blocks, calls = call.blocks, call.calls
     prefix = f"/tmp/step_ab_{os.getpid()}"
     sessions = [session(p, call.threads, f"{prefix}_{i}") for i, p in enumerate(paths)]
@@ -110,6 +112,7 @@ def profile(paths: list[str], call: Call) -> None:
         for _ in range(3):
             sess.run(None, feed)
     per_block: list[list[collections.Counter]] = [[] for _ in paths]
+    tables: list[tuple[float, dict[str, tuple[float, int]]]] = []
     for block in range(blocks):
         spent = [collections.Counter() for _ in paths]
         for _ in range(calls):
@@ -140,10 +143,33 @@ def profile(paths: list[str], call: Call) -> None:
         total = statistics.median(sum(sum(r.values()) for r in c) / len(c) for c in chunks)
         wall = statistics.median(b["(wall)"] / calls for b in per_block[k])
         print(f"{paths[k]}: kernel {total / 1e3:.3f} ms per call, wall {wall / 1e3:.3f} ms (median of {blocks} blocks)")
+        per_op: dict[str, tuple[float, int]] = {}
         for op in ops:
             us = statistics.median(sum(r[op] for r in c) / len(c) for c in chunks)
+            per_op[op] = (us, nodes[op])
             print(f"  {op:36s} {us / 1e3:7.3f} ms  {nodes[op]} nodes")
-    print("load average", " / ".join(f"{x:.2f}" for x in os.getloadavg()))
+        tables.append((total, per_op))
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    print("load average", load)
+    if markdown:
+        print(op_table(paths, tables, call, load))
+
+
+def op_table(paths: list[str], tables: list[tuple[float, dict[str, tuple[float, int]]]], call: Call, load: str) -> str:
+    """Per op type, each model's median kernel ms per call, its node count and its share of the model's kernel
+    time, one column per model: shares move far less with the host's load than the milliseconds do."""
+    ops = sorted({op for _, t in tables for op in t}, key=lambda op: -max(t.get(op, (0, 0))[0] for _, t in tables))
+    what = f"{call.threads} thread(s), {call.tokens} token(s) after {call.past}"
+    head = f"| op ({what}; load {load}) | " + " | ".join(Path(p).parent.name or p for p in paths) + " |"
+    rows = [head, "| --- |" + " --- |" * len(paths)]
+    for op in ops:
+        cells = []
+        for total, table in tables:
+            us, count = table.get(op, (0.0, 0))
+            cells.append(f"{us / 1e3:.3f} ms x{count} ({us / total:.1%})" if count else "-")
+        rows.append(f"| {op} | " + " | ".join(cells) + " |")
+    rows.append("| kernel total | " + " | ".join(f"{total / 1e3:.3f} ms" for total, _ in tables) + " |")
+    return "\n".join(rows)
 
 
 def timed(paths: list[str], call: Call, cpu: bool, copies: int) -> None:
@@ -185,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=40)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--markdown", action="store_true", help="with --profile: also a per-op markdown table")
     parser.add_argument("--optimized", type=Path, default=None)
     parser.add_argument("--cpu", action="store_true", help="the calling thread's CPU time (1 thread only)")
     parser.add_argument("--copies", type=int, default=3, help="sessions per model, used in turn")
@@ -193,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.optimized is not None:
         write_optimized(args.models, args.optimized)
     if args.profile:
-        profile(args.models, call)
+        profile(args.models, call, args.markdown)
     else:
         if args.cpu and args.threads != 1:
             parser.error("--cpu measures the calling thread: only with --threads 1")

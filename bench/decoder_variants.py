@@ -1,0 +1,158 @@
+"""Measurement-only variants of a fused decoder artifact, to price what it still runs that onnxruntime-genai's
+builder does not (issue 19's parity A/Bs: ``bench.step_ab`` times and profiles them beside the original).
+
+Run ``python -m bench.decoder_variants MODEL.onnx OUT_DIR [--check]``. Writes, each as ``OUT_DIR/<name>/model.onnx``:
+
+* ``gate_up_split``: every packed projection that feeds one two-way Split of equal halves (the gate/up pair
+  ``pack_matmuls`` / ``fuse_transformer``'s ``pack_qkv`` make) as two MatMuls (or two MatMulNBits, rows split with
+  their scales and zero points) again, the builder's form. Exact: each output column is the same dot product.
+* ``no_present_crop``: the sliding-window crops of the presents (``Slice`` of a GroupQueryAttention present into a
+  graph output, Mistral's ``present[:, :, -(W - 1):]``) dropped, GQA's presents renamed to the outputs. **Not
+  exact**: at a cache of W - 1 or more positions the presents come out longer than the upload's; below the window
+  the crop keeps everything, so it prices the crop's copy there. Never an artifact to serve.
+
+``--check`` runs each variant against the original (ORT default level) at a prompt and two cache lengths below any
+window and prints the max abs difference of every output (0.0 expected for both below the window).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+def _save(model: onnx.ModelProto, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
+    return path
+
+
+def split_gate_up(src: Path, dst: Path) -> int:
+    """``gate_up_split`` (module docstring); returns how many packed projections it split."""
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    dropped: set[int] = set()
+    for node in graph.node:
+        if node.op_type not in ("MatMul", "MatMulNBits") or node.input[1] not in inits:
+            continue
+        users = readers.get(node.output[0], [])
+        if len(users) != 1 or users[0].op_type != "Split" or len(users[0].output) != 2 or len(users[0].input) < 2:
+            continue
+        split = users[0]
+        sizes = numpy_helper.to_array(inits[split.input[1]]) if split.input[1] in inits else None
+        axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1] or axis != -1:
+            continue
+        if node.op_type == "MatMulNBits" and len(node.input) > 4 and node.input[4]:
+            continue  # g_idx is indexed by K, not N
+        half = int(sizes[0])
+        made = []
+        for j, out in enumerate(split.output):
+            inputs = [node.input[0]]
+            for name in node.input[1:]:
+                if not name:
+                    inputs.append("")
+                    continue
+                array = numpy_helper.to_array(inits[name])
+                if node.op_type == "MatMul":  # [K, N]: columns
+                    part = array[:, j * half : (j + 1) * half]
+                else:  # MatMulNBits' weight, scales, zero points and bias lead with N (scales may be flat)
+                    rows = array.reshape(2 * half, -1)[j * half : (j + 1) * half]
+                    part = rows.reshape(-1) if array.ndim == 1 else rows.reshape((half, *array.shape[1:]))
+                graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(part), f"{name}/half_{j}"))
+                inputs.append(f"{name}/half_{j}")
+            attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            if node.op_type == "MatMulNBits":
+                attributes["N"] = half
+            made.append(
+                helper.make_node(node.op_type, inputs, [out], f"{node.name}/half_{j}", domain=node.domain, **attributes)
+            )
+        replaced[id(node)] = made
+        dropped.add(id(split))
+    order = []
+    for node in graph.node:
+        if id(node) in replaced:
+            order += replaced[id(node)]
+        elif id(node) not in dropped:
+            order.append(node)
+    del graph.node[:]
+    graph.node.extend(order)
+    _prune(graph)
+    _save(model, dst)
+    return len(replaced)
+
+
+def drop_present_crops(src: Path, dst: Path) -> int:
+    """``no_present_crop`` (module docstring, not exact at the window); returns how many crops it dropped."""
+    model = onnx.load(str(src))
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    producers = {o: n for n in graph.node for o in n.output}
+    rename: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        source = producers.get(node.input[0]) if node.input else None
+        crop = node.op_type == "Slice" and node.output[0] in outputs and source is not None
+        if crop and source.op_type == "GroupQueryAttention" and node.input[0] in source.output[1:]:
+            rename[node.input[0]] = node.output[0]
+            continue
+        kept.append(node)
+    for node in kept:
+        node.output[:] = [rename.get(o, o) for o in node.output]
+        node.input[:] = [rename.get(i, i) for i in node.input]
+    del graph.node[:]
+    graph.node.extend(kept)
+    _prune(graph)
+    _save(model, dst)
+    return len(rename)
+
+
+def _prune(graph: onnx.GraphProto) -> None:
+    used = {i for n in graph.node for i in n.input}
+    keep = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
+def check(original: Path, variant: Path) -> list[tuple[str, float]]:
+    from bench.step_ab import feeds_for, session
+
+    a, b = session(str(original), 1), session(str(variant), 1)
+    worst = []
+    for past, tokens in ((0, 7), (128, 1), (300, 3)):
+        feeds = feeds_for(a, past, tokens)
+        diff = max(float(np.abs(x - y).max()) for x, y in zip(a.run(None, feeds), b.run(None, feeds), strict=True))
+        worst.append((f"{tokens} token(s) after {past}", diff))
+    return worst
+
+
+VARIANTS = {"gate_up_split": split_gate_up, "no_present_crop": drop_present_crops}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decoder_variants", description=__doc__.split("\n")[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    for name, make in VARIANTS.items():
+        path = args.out / name / "model.onnx"
+        count = make(args.model, path)
+        print(f"{name}: {count} rewritten -> {path}")
+        if args.check and count:
+            print("  max abs diff vs the original: " + ", ".join(f"{w} {d:.1e}" for w, d in check(args.model, path)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""bench.decoder_variants (a packed gate/up split back into two projections, as the builder has it) and
+bench.step_ab's per-op table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from bench.decoder_variants import split_gate_up
+from bench.step_ab import Call, op_table
+
+
+def _gated(kind: str, scales_flat: bool = True) -> onnx.ModelProto:
+    """x[1, S, 64] -> packed projection [.., 16] -> Split 8/8 -> gate * up: the shape of a packed gated MLP."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.array([8, 8], np.int64), "sizes")]
+    if kind == "MatMul":
+        inits.append(numpy_helper.from_array(rng.standard_normal((64, 16)).astype(np.float32), "w"))
+        proj = helper.make_node("MatMul", ["x", "w"], ["packed"], "proj")
+    else:  # 4-bit, two blocks of 32 per row (flat scales interleave them); random bytes are valid codes
+        inits.append(numpy_helper.from_array(rng.integers(0, 256, (16, 2, 16), dtype=np.uint8), "w_q4"))
+        scales = rng.uniform(0.01, 0.1, 32 if scales_flat else (16, 2)).astype(np.float32)
+        inits.append(numpy_helper.from_array(scales, "w_scales"))
+        proj = helper.make_node(
+            "MatMulNBits", ["x", "w_q4", "w_scales"], ["packed"], "proj", domain="com.microsoft",
+            K=64, N=16, bits=4, block_size=32,
+        )  # fmt: skip
+    nodes = [
+        proj,
+        helper.make_node("Split", ["packed", "sizes"], ["gate", "up"], "split", axis=-1),
+        helper.make_node("Mul", ["gate", "up"], ["y"], "mul"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "gated",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "S", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "S", 8])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def _run(path: Path, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize(("kind", "flat"), [("MatMul", True), ("MatMulNBits", True), ("MatMulNBits", False)])
+def test_split_gate_up_is_exact_and_removes_the_split(tmp_path: Path, kind: str, flat: bool) -> None:
+    src = tmp_path / "packed.onnx"
+    onnx.save(_gated(kind, flat), str(src))
+    dst = tmp_path / "split" / "model.onnx"
+    assert split_gate_up(src, dst) == 1
+    graph = onnx.load(str(dst)).graph
+    assert [n.op_type for n in graph.node] == [kind, kind, "Mul"]
+    if kind == "MatMulNBits":
+        assert [a.i for n in graph.node[:2] for a in n.attribute if a.name == "N"] == [8, 8]
+    for seq in (1, 5):
+        x = np.random.default_rng(seq).standard_normal((1, seq, 64)).astype(np.float32)
+        np.testing.assert_array_equal(_run(dst, x), _run(src, x))
+
+
+def test_split_gate_up_leaves_unequal_splits(tmp_path: Path) -> None:
+    model = _gated("MatMul")
+    for init in model.graph.initializer:
+        if init.name == "sizes":
+            init.CopyFrom(numpy_helper.from_array(np.array([6, 10], np.int64), "sizes"))
+    model.graph.node[2].op_type = "Add"  # [.., 6] + [.., 10] would not broadcast: only the split is checked
+    src = tmp_path / "packed.onnx"
+    onnx.save(model, str(src))
+    assert split_gate_up(src, tmp_path / "out" / "model.onnx") == 0
+
+
+def test_op_table_shares_and_missing_ops() -> None:
+    tables = [(1000.0, {"MatMul": (800.0, 17), "Slice": (100.0, 8)}), (900.0, {"MatMul": (850.0, 21)})]
+    text = op_table(["a/ours/model.onnx", "b/builder/model.onnx"], tables, Call(1, 128, 1, 1, 1), "1.00")
+    lines = text.splitlines()
+    assert lines[0].startswith("| op (1 thread(s), 1 token(s) after 128; load 1.00) | ours | builder |")
+    assert lines[2] == "| MatMul | 0.800 ms x17 (80.0%) | 0.850 ms x21 (94.4%) |"
+    assert lines[3] == "| Slice | 0.100 ms x8 (10.0%) | - |"
+    assert lines[-1] == "| kernel total | 1.000 ms | 0.900 ms |"
