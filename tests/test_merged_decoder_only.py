@@ -170,8 +170,8 @@ def test_rotary_and_gqa_fuse_inside_both_branches_when_the_decoder_only_model_is
     for branch, ops in _branch_ops(proto).items():
         assert ops["GroupQueryAttention"] == LAYERS, (branch, ops)
         assert ops["Softmax"] == 0, (branch, ops)
-        if family == "llama":
-            assert ops["RotaryEmbedding"] >= 2 * LAYERS, (branch, ops)
+        if family == "llama":  # q and k once per layer: the no-cache branch's present reuses k's rotation
+            assert ops["RotaryEmbedding"] == 2 * LAYERS, (branch, ops)
     if family == "llama":
         assert rotary.counts["rotary_embeddings"] >= 2 * 2 * LAYERS
     layers = {w: [x["cache"] for x in n["layers"]] for w, n in gqa.notes["branches"].items()}
@@ -282,7 +282,7 @@ def test_unfuse_skip_layernorm_takes_the_residual_norms_apart_inside_both_branch
 # while the cache branch fused them all.
 _FUSED_OPS = (
     "SkipSimplifiedLayerNormalization", "SkipLayerNormalization", "FastGelu", "BiasGelu", "Gelu",
-    "GroupQueryAttention",
+    "GroupQueryAttention", "RotaryEmbedding",
 )  # fmt: skip
 
 
@@ -311,3 +311,63 @@ def test_fuse_transformer_fuses_the_no_cache_branch_as_the_cache_branch_when_its
             assert c["SkipLayerNormalization"] >= 2 * LAYERS and c["LayerNormalization"] == 0, (branch, c)
             assert c["RotaryEmbedding"] == 0, (branch, c)
     _assert_exact_on_both_branches(source, proto, BATCH_1_2_SHAPES)
+
+
+def _source_of(graph: onnx.GraphProto, name: str, through: tuple[str, ...]) -> onnx.NodeProto | None:
+    """The first node up from ``name`` that is not one of ``through`` (single-data-input ops followed by input 0)."""
+    producers = {o: n for n in graph.node for o in n.output}
+    node = producers.get(name)
+    while node is not None and node.op_type in through:
+        node = producers.get(node.input[0])
+    return node
+
+
+@pytest.mark.parametrize("exporter", ["ts", "dynamo"])
+def test_the_no_cache_branch_rotates_each_key_once_when_its_present_is_a_branch_output(exporter):
+    # setup
+    source = path_of("llama", exporter)
+    model, ctx = _fast_until(source, "fuse_rotary")
+    # execute: fuse_rotary alone, then the rest of the fast preset
+    rotary = FuseRotary()(model, ctx)
+    after_rotary = ir.serde.serialize_model(rotary.model)
+    specs = get_preset("fast").specs
+    model = rotary.model
+    for later in build_passes(specs[[s.name for s in specs].index("fuse_gqa") :]):
+        model = later(model, ctx).model
+    proto = ir.serde.serialize_model(model)
+    # assert: fuse_rotary rotates flat only the keys a branch outputs (the no-cache branch's presents), so
+    # the cache branch and every query keep the heads-first rotation
+    (node,) = after_rotary.graph.node
+    for attr in node.attribute:
+        outputs = {o.name for o in attr.g.output}
+        for rot in (n for n in attr.g.node if n.op_type == "RotaryEmbedding"):
+            flat = _source_of(attr.g, rot.input[0], ()).op_type == "Reshape"
+            readers = [n for n in attr.g.node if rot.output[0] in n.input]
+            feeds_output = any(n.op_type == "Reshape" and _leads_to(attr.g, n, outputs) for n in readers)
+            assert flat == (attr.g.name == "no_past" and feeds_output), (attr.g.name, rot.name)
+    # assert: after fuse_gqa each present key of the no-cache branch is the rotation GroupQueryAttention's key
+    # reads, and each branch rotates q and k once per layer
+    (node,) = proto.graph.node
+    branches = {a.g.name: a.g for a in node.attribute}
+    for name, graph in branches.items():
+        assert Counter(n.op_type for n in graph.node)["RotaryEmbedding"] == 2 * LAYERS, name
+    graph = branches["no_past"]
+    layout = ("Reshape", "Transpose", "Identity")
+    keys = [_source_of(graph, n.input[1], layout) for n in graph.node if n.op_type == "GroupQueryAttention"]
+    presents = [_source_of(graph, o.name, layout) for o in graph.output if re.fullmatch(r"present\.\d+\.key.*", o.name)]
+    assert len(keys) == len(presents) == LAYERS
+    assert all(k is not None and k.op_type == "RotaryEmbedding" for k in keys), keys
+    assert [p.name for p in presents] == [k.name for k in keys]
+    _assert_exact_on_both_branches(source, proto, BATCH_1_2_SHAPES)
+
+
+def _leads_to(graph: onnx.GraphProto, node: onnx.NodeProto, outputs: set[str]) -> bool:
+    """Whether ``node``'s output reaches one of ``outputs`` through layout ops alone (Reshape, Transpose)."""
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        if any(o in outputs for o in current.output):
+            return True
+        frontier += [n for n in graph.node if n.op_type in ("Reshape", "Transpose", "Identity")
+                     and set(n.input) & set(current.output)]  # fmt: skip
+    return False

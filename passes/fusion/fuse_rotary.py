@@ -14,7 +14,10 @@ full and Phi-3 partial rotary, angles computed or the exporter's folded table), 
 
 with the caches computed once per distinct frequency set (``_rotary_cache``). The consumers of the rotated
 q and k are unchanged (an attention fusion after this one sees opaque values). Nodes left without a
-consumer are removed; the trigonometry disappears with the last layer's use of it.
+consumer are removed; the trigonometry disappears with the last layer's use of it. A rotated key that is a
+graph output itself (the present of a decoder without a past: Optimum's no-cache branch) is rotated on its
+flat [B, S, N*D] form and transposed after, so that fuse_gqa reads that one rotation instead of adding its
+own beside it (``_transposed_heads``).
 
 It also rewrites the dynamo exporter's RMS norms into the form ORT's session fuses into
 ``SimplifiedLayerNormalization`` (``_decoder_norm``), which it otherwise leaves as six elementwise nodes.
@@ -173,13 +176,30 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         expand = ir.node("Expand", [feeds[1], target.outputs[0]], name=f"{name}_expand")
         graph.insert_before(anchor, [batch, one, target, expand])
         feeds[1] = expand.outputs[0]
+    heads_first = _transposed_heads(found.x) if old in outputs and not found.partial else None
+    if heads_first is not None:  # a present read after attention fusion too: rotate it where fuse_gqa will
+        flat_shape = _int64(f"{anchor.name}/rotary_flat", [0, 0, -1])
+        flat = ir.node("Reshape", [heads_first, flat_shape.outputs[0]], name=f"{anchor.name}/rotary_flat")
+        graph.insert_before(anchor, [flat_shape, flat])
+        feeds[0] = flat.outputs[0]
     node = ir.node("RotaryEmbedding", feeds, attributes, domain=_MS, name=f"{anchor.name}/RotaryEmbedding")
     new = node.outputs[0]
     new.name = f"{anchor.name}/RotaryEmbedding_output_0"
+    graph.insert_before(anchor, node)
+    if heads_first is not None:
+        head_size = 2 * caches[0].shape[1]  # full rotary: the cache holds half the head's columns
+        split_shape = _int64(f"{anchor.name}/rotary_heads", [0, 0, -1, head_size])
+        split = ir.node("Reshape", [new, split_shape.outputs[0]], name=f"{anchor.name}/rotary_heads")
+        back = ir.node("Transpose", [split.outputs[0]], {"perm": [0, 2, 1, 3]}, name=f"{anchor.name}/rotary_bnsh")
+        graph.insert_before(anchor, [split_shape, split, back])
+        new.name = f"{anchor.name}/RotaryEmbedding_bsh"
+        for value in (flat.outputs[0], new, split.outputs[0]):
+            value.dtype = old.dtype or found.x.dtype
+        new = back.outputs[0]
+        new.name = f"{anchor.name}/RotaryEmbedding_output_0"
     if (dtype := old.dtype or found.x.dtype) is not None:
         new.dtype = dtype
     new.shape = old.shape or found.x.shape
-    graph.insert_before(anchor, node)
     if old in outputs:  # the rotated value is a graph output itself: the new one takes its place and name
         index = list(graph.outputs).index(old)
         name = old.name
@@ -187,6 +207,29 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         graph.outputs[index] = new
         new.name = name
     ir.convenience.replace_all_uses_with(old, new)
+
+
+def _transposed_heads(x: ir.Value) -> ir.Value | None:
+    """``y`` where ``x = Transpose(y, perm=[0, 2, 1, 3])``: [B, S, N, D] heads-last, as the projection's Reshape
+    wrote it.
+
+    Why: a rotated key that is also a graph output (the present of a decoder without a past, Optimum's
+    no-cache branch) outlives attention fusion. fuse_gqa feeds GroupQueryAttention [B, S, N*D] and redoes a
+    heads-first rotation on that flat value, so the present's rotation stayed beside it: the keys rotated
+    twice per layer. Rotated flat here instead, ``Transpose(Reshape(RotaryEmbedding(Reshape(y, [0, 0, -1])),
+    [0, 0, -1, D]))`` is the same tensor (the kernel rotates each head's row alike in either layout, by the
+    same positions and caches), costs what ``RotaryEmbedding(Transpose(y))`` did, and fuse_gqa reads its
+    Transpose's input straight, so the one rotation serves the present and the attention."""
+    producer = x.producer()
+    if producer is None or producer.op_type != "Transpose" or producer.domain not in ("", "ai.onnx"):
+        return None
+    if list(producer.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        return None
+    return producer.inputs[0]
+
+
+def _int64(name: str, values: list[int]) -> ir.Node:
+    return ir.node("Constant", [], {"value": ir.tensor(np.array(values, np.int64), name=name)}, name=f"{name}_shape")
 
 
 def _downstream(nodes: list[ir.Node]) -> list[ir.Node]:
