@@ -58,6 +58,14 @@ What ORT leaves to the user, and this pass decides:
   itself when it builds a session at level 2 and above; written into the artifact, the graph is the same at
   every level, and the Split case, which ORT leaves, loses its Adds too.
 
+* **Every weight stored once.** A weight read in two forms is stored twice (float beside its packed copy, or
+  int4 beside 8-bit): a merged T5 came out larger than its fp32 upload (197 vs 167 KB) when its no-cache
+  branch missed the budget and stayed float while the cache branch went int4. A MatMul whose weight another
+  node reads too (a Gather of a tied table, a Transpose) stays float; on a merged decoder each weight then
+  takes the most precise form any branch chose and the branches are quantized again with those forms
+  (``weight_forms_agreed`` in the notes), each still held to the budget: a branch that misses it stays float
+  and so, the round after, do the weights it shares.
+
 Refuses (no change, with a reason) when no MatMul has a constant weight, when ``nodes_to_exclude`` names a
 node the graph lacks, when HQQ is asked for without torch, and when the budget (top-1 agreement included) is
 missed with every MatMul 8-bit, with no MatMul left in int4, or only with more than ``max_exclusions`` of
@@ -187,11 +195,63 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         head = str(notes.get("lm_head_decision", "")).split(" ")[0].rstrip(":")
         if self.options.lm_head == "auto" and head in ("int8", "float"):
             update["lm_head"] = head
-        return type(self)(self.options.model_copy(update=update))
+        follower = type(self)(self.options.model_copy(update=update))
+        follower._pins = self._pins
+        return follower
+
+    _pins: dict[str, tuple[str, int]] | None = None  # weight -> (form, accuracy_level), set by _agree
+
+    def _agree(self, model: ir.Model, ctx: PassContext, first: PassResult) -> PassResult:
+        """``first`` (the pass run branch by branch), or the branches run again with one form per weight.
+
+        Each branch chooses alone: the no-cache branch of a merged T5 missed the budget even with every MatMul
+        8-bit (one greedy token of 8 flipped) and stayed float while the cache branch went int4, so the outer
+        graph kept every float weight beside the cache branch's packed copies: 197 KB against the 167 KB
+        upload. A weight read in two forms (float and int4, int4 and 8-bit) is stored twice, so every weight
+        takes the most precise form any of its readers chose (no reader loses accuracy, the stored bytes only
+        shrink) and the branches are quantized again with those forms, each still held to the budget; a branch
+        that then misses it stays float, and the others follow it the round after."""
+        original = ir.serde.serialize_model(model)
+        result, rounds = first, []
+        chosen = _first_block_size(first.notes)
+        while True:
+            uses = weight_uses(original, ir.serde.serialize_model(result.model))
+            split = {name: sorted(kinds, key=_FORMS.index) for name, kinds in uses.items() if len(kinds) > 1}
+            if not split:
+                break
+            if len(rounds) == len(_FORMS):  # forms only rise (a miss makes a branch float): a bound, not a case
+                reason = "the branches still read a weight in two forms after agreeing; left float (stored once)"
+                return PassResult(q.unchanged(model), False, {}, [*result.non_matches, NonMatch(reason)], first.notes)
+            # each form at the accuracy level its reader had: a branch whose forms did not change is rebuilt as
+            # it was measured (rebuilt at one level, merged GPT-2's no-cache branch flipped a greedy token)
+            pins = {name: max(kinds.items(), key=lambda kind: _FORMS.index(kind[0])) for name, kinds in uses.items()}
+            rounds.append({"read_in_two_forms": split, "agreed": {name: pins[name][0] for name in split}})
+            update: dict[str, Any] = {} if chosen is None else {"block_size": chosen}
+            pinned = type(self)(self.options.model_copy(update=update))
+            pinned._pins = pins
+            result = in_branches(pinned, model, ctx) or result
+            rounds[-1]["branches"] = result.notes.get("branches", {})
+        if not rounds:
+            return first
+        # "branches" stays the first round's: what each branch measured and chose alone (the search, the
+        # block size); each round's own notes are under weight_forms_agreed
+        notes = {**first.notes, "weight_forms_agreed": rounds}
+        seen = {(m.reason, m.node) for m in result.non_matches}
+        non_matches = [*result.non_matches, *(m for m in first.non_matches if (m.reason, m.node) not in seen)]
+        if not result.modified:
+            non_matches.append(
+                NonMatch(
+                    "the branches share their weights and one of them keeps them float (its budget, above), so "
+                    "the other does too: quantizing it alone would store them twice, larger than the upload"
+                )
+            )
+        return PassResult(result.model, result.modified, result.counts, non_matches, notes)
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: each branch's MatMuls
-            return branches
+            return branches if self._pins is not None else self._agree(model, ctx, branches)
+        if self._pins is not None:
+            return _call_pinned(model, ctx, self.options, self._pins)
         options = self.options
         unchanged = q.unchanged(model)
         refusal = q.unknown_node_names(model, options.nodes_to_exclude)
@@ -208,7 +268,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         else:
             notes_gemm = 0
         heads = lm_heads(model)
-        candidates, non_matches = _candidates(model, set(options.nodes_to_exclude))
+        candidates, non_matches, shared = _candidates(model, set(options.nodes_to_exclude))
         kept_float = [] if options.lm_head == "int4" else [h for h in heads if h in candidates]
         candidates = [c for c in candidates if c not in kept_float]
         notes: dict[str, Any] = {
@@ -223,7 +283,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             notes["decision"] = "skipped: nothing to quantize"
             return PassResult(unchanged, False, {"nodes_quantized": 0}, non_matches, notes)
         budget_options = q.QuantizationOptions(
-            nodes_to_exclude=[*options.nodes_to_exclude, *kept_float],
+            nodes_to_exclude=[*options.nodes_to_exclude, *kept_float, *shared],
             min_cosine=options.min_cosine,
             max_rel_error=options.max_rel_error,
             max_abs_error=options.max_abs_error,
@@ -291,7 +351,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             out.counts["bias_adds_folded"] = folded
         else:
             notes["bias_adds"] = f"kept: MatMulNBits' bias input on {ctx.target} takes one GEMV shape alone"
-        notes["precision"] = precision_by_layer(result, [*candidates, *kept_float, *options.nodes_to_exclude])
+        notes["precision"] = precision_by_layer(result, [*candidates, *kept_float, *shared, *options.nodes_to_exclude])
         notes["accuracy_level"]["by_layer"] = levels_by_layer(result)
         notes["int4_share"] = int4_share(notes["precision"], weights)
         notes["weight_bytes"] = {
@@ -404,8 +464,10 @@ def unfuse_gemms(model: ir.Model) -> int:
     return len(sites)
 
 
-def _candidates(model: ir.Model, excluded: set[str]) -> tuple[list[str], list[NonMatch]]:
-    found, non_matches = [], []
+def _candidates(model: ir.Model, excluded: set[str]) -> tuple[list[str], list[NonMatch], list[str]]:
+    """The MatMuls to quantize, why others are not, and the MatMuls kept float because another node reads
+    their weight (ORT's quantizer takes every MatMul it is not told to exclude: the caller excludes them)."""
+    found, non_matches, shared = [], [], []
     for node in model.graph:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.name in excluded:
             continue
@@ -413,13 +475,20 @@ def _candidates(model: ir.Model, excluded: set[str]) -> tuple[list[str], list[No
         if weight is None or weight.const_value is None:
             continue  # attention's Q.K^T and P.V: activations on both sides, nothing to quantize
         shape = weight.const_value.shape
-        if len(shape) < 2 or any(d != 1 for d in shape[:-2]):
+        others = [u.node for u in weight.uses() if u.node.op_type != "MatMul" or u.idx != 1]
+        if others or weight.is_graph_output():
+            # ORT would pack a copy and keep the float weight for the other reader: stored twice
+            what = f"{others[0].op_type} {others[0].name}" if others else "a graph output"
+            reason = f"weight {weight.name} is also read by {what}: quantized, it would be stored twice"
+            non_matches.append(NonMatch(reason, node.name, node.op_type))
+            shared.append(node.name)
+        elif len(shape) < 2 or any(d != 1 for d in shape[:-2]):
             non_matches.append(NonMatch(f"weight of shape {list(shape)} is not 2-D", node.name, node.op_type))
         elif not node.name:
             non_matches.append(NonMatch("unnamed MatMul: the accuracy loop tracks nodes by name", None, "MatMul"))
         else:
             found.append(node.name)
-    return found, non_matches
+    return found, non_matches, shared
 
 
 def precision_by_layer(model: ir.Model, names: Sequence[str]) -> dict[str, str]:
@@ -796,9 +865,10 @@ def quantize_tables(
     bits: int,
     block_size: int,
     symmetric: bool,
+    only: Collection[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Make each token table of ``proto`` a ``com.microsoft::GatherBlockQuantized``, in place; one entry per
-    table done.
+    """Make each token table of ``proto`` (of those named in ``only``, when given) a
+    ``com.microsoft::GatherBlockQuantized``, in place; one entry per table done.
 
     A token table: a ``Gather`` (axis 0) of a constant 2-D float32 initializer ``E[V, H]`` that nothing else
     reads. Tied: where a quantized lm_head (MatMulNBits ``<head>_Q<b>``) was quantized from a weight equal to
@@ -833,6 +903,7 @@ def quantize_tables(
             or axis not in (0, -2)
             or readers.get(table.name, 0) != 1
             or node.input[1] in inits  # a constant lookup: folded by constant folding, not a token table
+            or (only is not None and table.name not in only)
         ):
             nodes.append(node)
             continue
@@ -861,6 +932,11 @@ def quantize_tables(
             arrays = {f"{table.name}_Q{bits}": packed_values.reshape(rows, -1), f"{table.name}_scales": scales}
             if not symmetric:
                 arrays[f"{table.name}_zero_points"] = zeros.reshape(rows, -1)
+            if sum(a.nbytes for a in arrays.values()) >= values.nbytes:
+                # rows shorter than a block are padded to one: T5's [32, 4] relative-position table took 640
+                # bytes at 8 bits (512 in float)
+                nodes.append(node)
+                continue
             names = []
             for wanted, array in arrays.items():
                 name = q.unique_name(inits, wanted)
@@ -928,3 +1004,176 @@ def _tied_head(
         if zeros is None or zeros.data_type == onnx.TensorProto.UINT8:
             return name
     return None
+
+
+# ------------------------------------------------------------------ one form per weight (merged decoders)
+
+_FORMS = ("int4", "int8", "float")  # least precise first
+_QUANTIZED = {"MatMulNBits": ("MatMul", "Gemm"), "GatherBlockQuantized": ("Gather",)}
+
+
+def weight_forms(original: onnx.ModelProto, result: onnx.ModelProto) -> dict[str, set[str]]:
+    """``{weight: forms}``: how ``result`` (``original`` quantized) reads each 2-D+ float initializer of
+    ``original`` that a MatMul, Gemm or Gather of it read, in every graph (an If's branches included):
+    ``int4`` / ``int8`` where the reader became a MatMulNBits / GatherBlockQuantized of those bits (ORT and
+    ``quantize_tables`` name it ``<reader>_Q<bits>``), ``float`` where a node still reads the weight itself.
+    More than one form: the weight is stored once per form."""
+    return {name: set(kinds) for name, kinds in weight_uses(original, result).items()}
+
+
+def weight_uses(original: onnx.ModelProto, result: onnx.ModelProto) -> dict[str, dict[str, int]]:
+    """``weight_forms`` with the accuracy level of each form's reader (0 for float and tables)."""
+    forms: dict[str, dict[str, int]] = {}
+    weights = _float_weights(original.graph)
+
+    def walk(before: onnx.GraphProto, after: onnx.GraphProto, outer: set[str]) -> None:
+        known = outer | _float_weights(before)
+        by_name = {n.name: n for n in after.node if n.name}
+        by_output = {n.output[0]: n for n in after.node if n.output}
+        for node in before.node:
+            slot = 0 if node.op_type == "Gather" else 1
+            if node.op_type not in ("MatMul", "Gemm", "Gather") or len(node.input) <= slot or not node.name:
+                continue
+            weight = node.input[slot]
+            if weight not in known:
+                continue
+            for bits in (4, 8):
+                done = by_name.get(f"{node.name}_Q{bits}")
+                if done is not None and node.op_type in _QUANTIZED.get(done.op_type, ()):
+                    level = next((a.i for a in done.attribute if a.name == "accuracy_level"), 0)
+                    forms.setdefault(weight, {}).setdefault(f"int{bits}", level)
+        for node in after.node:
+            for name in node.input:
+                if name in known:
+                    forms.setdefault(name, {}).setdefault("float", 0)
+        for node in before.node:
+            twin = by_output.get(node.output[0]) if node.output else None
+            if twin is None:
+                continue
+            graphs = {a.name: a.g for a in twin.attribute if a.HasField("g")}
+            for attr in node.attribute:
+                if attr.HasField("g") and attr.name in graphs:
+                    walk(attr.g, graphs[attr.name], known)
+
+    walk(original.graph, result.graph, weights)
+    readers = _readers(original.graph)  # only weights a quantizable op reads: the rest are never quantized
+    return {name: kinds for name, kinds in forms.items() if name in readers}
+
+
+def _float_weights(graph: onnx.GraphProto) -> set[str]:
+    return {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2}
+
+
+def _readers(graph: onnx.GraphProto) -> set[str]:
+    """Names a MatMul / Gemm reads as its weight or a Gather as its table, in ``graph`` and its subgraphs."""
+    names: set[str] = set()
+    for node in graph.node:
+        slot = 0 if node.op_type == "Gather" else 1
+        if node.op_type in ("MatMul", "Gemm", "Gather") and len(node.input) > slot:
+            names.add(node.input[slot])
+        for attr in node.attribute:
+            if attr.HasField("g"):
+                names |= _readers(attr.g)
+    return names
+
+
+def _first_block_size(notes: dict[str, Any]) -> int | None:
+    """The block size the first branch chose (the others were given it), from ``in_branches``' notes."""
+    for branch in notes.get("branches", {}).values():
+        size = branch.get("block_size") if isinstance(branch, dict) else None
+        if isinstance(size, dict) and isinstance(size.get("chosen"), int):
+            return size["chosen"]
+    return None
+
+
+def _call_pinned(
+    model: ir.Model, ctx: PassContext, options: QuantizeInt4Options, pins: dict[str, tuple[str, int]]
+) -> PassResult:
+    """The branch quantized with the forms (and levels) agreed across the branches (``QuantizeInt4._agree``):
+    no search, one build, held to the budget; a miss leaves the branch float, as a refusal does."""
+    unchanged = q.unchanged(model)
+    weight_of = {
+        n.name: n.inputs[1].name
+        for n in model.graph
+        if n.op_type in ("MatMul", "Gemm") and n.name and len(n.inputs) > 1 and n.inputs[1] is not None
+    }  # before unfuse_gemms: a transposed Gemm weight is a new initializer, pinned under the Gemm's
+    if _gemm_sites(model):
+        model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        unfuse_gemms(model)
+    candidates, non_matches, _ = _candidates(model, set(options.nodes_to_exclude))
+    form = {c: pins.get(weight_of.get(c, ""), ("float", 0)) for c in candidates}
+    int4 = [c for c in candidates if form[c][0] == "int4"]
+    int8 = [c for c in candidates if form[c][0] == "int8"]
+    tables = {t: pins[t][0] for t in _tables_read(model) if pins.get(t, ("float", 0))[0] != "float"}
+    notes: dict[str, Any] = {"weight_forms": "agreed across the branches (pinned)", "candidates": len(candidates)}
+    if not (int4 or int8 or tables):
+        notes["decision"] = "float: every weight this branch reads stays float in the agreed forms"
+        return PassResult(unchanged, False, {"nodes_quantized": 0}, non_matches, notes)
+    size = options.block_size if isinstance(options.block_size, int) else 32
+    sized = options.model_copy(update={"block_size": size})
+    notes["block_size"] = {"chosen": size, "by": "agreed across the branches"}
+    heads = set(lm_heads(model))
+    head_weights = {  # a tied table reads its quantized head's weights, as _tables does
+        n.name: n.inputs[1].const_value.numpy()
+        for n in model.graph
+        if n.name in heads and n.op_type == "MatMul" and n.inputs[1] is not None
+        if n.inputs[1].const_value is not None
+    }
+
+    def build() -> onnx.ModelProto:
+        proto = ir.serde.serialize_model(model)
+        groups: dict[tuple[int, int], list[str]] = {}
+        for c in [*int4, *int8]:
+            groups.setdefault((int(form[c][0][3:]), form[c][1]), []).append(c)
+        for (bits, level), names in sorted(groups.items()):
+            others = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in names]
+            proto = quantize_proto(proto, sized, level, others, bits=bits, include=names)
+        for bits in (4, 8):
+            only = {t for t, kind in tables.items() if kind == f"int{bits}"}
+            if only:
+                quantize_tables(proto, head_weights, bits=bits, block_size=size, symmetric=sized.symmetric, only=only)
+        return proto
+
+    original = ir.serde.serialize_model(model)
+    built = build()
+    logits = logits_output(model)
+    measured = _measure(original, {"agreed": built}, ctx.samples, options.max_samples, logits, timed=False)
+    budget = q.budget_of(
+        q.QuantizationOptions(
+            min_cosine=options.min_cosine,
+            max_rel_error=options.max_rel_error,
+            max_abs_error=options.max_abs_error,
+            min_top1_agreement=options.min_top1_agreement,
+            max_perplexity_increase=options.max_perplexity_increase,
+        )
+    )
+    if measured is None:
+        notes["accuracy"] = "not measured: no samples give every input"
+    else:
+        accuracy = measured[0]["agreed"]
+        if misses := budget.misses(accuracy):
+            notes["decision"] = "refused: the agreed forms miss the budget here"
+            reason = "the weight forms agreed with the other branch miss the budget here: " + "; ".join(misses)
+            return PassResult(unchanged, False, {"nodes_quantized": 0}, [*non_matches, NonMatch(reason)], notes)
+        notes["accuracy"] = {k: v.to_dict() for k, v in accuracy.items()}
+    notes["decision"] = f"quantized with the agreed forms: {len(int4)} int4, {len(int8)} 8-bit, {len(tables)} table(s)"
+    result = ir.serde.deserialize_model(built)
+    counts = {"nodes_quantized": len(int4), "nodes_8bit": len(int8), "tables_quantized": len(tables)}
+    if ctx.target == "cpu":
+        folded, declined = fold_bias_adds(result)
+        non_matches += declined
+        counts["bias_adds_folded"] = folded
+    notes["precision"] = precision_by_layer(result, candidates)
+    after = q.tensor_bytes(ir.serde.serialize_model(result))
+    notes["weight_bytes"] = {"before": q.tensor_bytes(original), "after": after}
+    return PassResult(result, True, counts, non_matches, notes)
+
+
+def _tables_read(model: ir.Model) -> list[str]:
+    """The constant 2-D tables the graph's Gathers read (``quantize_tables`` decides which it can take)."""
+    return [
+        n.inputs[0].name
+        for n in model.graph
+        if n.op_type == "Gather" and n.inputs and n.inputs[0] is not None and n.inputs[0].const_value is not None
+        if n.inputs[0].name
+    ]
