@@ -380,8 +380,12 @@ def note_probe(notes: dict[str, Any], budget: Budget, logits: str | None, probe:
         positions = sum(int(np.asarray(f[probe.token]).size) for f in probe.feeds)
         notes["next_token"] = {
             "logits": probe.logits,
-            "sequences": f"{len(probe.feeds)} sample(s) of the context, {positions} token(s), each fed as a "
-            "prefill (empty cache) under teacher forcing",
+            "sequences": f"{len(probe.feeds)} sample(s) of the context, {positions} token(s), "
+            + (
+                "each fed as a prefill (empty cache) under teacher forcing"
+                if probe.as_prefill
+                else "the samples as they are (their cache cannot be emptied: a seq2seq encoder's)"
+            ),
         }
         return
     why = "no logits output (no float output an LM head reaches)" if logits is None else "no sample carries token ids"
