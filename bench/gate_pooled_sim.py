@@ -6,6 +6,16 @@ the gate's parameters of a ``fast`` job (floor of 10 blocks or 5 s, 10 s per set
 (the artifact's true ratio to the upload per set) it prints the median and 90th percentile of the timed seconds,
 the median blocks, how often the gate refuses the artifact (``Comparison.slower``) and how often it hands it
 back (neither slower nor a tie): the figures behind the pooled stop's paragraph in workers/benchmark.py.
+
+``--warmup`` compares the warm-up instead, the pooled stop on in both: ``before``, each model's untimed runs until
+one is within 10% of the run before it, spent (the rule up to this change), against ``after``, the warm-up of
+``workers.benchmark._first_block`` (untimed runs until one is no faster than the run before it beyond 10%, that
+run timed as the set's first block). Each model's runs of a set then start cold: the run made when the session
+is built takes ``--cold`` times the set's center (1.5: measured with ``bench.warmup_settle``) and the runs after
+it ``--curve`` times (default none: settled from the first run after the build; ``1.2`` is a second run still
+20% slow, as Whisper's encoder showed once at load 4-6). The seconds include the warm-up runs. ``--centers``
+sets the three sets' run times (``130,260,520``: Whisper's encoder at bench size on a quiet host), and the
+scenarios add a set 15% or 25% slower as the first or second set too.
 """
 
 from __future__ import annotations
@@ -46,14 +56,62 @@ class _Clock:
 
 
 class _Runs:
-    def __init__(self, centers: list[float], spread: float, rng: np.random.Generator) -> None:
-        self.centers, self.spread, self.rng = centers, spread, rng
+    """One model's synthetic runs per input set, warm from the first (``cold`` None), or as a session: built
+    with one cold run of each set, then the ``curve`` and settled runs, and warmed up as ``workers.benchmark``
+    does (``legacy``: each model's untimed runs until one is within 10% of the one before it, all spent)."""
 
-    def warm_up(self, _index: int, _warmup: int) -> int:
-        return 0
+    def __init__(
+        self,
+        centers: list[float],
+        spread: float,
+        rng: np.random.Generator,
+        *,
+        cold: float | None = None,
+        curve: tuple[float, ...] = (),
+        legacy: bool = False,
+    ) -> None:
+        self.centers, self.spread, self.rng = centers, spread, rng
+        self.cold, self.curve, self.legacy = cold, curve, legacy
+        self.made = [0] * len(centers)  # runs made per set after the build's
+        self.runs: benchmark.Runs | None = None
+        if cold is not None:
+            self.runs = benchmark.Runs(None, [{}] * len(centers), BenchmarkParams())
+            for index in range(len(centers)):
+                self.runs.untimed(index, self._draw(index, cold))  # the build's run, timed, not on the clock
+
+    def _draw(self, index: int, factor: float = 1.0) -> float:
+        return self.centers[index] * factor * float(np.exp(self.spread * self.rng.standard_normal()))
+
+    def _run(self, index: int) -> float:
+        made, self.made[index] = self.made[index], self.made[index] + 1
+        return self._draw(index, self.curve[made] if made < len(self.curve) else 1.0)
+
+    def warming(self, index: int, warmup: int) -> bool:
+        if self.runs is None:
+            return False
+        if self.legacy and self.runs.warming(index, warmup):
+            # the rule before _first_block: up to the cap, spend runs until one is within 10% of the one before
+            while self.runs.ran[index] < warmup:
+                took = benchmark._time_one(lambda: self._run(index))
+                previous = self.runs.last_ms[index]
+                self.runs.untimed(index, took)
+                if abs(took - previous) <= benchmark.WARMUP_SETTLE * previous:
+                    break
+            self.runs.settled.add(index)
+        return self.runs.warming(index, warmup)
+
+    def settles(self, index: int, ms: float, warmup: int) -> bool:
+        assert self.runs is not None
+        return self.runs.settles(index, ms, warmup)
+
+    def untimed(self, index: int, ms: float) -> None:
+        assert self.runs is not None
+        self.runs.untimed(index, ms)
 
     def select(self, index: int) -> Callable[[], float]:
-        return lambda: self.centers[index] * float(np.exp(self.spread * self.rng.standard_normal()))
+        if self.runs is None:
+            return lambda: self._draw(index)
+        return lambda: self._run(index)
 
 
 def _fake_clock() -> _Clock:
@@ -69,10 +127,13 @@ def _fake_clock() -> _Clock:
     return clock
 
 
-def one_gate(clock: _Clock, ratios: list[float], spread: float, params: BenchmarkParams, seed: int) -> tuple[Any, ...]:
+def one_gate(
+    clock: _Clock, ratios: list[float], spread: float, params: BenchmarkParams, seed: int, **session: Any
+) -> tuple[Any, ...]:
+    """One gate's timing: (seconds, refused, handed back, blocks). ``session``: ``_Runs``' cold-start options."""
     rng = np.random.default_rng(seed)
-    a = _Runs(CENTERS, spread, rng)
-    b = _Runs([c * r for c, r in zip(CENTERS, ratios, strict=True)], spread, rng)
+    a = _Runs(CENTERS, spread, rng, **session)
+    b = _Runs([c * r for c, r in zip(CENTERS, ratios, strict=True)], spread, rng, **session)
     clock.now = 0.0
     states, stops, tied = benchmark._time_sets(a, b, len(CENTERS), params)  # type: ignore[arg-type]
     shapes = [
@@ -93,15 +154,31 @@ def one_gate(clock: _Clock, ratios: list[float], spread: float, params: Benchmar
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=100)
+    parser.add_argument("--centers", default=",".join(f"{c:g}" for c in CENTERS), help="the sets' run times, ms")
+    parser.add_argument("--warmup", action="store_true", help="compare the warm-up rules (module docstring)")
+    parser.add_argument("--cold", type=float, default=1.5, help="--warmup: the build run's factor")
+    parser.add_argument("--curve", default="", help="--warmup: factors of the runs after the build, e.g. 1.2")
     args = parser.parse_args(argv)
+    CENTERS[:] = [float(c) for c in args.centers.split(",")]
     clock = _fake_clock()
-    variants = {"without": GATE, "pooled": dataclasses.replace(GATE, pooled_stop=True)}
+    pooled = dataclasses.replace(GATE, pooled_stop=True)
+    scenarios = dict(SCENARIOS)
+    variants: dict[str, tuple[BenchmarkParams, dict[str, Any]]]
+    if args.warmup:
+        curve = tuple(float(f) for f in args.curve.split(",") if f)
+        session = {"cold": args.cold, "curve": curve}
+        variants = {"before": (pooled, {**session, "legacy": True}), "after": (pooled, session)}
+        scenarios.update({"set 1 +15%": [1.15, 1.0, 1.0], "set 2 +15%": [1.0, 1.15, 1.0]})
+        scenarios.update({"set 1 +25%": [1.25, 1.0, 1.0], "set 2 +25%": [1.0, 1.25, 1.0]})
+    else:
+        variants = {"without": (GATE, {}), "pooled": (pooled, {})}
+    print(f"centers {CENTERS} ms" + (f", cold {args.cold}, curve {args.curve or 'none'}" if args.warmup else ""))
     print("| spread | scenario | gate | median s | p90 s | median blocks | refused | handed back |")
     print("|---|---|---|---|---|---|---|---|")
     for spread in (0.05, 0.15):
-        for name, ratios in SCENARIOS.items():
-            for label, params in variants.items():
-                runs = [one_gate(clock, ratios, spread, params, seed) for seed in range(args.seeds)]
+        for name, ratios in scenarios.items():
+            for label, (params, session) in variants.items():
+                runs = [one_gate(clock, ratios, spread, params, seed, **session) for seed in range(args.seeds)]
                 seconds = np.array([r[0] for r in runs])
                 timing = f"{np.median(seconds):.1f} | {np.percentile(seconds, 90):.1f}"
                 blocks, refused, handed = (np.median([r[3] for r in runs]), *np.mean([r[1:3] for r in runs], axis=0))

@@ -16,13 +16,19 @@ outputs checked against the run without the graph, then an interleaved A/B) and 
 faster beyond noise; the choice and its reason go into ``Comparison.execution`` (the report's benchmark
 section) and ``Comparison.recipe_b`` (the session recipe that gives users the graph).
 
-Warm-up, per input set: up to ``warmup`` untimed runs of each model, fewer once one run is within
-``WARMUP_SETTLE`` (10%) of the run before it (``Runs.warm_up``). A session runs every set once when it is built
-(its arena grows to the largest set, its thread pool starts), and that first run, timed, is the first one
-compared; a pooled session that has already run a set ``warmup`` times is not warmed up on it again. Measured
-(``python -m bench.warmup_settle``) on ViT and Whisper's encoder at bench size (batch 1, 2 and 4), the first
-run of a set can be 1.5x the later ones and the second is already among them: the cap of 5 cost four runs of
-0.4-2 s per model and set.
+Warm-up, per input set: untimed runs of each model until one shows its session settled, at most ``warmup`` runs
+of the set in all (``Runs.warming``): a run is settled when it is no faster than the run before it by more than
+``WARMUP_SETTLE`` (10%, ``warmed``): warming up only makes runs faster, and a run slower than the one before it
+is the host's noise. The run that shows it is settled itself, so it is timed, not spent (``_first_block``):
+while both models warm up each step is a block of one run of each, and the block whose two runs both settle is
+the set's first timed block; once one model has settled only the other runs, its settling run paired with a
+run of the settled one made right after it. A session runs every set once when it is built (its arena grows to
+the largest set, its thread pool starts), and that first run, timed, is the first one compared; a pooled
+session that has settled on a set, or run it ``warmup`` times, is not warmed up on it again. Measured (``python
+-m bench.warmup_settle``) on ViT and Whisper's encoder at bench size (batch 1, 2 and 4), the first run of a set
+can be 1.5x the later ones and the second is already among them: that costs one untimed run per model and set
+(the rule before spent the second run too, and on a loaded host, whose runs differ by 10-30% from one to the
+next, went on to the cap of 5 on runs of 0.4-2 s; ``python -m bench.gate_pooled_sim --warmup`` compares them).
 
 Stopping, per input set: at least ``min_runs`` timed blocks, or, when the first ``MIN_SETTLE_PAIRS`` (5) blocks
 and more have taken ``min_seconds`` (``benchmark_min_seconds``), as many as that took, whichever comes first
@@ -113,9 +119,9 @@ TIE_STOP = "tie: the pooled estimate gains under the 3% floor (under 10% at 95%)
 # What stopped the sets still open when the decision was taken over all of them (``decided``).
 POOLED_STOP = "pooled: every set's pairs decide; none can turn clearly slower"
 _Z95 = 1.959964
-# Warm-up stops once a run is within this fraction of the run before it (module docstring): ORT's arena and
-# thread pool settle in the first run or two, and a difference below the run-to-run noise of a loaded host
-# (10-30% on the 2 shared CPUs this was measured on) is no sign of a session still warming up.
+# Warm-up stops once a run is no faster than the run before it by more than this fraction (module docstring):
+# ORT's arena and thread pool settle in the first run or two, and a gain below the run-to-run noise of a loaded
+# host (10-30% on the 2 shared CPUs this was measured on) is no sign of a session still warming up.
 WARMUP_SETTLE = 0.10
 
 
@@ -441,20 +447,27 @@ class Runs:
         self.ran: dict[int, int] = {}
         # The last untimed run of each input set, ms (the session's first run, then each warm-up run).
         self.last_ms: dict[int, float] = {}
+        # Input sets on which a run has shown the session settled (``warmed``): never warmed up again.
+        self.settled: set[int] = set()
 
-    def warm_up(self, index: int, warmup: int) -> int:
-        """Up to ``warmup`` untimed runs of input set ``index``, less the runs this session has made on it;
-        fewer once a run is within ``WARMUP_SETTLE`` of the one before it (``warmed``). Returns the runs made."""
-        run, missing = self.select(index), max(0, warmup - self.ran.get(index, 0))
-        made = 0
-        while made < missing:
-            took = _time_one(run)
-            made += 1
-            previous, self.last_ms[index] = self.last_ms.get(index), took
-            if warmed(previous, took):
-                break
-        self.count(index, made)
-        return made
+    def warming(self, index: int, warmup: int) -> bool:
+        """Whether the next run of input set ``index`` must still show that the session has settled: no run of
+        the set has, and fewer than ``warmup`` runs of it were made (the one at build counts)."""
+        return index not in self.settled and self.ran.get(index, 0) < warmup
+
+    def settles(self, index: int, ms: float, warmup: int) -> bool:
+        """Whether a run of ``ms`` of input set ``index``, made while ``warming``, can be timed: it is not faster
+        than the run before it beyond ``WARMUP_SETTLE`` (``warmed``), or the cap of ``warmup`` runs is reached.
+        Recorded: the set is then settled. The caller records an untimed run with ``untimed``."""
+        if self.warming(index, warmup) and not warmed(self.last_ms.get(index), ms):
+            return False
+        self.settled.add(index)
+        return True
+
+    def untimed(self, index: int, ms: float) -> None:
+        """A run of input set ``index`` that is not timed (a warm-up run): counted, and the next one compared to it."""
+        self.last_ms[index] = ms
+        self.count(index, 1)
 
     def count(self, index: int, runs: int) -> None:
         self.ran[index] = self.ran.get(index, 0) + runs
@@ -485,8 +498,11 @@ class Runs:
 
 
 def warmed(previous_ms: float | None, ms: float) -> bool:
-    """A run of ``ms`` after one of ``previous_ms`` (None: no run timed before it) shows a settled session."""
-    return previous_ms is not None and abs(ms - previous_ms) <= WARMUP_SETTLE * previous_ms
+    """A run of ``ms`` after one of ``previous_ms`` (None: no run timed before it) shows a settled session: it is
+    not faster than that run by more than ``WARMUP_SETTLE``. Warming up (the arena, ORT's memory pattern for the
+    shapes, the thread pool, caches) only makes runs faster; a run slower than the one before it is the host's
+    noise, which more untimed runs do not remove."""
+    return previous_ms is not None and ms >= (1.0 - WARMUP_SETTLE) * previous_ms
 
 
 def _rss() -> int:
@@ -709,6 +725,45 @@ def _stop_after_block(state: _Blocks, params: BenchmarkParams, index: int) -> st
     return None
 
 
+def _first_block(runs_a: Runs, runs_b: Runs, index: int, warmup: int) -> tuple[float, float, float] | None:
+    """The warm-up of input set ``index``: runs of the models still ``warming`` on it, the run that shows a
+    session settled (``Runs.settles``) timed rather than spent. While both warm up, each step is a block (one
+    run of A and one of B, in the order of the set's first block); once one has settled, only the other runs,
+    and its settling run is paired with a run of the settled one made right after it. That pair is the set's
+    first timed block (A ms, B ms, seconds); every run before it is untimed. None: no settling run to time
+    (neither model needed a warm-up run, or the cap of ``warmup`` runs was reached first).
+
+    The run that shows a session settled is no faster than the one before it, so it is settled itself: a set
+    whose first run after the build is already settled (ViT, Whisper's encoder) costs one untimed run per
+    model, not two; and a warm model is not run beside the other's warm-up."""
+    run_a, run_b = runs_a.select(index), runs_b.select(index)
+    while True:
+        warming_a, warming_b = runs_a.warming(index, warmup), runs_b.warming(index, warmup)
+        if not (warming_a or warming_b):
+            return None
+        start = time.perf_counter()
+        if warming_a and warming_b:
+            if index % 2 == 0:
+                a, b = _time_one(run_a), _time_one(run_b)
+            else:
+                b = _time_one(run_b)
+                a = _time_one(run_a)
+            done_a, done_b = runs_a.settles(index, a, warmup), runs_b.settles(index, b, warmup)
+            if done_a and done_b:
+                return a, b, time.perf_counter() - start
+            runs_a.untimed(index, a)
+            runs_b.untimed(index, b)
+            continue
+        warm, run_warm, run_other = (runs_a, run_a, run_b) if warming_a else (runs_b, run_b, run_a)
+        took = _time_one(run_warm)
+        if not warm.settles(index, took, warmup):
+            warm.untimed(index, took)
+            continue
+        paired = _time_one(run_other)
+        a, b = (took, paired) if warming_a else (paired, took)
+        return a, b, time.perf_counter() - start
+
+
 def _timed_blocks(
     run_a: Callable[[], Any],
     run_b: Callable[[], Any],
@@ -718,16 +773,24 @@ def _timed_blocks(
     *,
     until_floor: bool = False,
     pause_at: int | None = None,
+    first: tuple[float, float, float] | None = None,
 ) -> tuple[list[float], list[float], str | None]:
     """Interleaved blocks of one input set until the answer is settled, the budget spent or max_runs reached
     (module docstring); returns the A and B times and what stopped them. ``until_floor``: pause at the floor
     (or max_runs) before any stopping rule is applied (what stopped them: None); ``pause_at``: pause (None)
     once the set has this many blocks, its own rules applied up to there; ``state``: go on from such a pause
-    (whose rules the caller applied), its budget counting only the time spent in these blocks."""
+    (whose rules the caller applied), its budget counting only the time spent in these blocks; ``first``: the
+    first block, timed already by the warm-up (``_first_block``: A ms, B ms, its seconds)."""
     state = _Blocks() if state is None else state
+    if first is not None:
+        state.elapsed_s += first[2]
     started = time.perf_counter() - state.elapsed_s
     while True:
-        if (len(state.a_ms) + index) % 2 == 0:
+        if first is not None:
+            state.a_ms.append(first[0])
+            state.b_ms.append(first[1])
+            first = None
+        elif (len(state.a_ms) + index) % 2 == 0:
             state.a_ms.append(_time_one(run_a))
             state.b_ms.append(_time_one(run_b))
         else:
@@ -759,9 +822,9 @@ def _time_sets(
     stops: list[str | None] = []
     floor_first = params.tie_stop or params.pooled_stop
     for index in range(count):
-        runs_a.warm_up(index, params.warmup), runs_b.warm_up(index, params.warmup)
+        first = _first_block(runs_a, runs_b, index, params.warmup)
         run_a, run_b = runs_a.select(index), runs_b.select(index)
-        stops.append(_timed_blocks(run_a, run_b, params, index, states[index], until_floor=floor_first)[2])
+        stops.append(_timed_blocks(run_a, run_b, params, index, states[index], until_floor=floor_first, first=first)[2])
     if not floor_first:
         return states, stops, False
     stops = [stop or _stop_after_block(states[i], params, i) for i, stop in enumerate(stops)]
@@ -839,16 +902,20 @@ def measure(
     runs, mem = sessions.runs(path, feeds, params)
     out = []
     for index in range(len(feeds)):
-        runs.warm_up(index, params.warmup)
         run = runs.select(index)
-        samples = []
+        samples: list[float] = []
         start = time.perf_counter()
-        while True:
-            samples.append(_time_one(run))
-            if len(samples) >= params.max_runs:
+        while runs.warming(index, params.warmup):  # the run that shows the session settled is the first sample
+            took = _time_one(run)
+            if runs.settles(index, took, params.warmup):
+                samples.append(took)
                 break
+            runs.untimed(index, took)
+            start = time.perf_counter()
+        while not samples or len(samples) < params.max_runs:
             if len(samples) >= params.min_runs and time.perf_counter() - start >= params.max_seconds:
                 break
+            samples.append(_time_one(run))
         runs.count(index, len(samples))
         out.append(LatencyStats.from_samples(samples, mem))
     del runs

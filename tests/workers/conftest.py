@@ -45,9 +45,9 @@ class SyntheticRuns:
         self.rng = np.random.default_rng(seed)
         self.warmed: list[int] = []
 
-    def warm_up(self, index: int, _warmup: int) -> int:
+    def warming(self, index: int, _warmup: int) -> bool:
         self.warmed.append(index)
-        return 0
+        return False  # synthetic runs are warm from the first: no warm-up block
 
     def select(self, index: int) -> Callable[[], float]:
         return lambda: self.centers[index] * (1.0 + self.spread * float(self.rng.standard_normal()))

@@ -258,7 +258,7 @@ def test_a_pooled_session_is_warmed_up_only_on_what_it_has_not_run_when_timed_ag
     mlp_path: Path, slow_mlp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # setup: the baseline's measure warms the original up; the A/B after it must not warm it up again
-    monkeypatch.setattr(benchmark, "WARMUP_SETTLE", -1.0)  # runs never settle: every warm-up runs to its cap
+    monkeypatch.setattr(benchmark, "warmed", lambda *_: False)  # runs never settle: every warm-up runs to its cap
     sets = generate_input_sets(onnx.load(str(mlp_path)), 2)
     feeds = [s.feeds for s in sets]
     params = BenchmarkParams(warmup=4, min_runs=3, max_runs=3, max_seconds=0.0, intra_op_threads=1)

@@ -1,15 +1,12 @@
-"""workers/benchmark.py: the warm-up that stops once runs settle and the benchmark floor in time, on synthetic
+"""workers/benchmark.py: the benchmark floor in time and the tie stop, on synthetic
 timings (a fake clock advanced by each synthetic run; no wall-clock assertion)."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
-import pytest
 
 from core.settings import PipelineSettings
 from core.verdict import Verdict
@@ -20,10 +17,8 @@ from workers.benchmark import (
     MIN_SETTLE_PAIRS,
     TIE_STOP,
     BenchmarkParams,
-    Runs,
     floor_reached,
     tie,
-    warmed,
 )
 
 
@@ -73,51 +68,6 @@ def test_an_open_answer_still_gets_min_runs_when_the_budget_is_spent(clock: Synt
     a_ms, b_ms, stopped = benchmark._timed_blocks(_runs(2000, 0.3, 5), _runs(2000, 0.3, 6), params, 0)
     assert len(a_ms) == len(b_ms) >= 10
     assert stopped == "time budget" or (stopped.startswith("futile") and len(a_ms) >= FUTILITY_MIN_PAIRS)
-
-
-def test_warmed_compares_a_run_with_the_one_before_it() -> None:
-    assert not warmed(None, 100.0)  # nothing timed before: no evidence yet
-    assert warmed(100.0, 109.0) and warmed(100.0, 91.0)
-    assert not warmed(150.0, 100.0) and not warmed(100.0, 115.0)
-
-
-class _Session:
-    def run(self, _outputs: Any, _feed: Any) -> None:
-        return None
-
-
-def _scripted(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> Iterator[float]:
-    script = iter(times)
-    monkeypatch.setattr(benchmark, "_time_one", lambda run: (run(), next(script))[1])
-    return script
-
-
-def _built(first_run_ms: float) -> Runs:
-    runs = Runs(_Session(), [{"x": np.zeros(1)}], BenchmarkParams(warmup=5))
-    runs.last_ms[0] = first_run_ms  # the timed first run a session makes of each set when it is built
-    runs.count(0, 1)
-    return runs
-
-
-def test_warm_up_stops_once_a_run_is_within_ten_percent_of_the_one_before(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Whisper-like: a cold first run of 570 ms, then 420, 355, 350 (settled), never the last 900.
-    script = _scripted(monkeypatch, [420.0, 355.0, 350.0, 900.0])
-    runs = _built(570.0)
-    assert runs.warm_up(0, 5) == 3
-    assert runs.ran == {0: 4} and runs.last_ms[0] == 350.0 and next(script) == 900.0
-
-
-def test_warm_up_is_capped_when_runs_never_settle(monkeypatch: pytest.MonkeyPatch) -> None:
-    _scripted(monkeypatch, [float(t) for t in itertools.islice(itertools.cycle([100, 200]), 50)])
-    runs = _built(300.0)
-    assert runs.warm_up(0, 5) == 4  # five runs of the set in all, the first one at build
-    assert runs.warm_up(0, 5) == 0  # warm already: a pooled session is not warmed up again
-    assert runs.ran == {0: 5}
-
-
-def test_warm_up_of_zero_makes_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    _scripted(monkeypatch, [])
-    assert _built(300.0).warm_up(0, 0) == 0
 
 
 def _verdict(paired_ratio: float, half_width: float = 0.05) -> Verdict:
