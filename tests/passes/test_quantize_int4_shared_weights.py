@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from core.inputs import generate_input_sets
@@ -170,3 +171,57 @@ def test_quantize_int4_keeps_a_matmul_float_when_its_weight_has_another_reader()
     got = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, x)
     cosine = float(np.sum(want[0] * got[0]) / np.linalg.norm(want[0]) / np.linalg.norm(got[0]))
     assert 0.98 < cosine < 1.0
+
+
+def test_quantize_tables_leaves_a_table_float_when_its_rows_are_shorter_than_a_block():
+    # setup: T5's relative-position bias table is [32 buckets, 4 heads]: at block 16 each 4-value row pads
+    # to a 16-value block, 640 bytes at 8 bits against 512 in float
+    from passes.precision.quantize_int4 import quantize_tables
+
+    rng = np.random.default_rng(1)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["narrow", "ids"], ["a"], name="bias", axis=0),
+            helper.make_node("Gather", ["wide", "ids"], ["b"], name="embed", axis=0),
+        ],
+        "tables",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b")],
+        [
+            numpy_helper.from_array(rng.standard_normal((32, 4)).astype(np.float32), "narrow"),
+            numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32), "wide"),
+        ],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # execute
+    done = quantize_tables(proto, {}, bits=8, block_size=16, symmetric=True)
+    # assert: the wide table quantized, the narrow one as it was
+    assert [d["gather"] for d in done] == ["embed"] and done[0]["bytes_after"] < done[0]["bytes_before"]
+    assert {n.name: n.op_type for n in proto.graph.node} == {"bias": "Gather", "embed_Q8": "GatherBlockQuantized"}
+    assert "narrow" in {t.name for t in proto.graph.initializer}
+
+
+@pytest.mark.slow
+def test_int4_job_on_a_merged_decoder_is_verified_and_stores_each_weight_once(tmp_path):
+    # setup: the int4 preset as a job runs it, in process
+    from core.config import JobConfig
+    from core.settings import PipelineSettings
+    from tests.models.build_decoders import OUT as DECODERS
+    from workers.pipeline import PipelineRequest, run_pipeline
+
+    source = DECODERS / "gpt2_merged_ts.onnx"
+    settings = PipelineSettings(
+        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.1, ledger_runs=5,
+        intra_op_threads=1,
+    )  # fmt: skip
+    config = JobConfig(preset="int4", rollback_slower=False, benchmark=False)
+    # execute
+    result = run_pipeline(PipelineRequest(source, tmp_path / "job", config, settings))
+    # assert: verified; the int4 pass applied; every weight in one form, fewer bytes than the upload
+    report = result.report
+    assert report["verification"]["ok"] is True, report["verification"]
+    (int4,) = [p for p in report["passes"] if p["name"] == "quantize_int4"]
+    assert int4["status"] == "applied" and int4["counts"]["nodes_quantized"] > 0, int4
+    original, artifact = onnx.load(str(source)), onnx.load(str(result.model_path))
+    assert all(len(kinds) == 1 for kinds in weight_forms(original, artifact).values())
+    assert weight_bytes(artifact) < 0.7 * weight_bytes(original)
