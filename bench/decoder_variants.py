@@ -11,6 +11,11 @@ Run ``python -m bench.decoder_variants MODEL.onnx OUT_DIR [--check]``. Writes, e
   exact**: at a cache of W - 1 or more positions the presents come out longer than the upload's; below the window
   the crop keeps everything, so it prices the crop's copy there. Never an artifact to serve.
 
+* ``present_crop_if``: the same crops, exact: one ``If`` on the longest present (``Shape`` of each, ``Concat``,
+  ``ReduceMax``, ``LessOrEqual`` against what the crop keeps) hands the presents on whole (``Identity``) while no
+  present is longer than the crop keeps, else crops them (the ``Slice``s). The candidate for dropping the crop's
+  copy below the window, if ORT's ``If`` handed its branch's outputs on without a copy.
+
 ``--check`` runs each variant against the original (ORT default level) at a prompt and two cache lengths below any
 window and prints the max abs difference of every output (0.0 expected for both below the window).
 """
@@ -117,8 +122,75 @@ def drop_present_crops(src: Path, dst: Path) -> int:
     return len(rename)
 
 
+def conditional_crops(src: Path, dst: Path) -> int:
+    """``present_crop_if`` (module docstring): the present crops as one ``If`` that crops only when some present
+    is longer than the window keeps, else hands the presents on whole. Exact; returns how many crops it moved."""
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for node in graph.node:  # a crop's bounds may be Constant nodes instead
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            inits[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    outputs = {o.name for o in graph.output}
+    producers = {o: n for n in graph.node for o in n.output}
+    crops, keeps = [], set()
+    for node in graph.node:
+        source = producers.get(node.input[0]) if node.input else None
+        if node.op_type != "Slice" or node.output[0] not in outputs or source is None:
+            continue
+        if source.op_type != "GroupQueryAttention" or node.input[0] not in source.output[1:]:
+            continue
+        consts = [inits.get(name) for name in node.input[1:]]
+        if any(c is None or c.size != 1 for c in consts) or len(consts) < 3:
+            continue
+        start, end, axis = (int(c.reshape(-1)[0]) for c in consts[:3])
+        step = int(consts[3].reshape(-1)[0]) if len(consts) > 3 else 1
+        if start >= 0 or end < 2**31 - 1 or axis != 2 or step != 1:
+            continue
+        crops.append(node)
+        keeps.add(-start)  # a present of at most -start positions passes the crop whole
+    if not crops or len(keeps) != 1:
+        _save(model, dst)
+        return 0
+    keep = keeps.pop()
+    nodes = [n for n in graph.node if n not in crops]
+    lengths = []
+    for index, crop in enumerate(crops):
+        lengths.append(f"crop_if/length_{index}")
+        nodes.append(
+            helper.make_node("Shape", [crop.input[0]], [lengths[-1]], f"crop_if/shape_{index}", start=2, end=3)
+        )
+    graph.initializer.append(numpy_helper.from_array(np.array(keep, np.int64), "crop_if/keep"))
+    nodes += [
+        helper.make_node("Concat", lengths, ["crop_if/lengths"], "crop_if/concat", axis=0),
+        helper.make_node("ReduceMax", ["crop_if/lengths"], ["crop_if/longest"], "crop_if/max", keepdims=0),
+        helper.make_node("LessOrEqual", ["crop_if/longest", "crop_if/keep"], ["crop_if/whole"], "crop_if/whole"),
+    ]
+    infos = {o.name: o for o in graph.output}
+
+    def branch(name: str, make) -> onnx.GraphProto:
+        made = [make(c, f"{name}/{c.output[0]}") for c in crops]
+        outs = [helper.make_tensor_value_info(m.output[0], infos[c.output[0]].type.tensor_type.elem_type, None)
+                for m, c in zip(made, crops, strict=True)]  # fmt: skip
+        return helper.make_graph(made, name, [], outs)
+
+    whole = branch("whole", lambda c, out: helper.make_node("Identity", [c.input[0]], [out]))
+    cut = branch("cut", lambda c, out: helper.make_node("Slice", list(c.input), [out]))
+    nodes.append(
+        helper.make_node(
+            "If", ["crop_if/whole"], [c.output[0] for c in crops], "crop_if/if", then_branch=whole, else_branch=cut
+        )
+    )
+    del graph.node[:]
+    graph.node.extend(nodes)
+    _prune(graph)
+    _save(model, dst)
+    return len(crops)
+
+
 def _prune(graph: onnx.GraphProto) -> None:
     used = {i for n in graph.node for i in n.input}
+    used |= {i for n in graph.node for a in n.attribute if a.g is not None for m in a.g.node for i in m.input}
     keep = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep)
@@ -136,7 +208,7 @@ def check(original: Path, variant: Path) -> list[tuple[str, float]]:
     return worst
 
 
-VARIANTS = {"gate_up_split": split_gate_up, "no_present_crop": drop_present_crops}
+VARIANTS = {"gate_up_split": split_gate_up, "no_present_crop": drop_present_crops, "present_crop_if": conditional_crops}
 
 
 def main(argv: list[str] | None = None) -> int:

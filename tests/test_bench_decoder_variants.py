@@ -86,3 +86,77 @@ def test_op_table_shares_and_missing_ops() -> None:
     assert lines[2] == "| MatMul | 0.800 ms x17 (80.0%) | 0.850 ms x21 (94.4%) |"
     assert lines[3] == "| Slice | 0.100 ms x8 (10.0%) | - |"
     assert lines[-1] == "| kernel total | 1.000 ms | 0.900 ms |"
+
+
+def _windowed(window: int) -> onnx.ModelProto:
+    """One GroupQueryAttention layer (1 head of 8, sliding window) whose presents are cropped to the last
+    ``window - 1`` positions into the graph outputs, as a Mistral export's are after fuse_gqa."""
+    f, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    inits = [
+        numpy_helper.from_array(np.array([-(window - 1)], np.int64), "start"),
+        numpy_helper.from_array(np.array([2**63 - 1], np.int64), "end"),
+        numpy_helper.from_array(np.array([2], np.int64), "axis"),
+        numpy_helper.from_array(np.array([1], np.int64), "one_axis"),
+        numpy_helper.from_array(np.array(1, np.int32), "one"),
+    ]
+    nodes = [
+        helper.make_node("Cast", ["mask"], ["mask32"], to=i32),
+        helper.make_node("ReduceSum", ["mask32", "one_axis"], ["summed"], keepdims=0),
+        helper.make_node("Sub", ["summed", "one"], ["seqlens_k"]),
+        helper.make_node("Shape", ["mask"], ["mask_shape"], start=1, end=2),
+        helper.make_node("Squeeze", ["mask_shape"], ["length"]),
+        helper.make_node("Cast", ["length"], ["total"], to=i32),
+        helper.make_node(
+            "GroupQueryAttention",
+            ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total"],
+            ["out", "gqa_key", "gqa_value"],
+            domain="com.microsoft",
+            num_heads=1,
+            kv_num_heads=1,
+            local_window_size=window - 1,
+        ),
+        helper.make_node("Slice", ["gqa_key", "start", "end", "axis"], ["present_key"]),
+        helper.make_node("Slice", ["gqa_value", "start", "end", "axis"], ["present_value"]),
+    ]
+    inputs = [helper.make_tensor_value_info(n, f, [1, "S", 8]) for n in ("q", "k", "v")]
+    inputs += [helper.make_tensor_value_info(n, f, [1, 1, "P", 8]) for n in ("past_key", "past_value")]
+    inputs.append(helper.make_tensor_value_info("mask", i64, [1, "T"]))
+    outputs = [helper.make_tensor_value_info("out", f, [1, "S", 8])]
+    outputs += [helper.make_tensor_value_info(n, f, [1, 1, None, 8]) for n in ("present_key", "present_value")]
+    graph = helper.make_graph(nodes, "windowed", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def _feeds(seq: int, past: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seq * 100 + past)
+    feeds = {n: rng.standard_normal((1, seq, 8)).astype(np.float32) for n in ("q", "k", "v")}
+    feeds |= {n: rng.standard_normal((1, 1, past, 8)).astype(np.float32) for n in ("past_key", "past_value")}
+    feeds["mask"] = np.ones((1, past + seq), np.int64)
+    return feeds
+
+
+def test_present_crop_variants(tmp_path: Path) -> None:
+    from bench.decoder_variants import conditional_crops, drop_present_crops
+
+    src = tmp_path / "windowed.onnx"
+    onnx.save(_windowed(8), str(src))
+    assert drop_present_crops(src, tmp_path / "none" / "model.onnx") == 2
+    assert conditional_crops(src, tmp_path / "if" / "model.onnx") == 2
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "if" / "model.onnx")).graph.node]
+    assert "Slice" not in ops and ops.count("If") == 1
+    sessions = {
+        name: ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        for name, path in (("src", src), ("none", tmp_path / "none/model.onnx"), ("if", tmp_path / "if/model.onnx"))
+    }
+    # Below the window, across its edge (the crop cuts), and a prompt after a past: the If is exact everywhere;
+    # dropping the crop is exact only while the present fits the window.
+    for seq, past in ((5, 0), (1, 3), (1, 6), (1, 7), (1, 9), (3, 5)):
+        feeds = _feeds(seq, past)
+        want = sessions["src"].run(None, feeds)
+        for got, expected in zip(sessions["if"].run(None, feeds), want, strict=True):
+            np.testing.assert_array_equal(got, expected)
+        fits = past + seq <= 7
+        dropped = sessions["none"].run(None, feeds)
+        assert (dropped[1].shape == want[1].shape) == fits
+        assert want[1].shape[2] == min(past + seq, 7)
