@@ -229,16 +229,18 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"no such model file: {model}", code="INVALID_MODEL")
     config: JobConfig = _check_names(build_config(args))  # before the heavy imports: bad names fail fast
 
-    from workers.archive import extract_archive
+    from workers.gc_policy import imports_frozen
     from workers.pipeline import PipelineRequest, run_pipeline
-    from workers.runner import deterministic_zip
 
     settings = _settings()
     out = Path(args.output)
-    with tempfile.TemporaryDirectory(prefix="onnxforge-") as tmp:
+    # Run from the process's own command line (main), the process exits after the job: the imports stay frozen.
+    with imports_frozen(process_exits=args.process_exits), tempfile.TemporaryDirectory(prefix="onnxforge-") as tmp:
         work = Path(tmp)
         fmt = _archive_format(model)
         if fmt != "onnx":
+            from workers.archive import extract_archive  # archives only
+
             (work / "input").mkdir()
             model = extract_archive(model, work / "input", fmt, max_total_bytes=settings.api.max_upload_bytes)
         output_dir = work / "output"
@@ -264,6 +266,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         data = [Path(p) for p in result.external_data]
         side = [Path(p) for p in result.side_files]  # model.onnx_adapter: OUT.onnx_adapter beside OUT.onnx
         if out.name.endswith(".zip"):
+            from workers.runner import deterministic_zip  # zip output only (it brings the runner's logging)
+
             deterministic_zip(out, [Path(result.model_path), *data, *side])
         else:
             shutil.copyfile(result.model_path, out)
@@ -498,6 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, --version, usage errors
         return int(exit_.code or 0)
+    # No argv: this process's own command line (the console script, python -m), which exits when main returns;
+    # an in-process caller (tests) passes argv and goes on afterwards (optimize restores what it changed).
+    args.process_exits = argv is None
     try:
         return int(args.func(args))
     except OnnxforgeError as exc:

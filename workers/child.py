@@ -82,7 +82,7 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
     return summary if isinstance(summary, dict) else {}
 
 
-def run(job_path: Path) -> int:
+def run(job_path: Path, *, process_exits: bool = False) -> int:
     job = json.loads(job_path.read_text())
     base = job_path.parent
     progress = Progress(base / "progress.json")
@@ -94,6 +94,7 @@ def run(job_path: Path) -> int:
 
         from core.config import JobConfig
         from core.settings import PipelineSettings
+        from workers.gc_policy import imports_frozen
         from workers.pipeline import PipelineRequest, run_pipeline
         from workers.validate import validate_model_dir
 
@@ -110,7 +111,11 @@ def run(job_path: Path) -> int:
         )
         progress("validating", 0.0)
         validate_model_dir(request.model_path, base)  # before any onnx/ORT parser (security.md T1-T10)
-        result = run_pipeline(request)
+        # The pipeline imports every pass (its registry): now, after the upload's checks, so that they are frozen too.
+        import passes.registry  # noqa: F401
+
+        with imports_frozen(process_exits=process_exits):
+            result = run_pipeline(request)
         output_dir = Path(job["output_dir"])
         write_json_atomic(
             base / "result.json",
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m workers.child JOB_JSON", file=sys.stderr)
         return 2
     faulthandler.enable()  # a native crash leaves a Python stack in the runner's log, then dies by its signal
-    return run(Path(args[0]))
+    return run(Path(args[0]), process_exits=True)  # the process ends with the job
 
 
 if __name__ == "__main__":
