@@ -211,11 +211,10 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         takes the most precise form any of its readers chose (no reader loses accuracy, the stored bytes only
         shrink) and the branches are quantized again with those forms, each still held to the budget; a branch
         that then misses it stays float, and the others follow it the round after."""
-        original = ir.serde.serialize_model(model)
         result, rounds = first, []
         chosen = _first_block_size(first.notes)
         while True:
-            uses = weight_uses(original, ir.serde.serialize_model(result.model))
+            uses = weight_uses(model, result.model)
             split = {name: sorted(kinds, key=_FORMS.index) for name, kinds in uses.items() if len(kinds) > 1}
             if not split:
                 break
@@ -1012,7 +1011,7 @@ _FORMS = ("int4", "int8", "float")  # least precise first
 _QUANTIZED = {"MatMulNBits": ("MatMul", "Gemm"), "GatherBlockQuantized": ("Gather",)}
 
 
-def weight_forms(original: onnx.ModelProto, result: onnx.ModelProto) -> dict[str, set[str]]:
+def weight_forms(original: ir.Model | onnx.ModelProto, result: ir.Model | onnx.ModelProto) -> dict[str, set[str]]:
     """``{weight: forms}``: how ``result`` (``original`` quantized) reads each 2-D+ float initializer of
     ``original`` that a MatMul, Gemm or Gather of it read, in every graph (an If's branches included):
     ``int4`` / ``int8`` where the reader became a MatMulNBits / GatherBlockQuantized of those bits (ORT and
@@ -1021,60 +1020,61 @@ def weight_forms(original: onnx.ModelProto, result: onnx.ModelProto) -> dict[str
     return {name: set(kinds) for name, kinds in weight_uses(original, result).items()}
 
 
-def weight_uses(original: onnx.ModelProto, result: onnx.ModelProto) -> dict[str, dict[str, int]]:
-    """``weight_forms`` with the accuracy level of each form's reader (0 for float and tables)."""
+def weight_uses(original: ir.Model | onnx.ModelProto, result: ir.Model | onnx.ModelProto) -> dict[str, dict[str, int]]:
+    """``weight_forms`` with the accuracy level of each form's reader (0 for float and tables). Read off the
+    IR, names and attributes only: a serialized copy of a large decoder's weights per round would double its
+    peak memory."""
+    before_model, after_model = _as_ir(original), _as_ir(result)
     forms: dict[str, dict[str, int]] = {}
-    weights = _float_weights(original.graph)
+    readers: set[str] = set()
 
-    def walk(before: onnx.GraphProto, after: onnx.GraphProto, outer: set[str]) -> None:
+    def walk(before: ir.Graph, after: ir.Graph, outer: set[str]) -> None:
         known = outer | _float_weights(before)
-        by_name = {n.name: n for n in after.node if n.name}
-        by_output = {n.output[0]: n for n in after.node if n.output}
-        for node in before.node:
+        by_name = {n.name: n for n in after if n.name}
+        for node in before:
             slot = 0 if node.op_type == "Gather" else 1
-            if node.op_type not in ("MatMul", "Gemm", "Gather") or len(node.input) <= slot or not node.name:
+            if node.op_type not in ("MatMul", "Gemm", "Gather") or len(node.inputs) <= slot:
                 continue
-            weight = node.input[slot]
-            if weight not in known:
+            weight = node.inputs[slot]
+            if weight is None or weight.name not in known:
                 continue
+            readers.add(weight.name)
             for bits in (4, 8):
-                done = by_name.get(f"{node.name}_Q{bits}")
+                done = by_name.get(f"{node.name}_Q{bits}") if node.name else None
                 if done is not None and node.op_type in _QUANTIZED.get(done.op_type, ()):
-                    level = next((a.i for a in done.attribute if a.name == "accuracy_level"), 0)
-                    forms.setdefault(weight, {}).setdefault(f"int{bits}", level)
-        for node in after.node:
-            for name in node.input:
-                if name in known:
-                    forms.setdefault(name, {}).setdefault("float", 0)
-        for node in before.node:
-            twin = by_output.get(node.output[0]) if node.output else None
+                    level = done.attributes.get("accuracy_level")
+                    forms.setdefault(weight.name, {}).setdefault(f"int{bits}", level.value if level else 0)
+        for node in after:
+            for value in node.inputs:
+                if value is not None and value.name in known:
+                    forms.setdefault(value.name, {}).setdefault("float", 0)
+        by_output = {n.outputs[0].name: n for n in after if n.outputs}
+        for node in before:
+            twin = by_output.get(node.outputs[0].name) if node.outputs else None
             if twin is None:
                 continue
-            graphs = {a.name: a.g for a in twin.attribute if a.HasField("g")}
-            for attr in node.attribute:
-                if attr.HasField("g") and attr.name in graphs:
-                    walk(attr.g, graphs[attr.name], known)
+            for key, attr in node.attributes.items():
+                other = twin.attributes.get(key)
+                if attr.type == ir.AttributeType.GRAPH and other is not None and other.type == attr.type:
+                    walk(attr.value, other.value, known)
 
-    walk(original.graph, result.graph, weights)
-    readers = _readers(original.graph)  # only weights a quantizable op reads: the rest are never quantized
+    walk(before_model.graph, after_model.graph, set())
+    # only weights a quantizable op reads: the rest are never quantized
     return {name: kinds for name, kinds in forms.items() if name in readers}
 
 
-def _float_weights(graph: onnx.GraphProto) -> set[str]:
-    return {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2}
+def _as_ir(model: ir.Model | onnx.ModelProto) -> ir.Model:
+    return ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
 
 
-def _readers(graph: onnx.GraphProto) -> set[str]:
-    """Names a MatMul / Gemm reads as its weight or a Gather as its table, in ``graph`` and its subgraphs."""
-    names: set[str] = set()
-    for node in graph.node:
-        slot = 0 if node.op_type == "Gather" else 1
-        if node.op_type in ("MatMul", "Gemm", "Gather") and len(node.input) > slot:
-            names.add(node.input[slot])
-        for attr in node.attribute:
-            if attr.HasField("g"):
-                names |= _readers(attr.g)
-    return names
+def _float_weights(graph: ir.Graph) -> set[str]:
+    return {
+        name
+        for name, value in graph.initializers.items()
+        if value.const_value is not None
+        and value.const_value.dtype == ir.DataType.FLOAT
+        and len(value.const_value.shape) >= 2
+    }
 
 
 def _first_block_size(notes: dict[str, Any]) -> int | None:
