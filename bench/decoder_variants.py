@@ -6,6 +6,7 @@ Run ``python -m bench.decoder_variants MODEL.onnx OUT_DIR [--check]``. Writes, e
 * ``gate_up_split``: every packed projection that feeds one two-way Split of equal halves (the gate/up pair
   ``pack_matmuls`` / ``fuse_transformer``'s ``pack_qkv`` make) as two MatMuls (or two MatMulNBits, rows split with
   their scales and zero points) again, the builder's form. Exact: each output column is the same dot product.
+* ``unpacked``: the same for every packed projection, the q/k/v too (Split sizes as they are).
 * ``no_present_crop``: the sliding-window crops of the presents (``Slice`` of a GroupQueryAttention present into a
   graph output, Mistral's ``present[:, :, -(W - 1):]``) dropped, GQA's presents renamed to the outputs. **Not
   exact**: at a cache of W - 1 or more positions the presents come out longer than the upload's; below the window
@@ -36,8 +37,9 @@ def _save(model: onnx.ModelProto, path: Path) -> Path:
     return path
 
 
-def split_gate_up(src: Path, dst: Path) -> int:
-    """``gate_up_split`` (module docstring); returns how many packed projections it split."""
+def split_gate_up(src: Path, dst: Path, every: bool = False) -> int:
+    """``gate_up_split`` (module docstring), with ``every`` ``unpacked``; returns how many packed projections
+    it split."""
     model = onnx.load(str(src))
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
@@ -51,18 +53,21 @@ def split_gate_up(src: Path, dst: Path) -> int:
         if node.op_type not in ("MatMul", "MatMulNBits") or node.input[1] not in inits:
             continue
         users = readers.get(node.output[0], [])
-        if len(users) != 1 or users[0].op_type != "Split" or len(users[0].output) != 2 or len(users[0].input) < 2:
+        if len(users) != 1 or users[0].op_type != "Split" or len(users[0].input) < 2:
             continue
         split = users[0]
         sizes = numpy_helper.to_array(inits[split.input[1]]) if split.input[1] in inits else None
         axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
-        if sizes is None or len(sizes) != 2 or sizes[0] != sizes[1] or axis != -1:
+        if sizes is None or len(sizes) != len(split.output) or axis != -1:
+            continue
+        if not every and (len(sizes) != 2 or sizes[0] != sizes[1]):
             continue
         if node.op_type == "MatMulNBits" and len(node.input) > 4 and node.input[4]:
             continue  # g_idx is indexed by K, not N
-        half = int(sizes[0])
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         made = []
         for j, out in enumerate(split.output):
+            lo, hi = bounds[j], bounds[j + 1]
             inputs = [node.input[0]]
             for name in node.input[1:]:
                 if not name:
@@ -70,17 +75,17 @@ def split_gate_up(src: Path, dst: Path) -> int:
                     continue
                 array = numpy_helper.to_array(inits[name])
                 if node.op_type == "MatMul":  # [K, N]: columns
-                    part = array[:, j * half : (j + 1) * half]
+                    part = array[:, lo:hi]
                 else:  # MatMulNBits' weight, scales, zero points and bias lead with N (scales may be flat)
-                    rows = array.reshape(2 * half, -1)[j * half : (j + 1) * half]
-                    part = rows.reshape(-1) if array.ndim == 1 else rows.reshape((half, *array.shape[1:]))
-                graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(part), f"{name}/half_{j}"))
-                inputs.append(f"{name}/half_{j}")
+                    rows = array.reshape(int(bounds[-1]), -1)[lo:hi]
+                    part = rows.reshape(-1) if array.ndim == 1 else rows.reshape((hi - lo, *array.shape[1:]))
+                graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(part), f"{name}/part_{j}"))
+                inputs.append(f"{name}/part_{j}")
             attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             if node.op_type == "MatMulNBits":
-                attributes["N"] = half
+                attributes["N"] = int(hi - lo)
             made.append(
-                helper.make_node(node.op_type, inputs, [out], f"{node.name}/half_{j}", domain=node.domain, **attributes)
+                helper.make_node(node.op_type, inputs, [out], f"{node.name}/part_{j}", domain=node.domain, **attributes)
             )
         replaced[id(node)] = made
         dropped.add(id(split))
@@ -208,7 +213,12 @@ def check(original: Path, variant: Path) -> list[tuple[str, float]]:
     return worst
 
 
-VARIANTS = {"gate_up_split": split_gate_up, "no_present_crop": drop_present_crops, "present_crop_if": conditional_crops}
+VARIANTS = {
+    "gate_up_split": split_gate_up,
+    "unpacked": lambda src, dst: split_gate_up(src, dst, every=True),
+    "no_present_crop": drop_present_crops,
+    "present_crop_if": conditional_crops,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

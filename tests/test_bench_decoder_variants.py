@@ -76,6 +76,11 @@ def test_split_gate_up_leaves_unequal_splits(tmp_path: Path) -> None:
     src = tmp_path / "packed.onnx"
     onnx.save(model, str(src))
     assert split_gate_up(src, tmp_path / "out" / "model.onnx") == 0
+    # ``unpacked`` (every=True) splits any packed projection, by its Split's own sizes.
+    assert split_gate_up(src, tmp_path / "every" / "model.onnx", every=True) == 1
+    every = onnx.load(str(tmp_path / "every" / "model.onnx")).graph
+    assert [n.op_type for n in every.node] == ["MatMul", "MatMul", "Add"]
+    assert sorted(tuple(i.dims) for i in every.initializer) == [(64, 6), (64, 10)]
 
 
 def test_op_table_shares_and_missing_ops() -> None:
