@@ -151,7 +151,16 @@ def _read_model(model_path: Path, limits: ValidationLimits) -> bytes:
         head = f.read(8)
         if len(head) == 8 and head[4:8] == ORT_FORMAT_MAGIC:
             raise _err("INVALID_MODEL_FORMAT", "this is an ONNX Runtime (.ort) flatbuffer model; upload ONNX protobuf")
-        data = head + f.read(limits.max_proto_bytes + 1 - len(head))
+        # Read in pieces sized by the file, not by the limit: BufferedReader.read(n) allocates n bytes up front,
+        # 1.9 GB of address space that a worker under an RLIMIT_AS cap does not have.
+        pieces, remaining = [head], limits.max_proto_bytes + 1 - len(head)
+        while remaining > 0:
+            piece = f.read(min(remaining, max(st.st_size, 1 << 20)))
+            if not piece:
+                break
+            pieces.append(piece)
+            remaining -= len(piece)
+        data = b"".join(pieces)
     if len(data) > limits.max_proto_bytes:  # the file grew after fstat
         raise TooLargeError(f"model.onnx exceeds {limits.max_proto_bytes} bytes", code="MODEL_PROTO_TOO_LARGE")
     return data

@@ -296,3 +296,25 @@ def test_validate_classifies_every_mutant(tmp_path):
             validate_model_dir(model, model.parent)
         except OnnxforgeError as exc:
             assert exc.code in known, (name, exc.code, exc.message)
+
+
+def test_reading_a_small_model_needs_no_address_space_sized_by_the_limit(tmp_path):
+    """A worker runs under an address-space cap (RLIMIT_AS); reading the upload must allocate what the file
+    holds, not the 1.9 GB proto limit, or a small model fails with MemoryError once imports have used the rest."""
+    model = sorted(MODELS.glob("*.onnx"))[0]
+    script = f"""
+import resource
+from pathlib import Path
+from workers.validate import validate_model_dir
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+cap = vm + (512 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+report = validate_model_dir(Path({str(model)!r}), Path({str(MODELS)!r}))
+print("nodes", report.nodes)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, cwd=F.ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("nodes ")
