@@ -137,7 +137,8 @@ def test_names_invented_by_one_inference_run_merge_when_inference_copied_them() 
         np.testing.assert_array_equal(candidate.run(None, {"x": x})[0], reference.run(None, {"x": x})[0])
 
 
-def test_model_annotations_are_never_trusted_when_they_claim_equal_sizes() -> None:
+@pytest.mark.parametrize("options", [{}, {"size_algebra": True}], ids=["names", "algebra"])
+def test_model_annotations_are_never_trusted_when_they_claim_equal_sizes(options: dict) -> None:
     """value_info says b is [n, m] like a, and an earlier inference's unk__0 on c and d; both are false (b is
     the transpose, d is c's transpose). The pass infers afresh and merges nothing; trusting the annotations
     would return a's shape for b's and fail the numerics whenever n != m."""
@@ -158,9 +159,11 @@ def test_model_annotations_are_never_trusted_when_they_claim_equal_sizes() -> No
     for name, dims in (("a", ["n", "m"]), ("b", ["n", "m"]), ("c", ["unk__0", "unk__0"]), ("d", ["unk__0", "unk__0"])):
         elem = onnx.TensorProto.FLOAT
         original.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, dims))
-    model, result = apply(CommonSubexpressionElimination(), original)
-    assert not result.modified
+    model, result = apply(CommonSubexpressionElimination(options), original)
+    assert result.counts == {"nodes_merged": 0} and "shapes_merged_by_dims" not in result.notes
     assert ops(model)["Shape"] == 4
+    # the false annotation is replaced by the proven one
+    assert [str(d) for d in model.graph.node("tr").outputs[0].shape] == ["m", "n"]
     assert_equivalent(original, checked(model), shapes=[{"x": (2, 5)}, {"x": (4, 3)}], n_random=0)
 
 
@@ -193,24 +196,47 @@ def test_an_if_output_is_not_merged_when_its_branches_declare_a_size_one_branch_
         np.testing.assert_array_equal(candidate.run(None, feeds)[0], reference.run(None, feeds)[0])
 
 
-# DeBERTa-v3 (TorchScript export, committed): every projection and attention reshape reads its own Shape. The
-# fresh inference names layer 0's sizes batch/sequence and the later layers' unk__N (ONNX loses the names at
-# the residual Add, whose other operand comes through GatherElements and Where): the Shapes merge per layer.
+# DeBERTa-v3 (TorchScript export, committed): every projection and attention reshape reads its own Shape, and
+# each layer expands the shared relative-position indices to [4*batch, seq, seq] from its own folded query's
+# Shape. ONNX inference names layer 0's sizes batch and sequence but calls layer 1's unk__N (it loses them at
+# layer 0's residual Add): by inference's names alone the Shapes merge within each layer. With size_algebra
+# the rules prove layer 1's sizes batch and sequence again, and layer 1's c2p and p2c Expands are layer 0's.
+_DEBERTA_LAYERS = 2
 _DEBERTA_SHAPES = ((1, 5), (3, 37), (2, 70))  # the export's is 2 x 16; 37 and 70 reach the log buckets
 
 
-def test_deberta_v3_torchscript_export_shares_shapes_and_chains_when_shapes_by_dims() -> None:
+def _assert_deberta_outputs(path, model: ir.Model) -> None:
+    reference, candidate = session(str(path)), session(model)
+    for batch, seq in _DEBERTA_SHAPES:
+        feeds = corpus.feeds("deberta_v3", "tiny", batch, seq, seed=seq, pad=True)
+        for want, got in zip(reference.run(None, feeds), candidate.run(None, feeds), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{batch}x{seq}")
+
+
+def test_deberta_v3_torchscript_export_shares_shapes_within_each_layer_by_inference_names() -> None:
     path = corpus.committed_path("deberta_v3", "ts_eager")
     original = onnx.load(path)
     plain, plain_result = apply(CommonSubexpressionElimination({"shapes_by_dims": False}), original)
     model, result = apply(CommonSubexpressionElimination(), original)
     assert result.notes["shapes_merged_by_dims"] >= 8
     assert ops(model)["Shape"] <= ops(plain)["Shape"] - 8
+    assert ops(model)["Expand"] == ops(plain)["Expand"]  # per layer still: layer 1's sizes have no name
     # the Gather/Unsqueeze/Concat arithmetic over the merged Shapes merges too: more than the Shapes alone
     merged_more = result.counts["nodes_merged"] - plain_result.counts["nodes_merged"]
     assert merged_more > result.notes["shapes_merged_by_dims"]
-    reference, candidate = session(str(path)), session(model)
-    for batch, seq in _DEBERTA_SHAPES:
-        feeds = corpus.feeds("deberta_v3", "tiny", batch, seq, seed=seq, pad=True)
-        for want, got in zip(reference.run(None, feeds), candidate.run(None, feeds), strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{batch}x{seq}")
+    _assert_deberta_outputs(path, model)
+
+
+def test_deberta_v3_torchscript_export_shares_relative_position_expands_across_layers_with_size_algebra() -> None:
+    path = corpus.committed_path("deberta_v3", "ts_eager")
+    original = onnx.load(path)
+    plain, _ = apply(CommonSubexpressionElimination({"shapes_by_dims": False}), original)
+    names, _ = apply(CommonSubexpressionElimination(), original)
+    model, _ = apply(CommonSubexpressionElimination({"size_algebra": True}), original)
+    assert ops(model)["Shape"] < ops(names)["Shape"]
+    # c2p and p2c: one pair of index Expands (and of their Where/Equal targets) for all layers
+    assert ops(model)["Expand"] == ops(plain)["Expand"] - 2 * (_DEBERTA_LAYERS - 1)
+    assert ops(model)["GatherElements"] == ops(plain)["GatherElements"] == 2 * _DEBERTA_LAYERS
+    gathered = {n.inputs[1] for n in model.graph if n.op_type == "GatherElements"}
+    assert len(gathered) == 2  # every layer gathers with layer 0's expanded indices
+    _assert_deberta_outputs(path, model)
