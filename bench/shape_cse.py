@@ -1,10 +1,12 @@
 """``common_subexpression_elimination``'s ``shapes_by_dims`` on and off, on corpus models (issue 17).
 
-Run ``python -m bench.shape_cse ARCH:EXPORTER [...] [--preset safe|fast] [--time BxS] [--seconds 20]``.
+Run ``python -m bench.shape_cse ARCH:EXPORTER [...] [--preset safe|fast] [--size-algebra] [--time BxS]
+[--seconds 20]``.
 
 For each committed tiny export (``tests.models.corpus``) the preset's passes run in process twice, once with
 the option off, once on (nothing else differs; no job, no rollback), and it prints the node counts after the
-preset (all nodes, Shape, Expand) and what CSE merged. Both artifacts are compared with the upload under
+preset (all nodes, Shape, Expand) and what CSE merged; ``--size-algebra`` turns ``size_algebra`` on as well in
+the ``on`` run. Both artifacts are compared with the upload under
 ``ORT_DISABLE_ALL`` at four shapes other than the export's (the last row padded). ``--time BxS`` then times
 them interleaved in one process at that shape, one intra-op thread, ``ORT_ENABLE_ALL``: blocks of five runs of
 ``off``, ``on`` and ``off_copy`` (a second session of ``off``, the A/A control) in rotating order, per-run
@@ -40,12 +42,16 @@ _CSE = "common_subexpression_elimination"
 _CHECK_SHAPES = ((1, 5), (3, 17), (2, 40), (4, 9))
 
 
-def optimize(arch: str, exporter: str, preset: str, shapes_by_dims: bool) -> tuple[ir.Model, list[tuple[int, int]]]:
+def optimize(
+    arch: str, exporter: str, preset: str, shapes_by_dims: bool, size_algebra: bool = False
+) -> tuple[ir.Model, list[tuple[int, int]]]:
     """The preset's result, and per CSE run (nodes merged, of which Shapes merged by their dims)."""
     model = ir.load(corpus.committed_path(arch, exporter))
     ctx = PassContext(samples=[corpus.feeds(arch, "tiny", b, s, seed=1) for b, s in ((1, 5), (2, 17))])
     specs = [
-        PassSpec(name=s.name, options={**s.options, "shapes_by_dims": shapes_by_dims}) if s.name == _CSE else s
+        PassSpec(name=s.name, options={**s.options, "shapes_by_dims": shapes_by_dims, "size_algebra": size_algebra})
+        if s.name == _CSE
+        else s
         for s in registry.PRESETS[preset].specs
     ]
     cse = []
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="+", help="ARCH:EXPORTER, e.g. deberta_v3:ts_eager")
     parser.add_argument("--preset", choices=["safe", "fast"], default="safe")
+    parser.add_argument("--size-algebra", action="store_true", help="size_algebra on in the 'on' run")
     parser.add_argument("--time", default=None, help="BxS: also time off/on/off_copy at this shape")
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args(argv)
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             arch, exporter = entry.rsplit(":", 1)
             paths, counts = {}, {}
             for name, flag in (("off", False), ("on", True)):
-                model, cse = optimize(arch, exporter, args.preset, flag)
+                model, cse = optimize(arch, exporter, args.preset, flag, flag and args.size_algebra)
                 paths[name] = Path(scratch) / f"{arch}_{exporter}_{name}.onnx"
                 ir.save(model, paths[name])
                 ops = op_histogram(model)
@@ -121,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             (n0, s0, e0, c0), (n1, s1, e1, c1) = counts["off"], counts["on"]
             diff_off, diff_on = (max_diff(arch, exporter, paths[name]) for name in ("off", "on"))
             print(
-                f"{arch}:{exporter} {args.preset}: nodes {n0} -> {n1}, Shape {s0} -> {s1}, Expand {e0} -> {e1}; "
+                f"{arch}:{exporter} {args.preset}{' +size_algebra' if args.size_algebra else ''}: "
+                f"nodes {n0} -> {n1}, Shape {s0} -> {s1}, Expand {e0} -> {e1}; "
                 f"CSE (merged, shapes by dims) off {c0} on {c1}; max |diff| vs upload: off {diff_off:.2g} "
                 f"on {diff_on:.2g}",
                 flush=True,
