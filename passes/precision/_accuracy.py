@@ -7,8 +7,11 @@ reaches) and the samples carry token ids, the budget also measures, under teache
 agreement, the max logit difference and the perplexity of the sample tokens under each model (``TokenProbe``).
 The sequences are the context's samples (the user's samples.npz when sent, else the verification inputs);
 a KV-cache decoder gets each of them as a prefill (empty past, positions from 0), so every position of the
-sequence is predicted from the true tokens before it. Perplexity is only meaningful where those samples are
-real text, so it is reported always and gated only when asked.
+sequence is predicted from the true tokens before it. A seq2seq decoder's prefill keeps its encoder context
+whole (the cross-attention cache or encoder states and the mask over the encoder's sequence, as
+``core.inputs.analyze`` reads them from the graph): emptied with the self-attention cache, the probe judged
+the greedy tokens of a decoder that saw no source, which no user runs. Perplexity is only meaningful where
+those samples are real text, so it is reported always and gated only when asked.
 
 Shared by the driver (``_quantization.py``) and the sensitivity ranking (``_sensitivity.py``); it imports
 neither.
@@ -17,7 +20,7 @@ neither.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
+
+from core.inputs import InputRole
 
 
 @dataclass
@@ -257,26 +262,49 @@ def _token_input(inputs: Sequence[Any]) -> str | None:
     return str(plain[0].name) if plain else None
 
 
-def prefill(sess: Any, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-    """``sample`` as a prefill of its tokens: the cache inputs (float inputs named ``*past*``) empty, the
-    attention mask cut to the new tokens and the positions counted from 0. A sample without a cache, or
-    with an empty one, is fed as it is; None when the sample lacks an input or its token ids are not 2-D."""
+# Roles (core.inputs.analyze) of the inputs that carry a seq2seq decoder's encoder context.
+_ENCODER_ROLES = frozenset({"cross_key_values", "encoder_states"})
+
+
+def encoder_inputs(roles: Mapping[str, InputRole]) -> frozenset[str]:
+    """The inputs that give a seq2seq decoder its encoder context: the cross-attention cache, the encoder's
+    states and the mask over the encoder's sequence. Every decoder position attends to all of it, whatever
+    the decoder's past, so a prefill keeps it as the sample has it."""
+    return frozenset(
+        name for name, r in roles.items() if r.role in _ENCODER_ROLES or (r.role == "attention_mask" and r.cross)
+    )
+
+
+def prefill(sess: Any, sample: dict[str, np.ndarray], roles: Mapping[str, InputRole]) -> dict[str, np.ndarray] | None:
+    """``sample`` as a prefill of its tokens: the self-attention cache inputs (float inputs named ``*past*``)
+    empty, the attention mask cut to the new tokens and the positions counted from 0; the encoder's inputs
+    (``encoder_inputs`` of ``roles``, the graph's roles) as they are. A sample without a self-attention cache,
+    or with an empty one, is fed as it is; None when the sample lacks an input or its token ids are not 2-D."""
     inputs = sess.get_inputs()
     token = _token_input(inputs)
     if token is None or token not in sample or np.asarray(sample[token]).ndim != 2:
         return None
     ids = np.asarray(sample[token])
     batch, seq = ids.shape
-    pasts = {i.name for i in inputs if "past" in i.name.lower() and i.type.startswith("tensor(float")}
+    encoder = encoder_inputs(roles) & {i.name for i in inputs}
+    if any(name not in sample for name in encoder):
+        return None
+    pasts = {
+        i.name: _past_axis(roles.get(i.name))
+        for i in inputs
+        if "past" in i.name.lower() and i.type.startswith("tensor(float") and i.name not in encoder
+    }
     if any(name not in sample for name in pasts):
         return None
-    had_past = any(np.asarray(sample[name]).ndim >= 2 and sample[name].shape[-2] for name in pasts)
+    had_past = any(np.asarray(sample[name]).ndim >= 2 and sample[name].shape[axis] for name, axis in pasts.items())
     feed: dict[str, np.ndarray] = {}
     for i in inputs:
         name, low = i.name, i.name.lower()
-        if name in pasts and had_past:
+        if name in encoder:
+            feed[name] = sample[name]
+        elif name in pasts and had_past:
             shape = list(sample[name].shape)
-            shape[-2] = 0  # [..., past, head_size]: TorchScript, dynamo and Optimum caches alike
+            shape[pasts[name]] = 0
             feed[name] = np.zeros(shape, dtype=sample[name].dtype)
         elif "mask" in low and had_past:
             mask = sample.get(name)
@@ -291,6 +319,14 @@ def prefill(sess: Any, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray] |
         else:
             return None
     return feed
+
+
+def _past_axis(role: InputRole | None) -> int:
+    """The cache's past-length axis as the graph gives it, else -2 ([..., past, head_size]: TorchScript,
+    dynamo and Optimum caches alike)."""
+    if role is not None and role.role == "past_key_values" and role.past_axis is not None:
+        return role.past_axis
+    return -2
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -308,6 +344,7 @@ class TokenProbe:
     feeds: list[dict[str, np.ndarray]]
     reference: list[np.ndarray]
     as_prefill: bool = True  # False: the samples as they are (their cache could not be emptied)
+    encoder: frozenset[str] = frozenset()  # the inputs over the encoder's sequence (``encoder_inputs``)
 
     @property
     def key(self) -> str:
@@ -315,14 +352,21 @@ class TokenProbe:
 
     @classmethod
     def build(
-        cls, src: Path, logits: str | None, samples: Sequence[dict[str, np.ndarray]], limit: int
+        cls,
+        src: Path,
+        logits: str | None,
+        samples: Sequence[dict[str, np.ndarray]],
+        limit: int,
+        roles: Mapping[str, InputRole],
     ) -> TokenProbe | None:
-        """None when there is no logits output or no sample carries token ids the model takes."""
+        """None when there is no logits output or no sample carries token ids the model takes. ``roles``: the
+        model's input roles (``core.inputs.analyze``), which tell a seq2seq decoder's encoder inputs apart."""
         if logits is None:
             return None
         sess = session(src)
         token = _token_input(sess.get_inputs())
-        feeds = [f for f in (prefill(sess, s) for s in samples) if f is not None][:limit]
+        encoder = encoder_inputs(roles)
+        feeds = [f for f in (prefill(sess, s, roles) for s in samples) if f is not None][:limit]
         if token is None or not feeds:
             return None
         from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
@@ -332,16 +376,15 @@ class TokenProbe:
         try:
             reference = [sess.run([logits], f, quiet)[0] for f in feeds]
         except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument):
-            # A seq2seq decoder_with_past's cross-attention cache is the encoder's output, not a cache to
-            # empty: BART's and T5's TorchScript exports add the encoder mask to it and fail on a length of
-            # 0. The samples as they are (their new tokens) still judge the greedy tokens.
+            # An export that cannot start from an empty cache (a cache the graph reads whole that the roles
+            # do not tell apart): the samples as they are (their new tokens) still judge the greedy tokens.
             names = [i.name for i in sess.get_inputs()]
             feeds = [{n: s[n] for n in names} for s in samples if all(n in s for n in names)][:limit]
             if not feeds:
                 return None
             reference = [sess.run([logits], f)[0] for f in feeds]
-            return cls(logits, token, feeds, reference, as_prefill=False)
-        return cls(logits, token, feeds, reference)
+            return cls(logits, token, feeds, reference, as_prefill=False, encoder=encoder)
+        return cls(logits, token, feeds, reference, encoder=encoder)
 
     def run(self, path: Path) -> list[np.ndarray]:
         """The logits of the model at ``path`` on the probe's feeds (graph optimizations off)."""
@@ -381,9 +424,12 @@ class TokenProbe:
         return np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows])
 
     def _valid(self, feed: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-        """Positions to count: every one, less the padding a 2-D attention mask marks (batch x sequence)."""
+        """Positions to count: every one, less the padding a 2-D attention mask marks (batch x sequence). The
+        mask over a seq2seq encoder's sequence pads the source, not these positions, even at the same length."""
         valid = np.ones(shape[:-1], dtype=bool)
         for name, value in feed.items():
+            if name in self.encoder:
+                continue
             if "mask" in name.lower() and value.ndim == 2 and value.shape == valid.shape:
                 valid &= value.astype(bool)
         return valid

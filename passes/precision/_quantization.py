@@ -37,6 +37,7 @@ import onnx
 import onnx_ir as ir
 from pydantic import Field
 
+from core.inputs import analyze
 from passes._infra import NonMatch, PassOptions, PassResult
 from passes.precision._accuracy import (
     Budget,
@@ -304,7 +305,7 @@ def drive(
         feeds = feeds_for(ref_sess, samples, options.max_samples)
         outputs = float_outputs(ref_sess)
         del ref_sess
-        probe = TokenProbe.build(src, logits, samples, options.max_samples)
+        probe = TokenProbe.build(src, logits, samples, options.max_samples, analyze(model).roles)
         note_probe(notes, budget, logits, probe)
         if (not feeds or not outputs) and probe is None:
             notes["accuracy"] = "not measured: no samples give every input" if not feeds else "no float output"
@@ -382,9 +383,12 @@ def note_probe(notes: dict[str, Any], budget: Budget, logits: str | None, probe:
             "logits": probe.logits,
             "sequences": f"{len(probe.feeds)} sample(s) of the context, {positions} token(s), "
             + (
-                "each fed as a prefill (empty cache) under teacher forcing"
-                if probe.as_prefill
-                else "the samples as they are (their cache cannot be emptied: a seq2seq encoder's)"
+                "the samples as they are (their cache cannot be emptied)"
+                if not probe.as_prefill
+                else "each fed as a prefill (empty self-attention cache, the encoder's context whole: "
+                f"{len(probe.encoder)} input(s) over its sequence) under teacher forcing"
+                if probe.encoder
+                else "each fed as a prefill (empty cache) under teacher forcing"
             ),
         }
         return
@@ -445,7 +449,7 @@ def drive_next_token(
         work = Path(tmp)
         src = work / "input.onnx"
         save_proto(original, src, large)
-        probe = TokenProbe.build(src, logits_output(model), samples, options.max_samples)
+        probe = TokenProbe.build(src, logits_output(model), samples, options.max_samples, analyze(model).roles)
         if probe is None:
             return None
         ref_sess = session(src)

@@ -78,7 +78,7 @@ import functools
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -87,6 +87,7 @@ import onnx
 import onnx_ir as ir
 from pydantic import Field
 
+from core.inputs import InputRole, analyze
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import take_graph_output
 from passes._subgraphs import in_branches
@@ -291,11 +292,11 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             max_exclusions=len(candidates) if options.max_exclusions is None else options.max_exclusions,
             max_samples=options.max_samples,
         )
-        logits = logits_output(model)
+        logits, roles = logits_output(model), analyze(model).roles
         options = _choose_block_size(
-            model, ctx.samples, options, budget_options, notes, candidates=candidates, logits=logits
+            model, ctx.samples, options, budget_options, notes, candidates=candidates, logits=logits, roles=roles
         )
-        level = _choose_level(model, ctx.samples, options, budget_options, notes, logits=logits)
+        level = _choose_level(model, ctx.samples, options, budget_options, notes, logits=logits, roles=roles)
         candidate_set = set(candidates)
 
         def quantize(src: Path, dst: Path, exclude: list[str], large: bool) -> None:
@@ -333,6 +334,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
                 budget_options=budget_options,
                 notes=notes,
                 logits=logits,
+                roles=roles,
             )
         result = _tables(
             model,
@@ -343,6 +345,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             budget_options=budget_options,
             notes=notes,
             logits=logits,
+            roles=roles,
         )
         if ctx.target == "cpu":
             folded, declined = fold_bias_adds(result)
@@ -554,6 +557,7 @@ def _measure(
     limit: int,
     logits: str | None,
     *,
+    roles: Mapping[str, InputRole],
     timed: bool = True,
 ) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, list[float]]] | None:
     """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto. A
@@ -570,7 +574,7 @@ def _measure(
         if not feeds or not outputs:
             return None
         reference = q.run_outputs(src, feeds, outputs)
-        probe = TokenProbe.build(src, logits, samples, limit)
+        probe = TokenProbe.build(src, logits, samples, limit, roles)
         accuracy, latency = {}, {}
         for key, given in candidates.items():
             path = Path(tmp) / f"{key}.onnx"
@@ -600,6 +604,7 @@ def _choose_block_size(
     *,
     candidates: Sequence[str],
     logits: str | None,
+    roles: Mapping[str, InputRole],
 ) -> QuantizeInt4Options:
     """``options`` with an int ``block_size``: the option's, or (auto) the measured choice, in the notes."""
     if options.block_size != "auto":
@@ -617,7 +622,7 @@ def _choose_block_size(
         return lambda: quantize_proto(ir.serde.serialize_model(model), sized, 0, budget_options.nodes_to_exclude)
 
     protos = {str(size): full_int4(size) for size in sizes}
-    measured = _measure(original, protos, samples, options.max_samples, logits, timed=False)
+    measured = _measure(original, protos, samples, options.max_samples, logits, roles=roles, timed=False)
     if measured is None:
         notes["block_size"] = {"chosen": 32, "by": "no samples give every input: ORT's usual 32"}
         return options.model_copy(update={"block_size": 32})
@@ -673,6 +678,7 @@ def _choose_level(
     notes: dict[str, Any],
     *,
     logits: str | None,
+    roles: Mapping[str, InputRole],
 ) -> int:
     if options.accuracy_level != "auto":
         notes["accuracy_level"] = {"chosen": options.accuracy_level, "by": "option"}
@@ -682,7 +688,8 @@ def _choose_level(
     def full_int4(level: int) -> Callable[[], onnx.ModelProto]:
         return lambda: quantize_proto(ir.serde.serialize_model(model), options, level, budget_options.nodes_to_exclude)
 
-    measured = _measure(original, {"int8": full_int4(4), "fp32": full_int4(0)}, samples, options.max_samples, logits)
+    protos = {"int8": full_int4(4), "fp32": full_int4(0)}
+    measured = _measure(original, protos, samples, options.max_samples, logits, roles=roles)
     if measured is None:
         notes["accuracy_level"] = {"chosen": 0, "by": "no samples give every input: fp32 compute, the accurate one"}
         return 0
@@ -713,6 +720,7 @@ def _head_int8(
     budget_options: q.QuantizationOptions,
     notes: dict[str, Any],
     logits: str | None,
+    roles: Mapping[str, InputRole],
 ) -> ir.Model:
     """The quantized model with its head(s) as 8-bit MatMulNBits, when ``lm_head`` asks and (auto) it pays.
 
@@ -728,12 +736,22 @@ def _head_int8(
     budget = q.budget_of(budget_options)
     if options.lm_head == "int8":
         return _head_int8_asked(
-            original, quantized, head8, samples=samples, options=options, budget=budget, notes=notes, logits=logits
+            original,
+            quantized,
+            head8,
+            samples=samples,
+            options=options,
+            budget=budget,
+            notes=notes,
+            logits=logits,
+            roles=roles,
         )
     levels = {f"int8 level {at}": at for at in (4, 0)}
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]] = {"float": proto}
     candidates |= {key: functools.partial(head8, at) for key, at in levels.items()}
-    measured = _measure(ir.serde.serialize_model(original), candidates, samples, options.max_samples, logits)
+    measured = _measure(
+        ir.serde.serialize_model(original), candidates, samples, options.max_samples, logits, roles=roles
+    )
     if measured is None:
         notes["lm_head_decision"] = "float: no samples to measure an 8-bit head"
         return quantized
@@ -762,6 +780,7 @@ def _head_int8_asked(
     budget: q.Budget,
     notes: dict[str, Any],
     logits: str | None,
+    roles: Mapping[str, InputRole],
 ) -> ir.Model:
     """The 8-bit head a user asked for, still held to the budget. With ``accuracy_level`` auto its level is
     measured apart from the int4 MatMuls' (the level they measured fastest need not suit the head: see
@@ -773,7 +792,7 @@ def _head_int8_asked(
     candidates = {key: functools.partial(head8, at) for key, at in levels.items()}
     timed = len(levels) > 1
     measured = _measure(
-        ir.serde.serialize_model(original), candidates, samples, options.max_samples, logits, timed=timed
+        ir.serde.serialize_model(original), candidates, samples, options.max_samples, logits, roles=roles, timed=timed
     )
     if measured is None:
         notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}); not measured: no samples"
@@ -809,6 +828,7 @@ def _tables(
     budget_options: q.QuantizationOptions,
     notes: dict[str, Any],
     logits: str | None,
+    roles: Mapping[str, InputRole],
 ) -> ir.Model:
     """The quantized model with its token tables quantized as ``embeddings`` asks (auto: where it measures
     within the budget); the choice and every table's bytes in ``notes["embeddings"]``."""
@@ -836,9 +856,9 @@ def _tables(
     if not tables:
         entry["decision"] = "none: no Gather of a constant 2-D float32 table read by nothing else"
         return quantized
-    measured = _measure(
-        ir.serde.serialize_model(original), {"tables": proto}, samples, options.max_samples, logits, timed=False
-    )
+    original_proto = ir.serde.serialize_model(original)
+    limit = options.max_samples
+    measured = _measure(original_proto, {"tables": proto}, samples, limit, logits, roles=roles, timed=False)
     if measured is None:
         if choice != "auto":
             entry["decision"] = f"{choice} (option); not measured: no samples give every input"
@@ -1137,7 +1157,8 @@ def _call_pinned(
     original = ir.serde.serialize_model(model)
     built = build()
     logits = logits_output(model)
-    measured = _measure(original, {"agreed": built}, ctx.samples, options.max_samples, logits, timed=False)
+    roles = analyze(model).roles
+    measured = _measure(original, {"agreed": built}, ctx.samples, options.max_samples, logits, roles=roles, timed=False)
     budget = q.budget_of(
         q.QuantizationOptions(
             min_cosine=options.min_cosine,

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from core.inputs import analyze
 from passes._infra import PassContext
 from passes.precision import _accuracy
 from passes.precision.quantize_int4 import QuantizeInt4, lm_heads
@@ -314,8 +315,9 @@ def test_prefill_empties_the_cache_and_counts_positions_from_0_when_the_sample_i
     signature = Signature.of(path)
     sample = decoder_feeds(signature, 2, 3, 6, seed=5)
     sess = session(path)
+    roles = analyze(ir.load(path)).roles
     # execute
-    feed = _accuracy.prefill(sess, sample)
+    feed = _accuracy.prefill(sess, sample, roles)
     # assert: the same tokens on an empty cache, as a fresh prompt would run
     expected = decoder_feeds(signature, 2, 3, 0, tokens=sample["input_ids"])
     assert feed.keys() == expected.keys()
@@ -323,9 +325,9 @@ def test_prefill_empties_the_cache_and_counts_positions_from_0_when_the_sample_i
         np.testing.assert_array_equal(feed[name], value, err_msg=name)
     assert sess.run(["logits"], feed)[0].shape == (2, 3, signature.vocab)
     # a prefill sample is fed as it is; a sample without token ids is not a sequence
-    as_is = _accuracy.prefill(sess, expected)
+    as_is = _accuracy.prefill(sess, expected, roles)
     assert as_is.keys() == expected.keys() and all(as_is[k] is v for k, v in expected.items())
-    assert _accuracy.prefill(sess, {k: v for k, v in sample.items() if k != "input_ids"}) is None
+    assert _accuracy.prefill(sess, {k: v for k, v in sample.items() if k != "input_ids"}, roles) is None
 
 
 def test_assemble_gives_the_model_a_direct_quantization_gives_when_some_matmuls_are_taken_from_the_8bit_one():
@@ -504,24 +506,31 @@ def test_quantize_int4_makes_every_weight_matmul_int4_when_the_decoder_is_fused_
         assert cosine(candidate.run(["logits"], feeds)[0], reference.run(["logits"], feeds)[0]) > 0.95
 
 
+@pytest.mark.parametrize("exporter", ["ts", "dynamo"])
 @pytest.mark.parametrize("arch", ["bart", "t5"])
-def test_quantize_int4_judges_the_greedy_tokens_on_the_samples_when_a_seq2seq_cache_cannot_be_emptied(arch):
-    # setup: TorchScript's decoder_with_past adds the encoder mask to the cross-attention scores, so the
-    # prefill with every cache emptied (the encoder's too) failed inside ORT and took the pass down with it
+def test_quantize_int4_judges_the_greedy_tokens_with_the_encoders_context_when_seq2seq_decoder_with_past(
+    arch, exporter
+):
+    # setup: decoder_with_past's generated sets (the self-attention cache empty in one, longer in others). The
+    # probe emptied every cache, the encoder's too: TorchScript's exports (the encoder mask added to the cross
+    # scores) failed in ORT, dynamo's ran without the source
     from core.inputs import generate_input_sets
     from tests.models.build_seq2seq import OUT as SEQ2SEQ
+    from tests.models.build_seq2seq import folder
 
-    path = SEQ2SEQ / arch / "decoder_with_past_model.onnx"
+    path = SEQ2SEQ / folder(arch, exporter) / "decoder_with_past_model.onnx"
     original = ir.load(path)
     ctx = PassContext(samples=[s.feeds for s in generate_input_sets(original, 3)])
     # execute
     result = QuantizeInt4({"lm_head": "float", "accuracy_level": 0})(original, ctx)
-    # assert: quantized, judged on the decode samples as they are (their new tokens)
+    # assert: quantized, judged on prefills of the samples' tokens over their whole encoder side
     assert result.modified and result.counts["nodes_quantized"] > 0
     positions = sum(int(np.asarray(f["input_ids"]).size) for f in ctx.samples)
     sequences = result.notes["next_token"]["sequences"]
-    assert f" {positions} token(s), the samples as they are" in sequences, sequences
-    assert result.notes["accuracy"]["logits (teacher forcing)"]["flipped"] == 0
+    assert f" {positions} token(s), each fed as a prefill (empty self-attention cache, the encoder's" in sequences
+    assert "the encoder's context whole: 5 input(s) over its sequence" in sequences, sequences  # mask, 2 x (k, v)
+    accuracy = result.notes["accuracy"]["logits (teacher forcing)"]
+    assert accuracy["flipped"] == 0 and accuracy["positions"] == positions
     # numerics at generated sets of another seed
     want_sess, got_sess = session(original), session(result.model)
     for sample in generate_input_sets(original, 3, seed=5):
