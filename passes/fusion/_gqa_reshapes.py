@@ -44,7 +44,7 @@ def _fold_into_flat(flat: ir.Node) -> int:
     if not _is_reshape(inner) or flat.outputs[0].is_graph_output():
         return 0
     x = inner.inputs[0]
-    if x is None or x.shape is None or len(x.shape) != 3 or not _keeps_leading(inner):
+    if x is None or rank(x) != 3 or not _keeps_leading(inner):
         return 0
     ir.convenience.replace_all_uses_with(flat.outputs[0], x)
     return 1
@@ -190,16 +190,16 @@ def _leading_source(node: ir.Node, output: ir.Value) -> ir.Value | None:
     first = node.inputs[0] if node.inputs else None
     if first is None:
         return None
-    rank = len(first.shape) if first.shape is not None else None
+    rank_ = rank(first)
     if node.domain in _ONNX:
         if node.op_type == "MatMul":
             weight = _constant(node.inputs[1])
             two_d = weight is not None and weight.ndim == 2
-            return first if two_d and rank is not None and rank >= 3 else None
+            return first if two_d and rank_ is not None and rank_ >= 3 else None
         if node.op_type in _BIAS_OPS and len(node.inputs) == 2:  # either side for Add/Mul; Sub/Div data first
             for data, other in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
                 bias = _constant(other)
-                data_rank = len(data.shape) if data is not None and data.shape is not None else None
+                data_rank = rank(data) if data is not None else None
                 if bias is not None and bias.ndim <= 1 and data_rank is not None and data_rank >= 2:
                     return data
                 if node.op_type in ("Sub", "Div"):
@@ -207,20 +207,41 @@ def _leading_source(node: ir.Node, output: ir.Value) -> ir.Value | None:
             return None
         if node.op_type == "Slice" and len(node.inputs) >= 4:  # slicing only axes >= 2
             axes = _constant(node.inputs[3])
-            if rank is None or axes is None or any(int(a) % rank < 2 for a in axes.reshape(-1)):
+            if rank_ is None or axes is None or any(int(a) % rank_ < 2 for a in axes.reshape(-1)):
                 return None
             return first
         if node.op_type == "Split":
             axis = node.attributes.get_int("axis", 0)
-            return first if rank is not None and (axis >= 2 or (axis < 0 and axis + rank >= 2)) else None
+            return first if rank_ is not None and (axis >= 2 or (axis < 0 and axis + rank_ >= 2)) else None
         if node.op_type == "Reshape" and _is_reshape(node):
             return first if _keeps_leading(node) else None
         return None
     if node.domain == "com.microsoft":
         if node.op_type == "MatMulNBits":
-            return first if rank is not None and rank >= 3 else None
-        if node.op_type == "RotaryEmbedding" and rank == 3:  # [B,S,N*D] in and out
+            return first if rank_ is not None and rank_ >= 3 else None
+        if node.op_type == "RotaryEmbedding" and rank_ == 3:  # [B,S,N*D] in and out
             return first
         if node.op_type == "GroupQueryAttention":  # output 0 is [B, S, N*D] of the (3-D) query's B and S
             return first if output is node.outputs[0] else None
+    return None
+
+
+def rank(value: ir.Value, depth: int = 8) -> int | None:
+    """``value``'s rank: its annotated shape's, else read from the op that makes it where the op fixes it, else
+    None.
+
+    Why: a merged decoder's branches reach the passes without value_info (``passes._subgraphs.standalone``),
+    so no value there has a shape, and no pair above could be proven (``head_reshapes_folded: 0`` in both
+    branches). The ops fuse_rotary and fuse_gqa write fix the rank by themselves: a Reshape's target has as
+    many entries as its output has dims, and RotaryEmbedding keeps its input's rank."""
+    if value.shape is not None:
+        return len(value.shape)
+    node = value.producer()
+    if node is None or depth <= 0:
+        return None
+    if node.domain in _ONNX and _is_reshape(node):
+        entries = _shape_entries(node.inputs[1])
+        return len(entries) if entries is not None else None
+    if node.domain == "com.microsoft" and node.op_type == "RotaryEmbedding" and node.inputs[0] is not None:
+        return rank(node.inputs[0], depth - 1)
     return None
