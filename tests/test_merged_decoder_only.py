@@ -345,19 +345,20 @@ def test_the_no_cache_branch_rotates_each_key_once_when_its_present_is_a_branch_
             readers = [n for n in attr.g.node if rot.output[0] in n.input]
             feeds_output = any(n.op_type == "Reshape" and _leads_to(attr.g, n, outputs) for n in readers)
             assert flat == (attr.g.name == "no_past" and feeds_output), (attr.g.name, rot.name)
-    # assert: after fuse_gqa each present key of the no-cache branch is the rotation GroupQueryAttention's key
-    # reads, and each branch rotates q and k once per layer
+    # assert: after fuse_gqa each present key of the no-cache branch is GroupQueryAttention's present_key, its
+    # key input the one rotation, and each branch rotates q and k once per layer
     (node,) = proto.graph.node
     branches = {a.g.name: a.g for a in node.attribute}
     for name, graph in branches.items():
         assert Counter(n.op_type for n in graph.node)["RotaryEmbedding"] == 2 * LAYERS, name
     graph = branches["no_past"]
     layout = ("Reshape", "Transpose", "Identity")
-    keys = [_source_of(graph, n.input[1], layout) for n in graph.node if n.op_type == "GroupQueryAttention"]
-    presents = [_source_of(graph, o.name, layout) for o in graph.output if re.fullmatch(r"present\.\d+\.key.*", o.name)]
+    gqas = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    keys = [_source_of(graph, n.input[1], layout) for n in gqas]
+    presents = [o.name for o in graph.output if re.fullmatch(r"present\.\d+\.key.*", o.name)]
     assert len(keys) == len(presents) == LAYERS
     assert all(k is not None and k.op_type == "RotaryEmbedding" for k in keys), keys
-    assert [p.name for p in presents] == [k.name for k in keys]
+    assert sorted(presents) == sorted(n.output[1] for n in gqas)
     _assert_exact_on_both_branches(source, proto, BATCH_1_2_SHAPES)
 
 
@@ -371,3 +372,44 @@ def _leads_to(graph: onnx.GraphProto, node: onnx.NodeProto, outputs: set[str]) -
         frontier += [n for n in graph.node if n.op_type in ("Reshape", "Transpose", "Identity")
                      and set(n.input) & set(current.output)]  # fmt: skip
     return False
+
+
+# prompts of lengths neither the export's checks nor the generated sets had, batch 1 and 2, and one token
+NO_CACHE_SHAPES = ((False, 1, 1, 0), (False, 1, 6, 0), (False, 2, 9, 0), (False, 2, 13, 0), (True, 2, 1, 3))
+
+
+def _layout_ops(proto: onnx.ModelProto, branch: str) -> Counter[str]:
+    (node,) = proto.graph.node
+    (graph,) = [a.g for a in node.attribute if a.g.name == branch]
+    return Counter(n.op_type for n in graph.node if n.op_type in ("Reshape", "Transpose"))
+
+
+@pytest.mark.parametrize(("family", "exporter"), BUILT)
+def test_the_no_cache_branch_takes_its_presents_from_group_query_attention_when_it_has_no_past(family, exporter):
+    # setup
+    source = path_of(family, exporter)
+    model, ctx = _fast_until(source, "fuse_rotary")
+    model = FuseRotary()(model, ctx).model
+    before = ir.serde.serialize_model(model)
+    # execute
+    gqa = FuseGqa()(model, ctx)
+    proto = ir.serde.serialize_model(gqa.model)
+    # assert: every present of the no-cache branch is an output of its layer's GroupQueryAttention (key 1,
+    # value 2), so the Transposes that wrote them heads first are gone (one per present before)
+    (node,) = proto.graph.node
+    (graph,) = [a.g for a in node.attribute if a.g.name == "no_past"]
+    made = {o: (n.op_type, i) for n in graph.node for i, o in enumerate(n.output)}
+    presents = [o.name for o in graph.output if o.name.startswith("present.")]
+    assert len(presents) == 2 * LAYERS
+    for name in presents:
+        assert made[name] == ("GroupQueryAttention", 1 if ".key" in name else 2), (name, made.get(name))
+    old, new = _layout_ops(before, "no_past"), _layout_ops(proto, "no_past")
+    assert old["Transpose"] >= 2 * LAYERS and new["Transpose"] == 0, (old, new)
+    # assert: a rotated key enters GroupQueryAttention as the RotaryEmbedding's own output (fuse_rotary's head
+    # split and fuse_gqa's merge of it folded); the no-cache branch keeps no more Reshapes than the cache one
+    for gqa_node in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        rotation = _source_of(graph, gqa_node.input[1], ("Reshape",))
+        if family == "llama":
+            assert rotation.op_type == "RotaryEmbedding" and gqa_node.input[1] == rotation.output[0], gqa_node.name
+    assert new["Reshape"] <= _layout_ops(proto, "with_past")["Reshape"], (new, _layout_ops(proto, "with_past"))
+    _assert_exact_on_both_branches(source, proto, NO_CACHE_SHAPES)

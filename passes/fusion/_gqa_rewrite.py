@@ -151,7 +151,8 @@ def rewrite_gqa(
     out, present_k, present_v = gqa.outputs
     present_k.name, present_v.name = f"{prefix}/present_key", f"{prefix}/present_value"
     _replace_output(graph, site, [*nodes, gqa], out, sizes)
-    if site.k_past is None:  # no cache: the presents stay unused
+    if site.k_past is None:
+        _presents_without_past(graph, site, nodes, (present_k, present_v))
         return 0
     for old, new in ((site.k_all, present_k), (site.v_all, present_v)):
         if old.type is not None:
@@ -159,6 +160,28 @@ def rewrite_gqa(
         take_graph_output(graph, old, new, "/unfused")
         ir.convenience.replace_all_uses_with(old, new)
     return sum(new is not old for new, old in zip(past, (site.k_past, site.v_past), strict=True))
+
+
+def _presents_without_past(
+    graph: ir.Graph, site: Site, fed: list[ir.Node], presents: tuple[ir.Value, ir.Value]
+) -> None:
+    """Without a cache, the graph's present outputs (a no-cache decoder's: Optimum's merged no-cache branch)
+    become GQA's own ``present_key``/``present_value`` where they are ``k_new``/``v_new`` themselves.
+
+    Why that is exact: with no past, GQA's present is its k (v) input [B,S,kv*D] heads first, [B,kv,S,D],
+    copied as given (``do_rotary=0``: no rotation of its own) and ``total_sequence_length`` long, which ORT
+    (1.32) refuses unless it equals past + new = S. GQA's k input is ``flat_heads(k_new)``, a layout of
+    ``k_new`` (``Reshape`` of the [B,S,kv,D] value ``k_new`` transposes, or the same rotation redone flat on
+    it), so the present holds ``k_new``'s values in ``k_new``'s layout: the rotation the present carries is
+    the one GQA attends with. Keys GQA reads as [B,S,kv,D] (``k_bsnd``), or through a Transpose of
+    ``k_new`` itself (nothing saved), keep their own present. The ops that computed the present for the
+    output alone (per layer a Transpose of v, and of k its head split and Transpose) are then dead."""
+    for new, old, bsnd in zip(presents, (site.k_new, site.v_new), (site.k_bsnd, False), strict=True):
+        if bsnd or not old.is_graph_output() or any(old in node.inputs for node in fed):
+            continue
+        if old.type is not None:
+            new.type, new.shape = old.type, old.shape
+        take_graph_output(graph, old, new, "/unfused")
 
 
 def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int]) -> None:

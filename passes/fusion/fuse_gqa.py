@@ -25,7 +25,9 @@ After::
 A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] enters GQA as ``Reshape(x, [0,0,-1])`` (no copy); a
 heads-first ``RotaryEmbedding`` of such a value (fuse_rotary's) is redone on that flat value with
 ``num_heads`` set, so no Transpose is left on either side of it; any other value through
-``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past. The export's own head split
+``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past, and a present the graph outputs
+(Optimum's no-cache branch) is GQA's own present, the new keys and values heads first (its Transposes gone:
+``_gqa_rewrite._presents_without_past`` says when that is exact). The export's own head split
 and merge around it (``Reshape`` to [B,S,N,D] before ``Reshape[0,0,-1]``, ``Reshape[0,0,H,D]`` before its
 ``Reshape`` back to [B,S,H*D]) are then no-op pairs where the leading dims provably match, and are folded
 (``_gqa_reshapes``): the projection goes straight into RotaryEmbedding/GQA and GQA's output straight into
