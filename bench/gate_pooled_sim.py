@@ -10,7 +10,8 @@ back (neither slower nor a tie): the figures behind the pooled stop's paragraph 
 ``--warmup`` compares the warm-up instead, the pooled stop on in both: ``before``, each model's untimed runs until
 one is within 10% of the run before it, spent (the rule up to this change), against ``after``, the warm-up of
 ``workers.benchmark._first_block`` (untimed runs until one is no faster than the run before it beyond 10%, that
-run timed as the set's first block). Each model's runs of a set then start cold: the run made when the session
+run timed as the set's first block, and the first block after the build timed too when the next one shows it
+settled). Each model's runs of a set then start cold: the run made when the session
 is built takes ``--cold`` times the set's center (1.5: measured with ``bench.warmup_settle``) and the runs after
 it ``--curve`` times (default none: settled from the first run after the build; ``1.2`` is a second run still
 20% slow, as Whisper's encoder showed once at load 4-6). The seconds include the warm-up runs. ``--centers``
@@ -97,7 +98,7 @@ class _Runs:
                 self.runs.untimed(index, took)
                 if abs(took - previous) <= benchmark.WARMUP_SETTLE * previous:
                     break
-            self.runs.settled.add(index)
+            self.runs.settle(index)
         return self.runs.warming(index, warmup)
 
     def settles(self, index: int, ms: float, warmup: int) -> bool:
@@ -107,6 +108,10 @@ class _Runs:
     def untimed(self, index: int, ms: float) -> None:
         assert self.runs is not None
         self.runs.untimed(index, ms)
+
+    def settle(self, index: int) -> None:
+        assert self.runs is not None
+        self.runs.settle(index)
 
     def select(self, index: int) -> Callable[[], float]:
         if self.runs is None:

@@ -22,13 +22,16 @@ of the set in all (``Runs.warming``): a run is settled when it is no faster than
 is the host's noise. The run that shows it is settled itself, so it is timed, not spent (``_first_block``):
 while both models warm up each step is a block of one run of each, and the block whose two runs both settle is
 the set's first timed block; once one model has settled only the other runs, its settling run paired with a
-run of the settled one made right after it. A session runs every set once when it is built (its arena grows to
-the largest set, its thread pool starts), and that first run, timed, is the first one compared; a pooled
-session that has settled on a set, or run it ``warmup`` times, is not warmed up on it again. Measured (``python
--m bench.warmup_settle``) on ViT and Whisper's encoder at bench size (batch 1, 2 and 4), the first run of a set
-can be 1.5x the later ones and the second is already among them: that costs one untimed run per model and set
-(the rule before spent the second run too, and on a loaded host, whose runs differ by 10-30% from one to the
-next, went on to the cap of 5 on runs of 0.4-2 s; ``python -m bench.gate_pooled_sim --warmup`` compares them).
+run of the settled one made right after it. A settling run also shows that the run before it was as fast
+already (within 10%): so the first block after the build, when faster than the build's runs (the cold ones),
+is held and timed too once the next block's runs both show it settled. A session runs every set once when it
+is built (its arena grows to the largest set, its thread pool starts), and that first run, timed, is the first
+one compared; a pooled session that has settled on a set, or run it ``warmup`` times, is not warmed up on it
+again. Measured (``python -m bench.warmup_settle``) on ViT and Whisper's encoder at bench size (batch 1, 2 and
+4), the first run of a set can be 1.5x the later ones and the second is already among them: such a set now
+costs no untimed run after the build's (the rule before spent two per model and set, and on a loaded host,
+whose runs differ by 10-30% from one to the next, went on to the cap of 5 on runs of 0.4-2 s; ``python -m
+bench.gate_pooled_sim --warmup`` compares them).
 
 Stopping, per input set: at least ``min_runs`` timed blocks, or, when the first ``MIN_SETTLE_PAIRS`` (5) blocks
 and more have taken ``min_seconds`` (``benchmark_min_seconds``), as many as that took, whichever comes first
@@ -461,8 +464,12 @@ class Runs:
         Recorded: the set is then settled. The caller records an untimed run with ``untimed``."""
         if self.warming(index, warmup) and not warmed(self.last_ms.get(index), ms):
             return False
-        self.settled.add(index)
+        self.settle(index)
         return True
+
+    def settle(self, index: int) -> None:
+        """Input set ``index`` has shown the session settled: it is never warmed up again."""
+        self.settled.add(index)
 
     def untimed(self, index: int, ms: float) -> None:
         """A run of input set ``index`` that is not timed (a warm-up run): counted, and the next one compared to it."""
@@ -725,35 +732,52 @@ def _stop_after_block(state: _Blocks, params: BenchmarkParams, index: int) -> st
     return None
 
 
-def _first_block(runs_a: Runs, runs_b: Runs, index: int, warmup: int) -> tuple[float, float, float] | None:
-    """The warm-up of input set ``index``: runs of the models still ``warming`` on it, the run that shows a
+def _first_block(runs_a: Runs, runs_b: Runs, index: int, warmup: int) -> tuple[list[tuple[float, float]], float]:
+    """The warm-up of input set ``index``: runs of the models still ``warming`` on it, the runs that show a
     session settled (``Runs.settles``) timed rather than spent. While both warm up, each step is a block (one
     run of A and one of B, in the order of the set's first block); once one has settled, only the other runs,
-    and its settling run is paired with a run of the settled one made right after it. That pair is the set's
-    first timed block (A ms, B ms, seconds); every run before it is untimed. None: no settling run to time
-    (neither model needed a warm-up run, or the cap of ``warmup`` runs was reached first).
+    and its settling run is paired with a run of the settled one made right after it. Returns the set's first
+    timed blocks (A ms, B ms) and their seconds; every run before them is untimed. None timed: neither model
+    needed a warm-up run, or the cap of ``warmup`` runs was reached first.
 
-    The run that shows a session settled is no faster than the one before it, so it is settled itself: a set
-    whose first run after the build is already settled (ViT, Whisper's encoder) costs one untimed run per
-    model, not two; and a warm model is not run beside the other's warm-up."""
+    The run that shows a session settled is no faster than the one before it, so that one was as fast already
+    (within 10%): when the first block after the build is faster than the build's runs beyond 10% (the cold
+    run), it is held, and timed as well when the next block's runs both show it settled; otherwise it is
+    untimed and the rule goes on from the next block. A set whose first run after the build is already settled
+    (ViT, Whisper's encoder) costs no untimed run; and a warm model is not run beside the other's warm-up."""
     run_a, run_b = runs_a.select(index), runs_b.select(index)
+    held: tuple[float, float, float] | None = None  # the first block (A ms, B ms, seconds), not counted yet
+    first = True
     while True:
         warming_a, warming_b = runs_a.warming(index, warmup), runs_b.warming(index, warmup)
-        if not (warming_a or warming_b):
-            return None
+        if held is None and not (warming_a or warming_b):
+            return [], 0.0
         start = time.perf_counter()
-        if warming_a and warming_b:
+        if held is not None or (warming_a and warming_b):
             if index % 2 == 0:
                 a, b = _time_one(run_a), _time_one(run_b)
             else:
                 b = _time_one(run_b)
                 a = _time_one(run_a)
+            seconds = time.perf_counter() - start
+            if held is not None:
+                if warmed(held[0], a) and warmed(held[1], b):
+                    runs_a.settle(index)
+                    runs_b.settle(index)
+                    return [(held[0], held[1]), (a, b)], held[2] + seconds
+                runs_a.untimed(index, held[0])
+                runs_b.untimed(index, held[1])
+                held = None
             done_a, done_b = runs_a.settles(index, a, warmup), runs_b.settles(index, b, warmup)
             if done_a and done_b:
-                return a, b, time.perf_counter() - start
+                return [(a, b)], seconds
+            if first:
+                held, first = (a, b, seconds), False
+                continue
             runs_a.untimed(index, a)
             runs_b.untimed(index, b)
             continue
+        first = False
         warm, run_warm, run_other = (runs_a, run_a, run_b) if warming_a else (runs_b, run_b, run_a)
         took = _time_one(run_warm)
         if not warm.settles(index, took, warmup):
@@ -761,7 +785,7 @@ def _first_block(runs_a: Runs, runs_b: Runs, index: int, warmup: int) -> tuple[f
             continue
         paired = _time_one(run_other)
         a, b = (took, paired) if warming_a else (paired, took)
-        return a, b, time.perf_counter() - start
+        return [(a, b)], time.perf_counter() - start
 
 
 def _timed_blocks(
@@ -773,23 +797,24 @@ def _timed_blocks(
     *,
     until_floor: bool = False,
     pause_at: int | None = None,
-    first: tuple[float, float, float] | None = None,
+    first: tuple[list[tuple[float, float]], float] | None = None,
 ) -> tuple[list[float], list[float], str | None]:
     """Interleaved blocks of one input set until the answer is settled, the budget spent or max_runs reached
     (module docstring); returns the A and B times and what stopped them. ``until_floor``: pause at the floor
     (or max_runs) before any stopping rule is applied (what stopped them: None); ``pause_at``: pause (None)
     once the set has this many blocks, its own rules applied up to there; ``state``: go on from such a pause
     (whose rules the caller applied), its budget counting only the time spent in these blocks; ``first``: the
-    first block, timed already by the warm-up (``_first_block``: A ms, B ms, its seconds)."""
+    first blocks, timed already by the warm-up (``_first_block``: (A ms, B ms) each, their seconds)."""
     state = _Blocks() if state is None else state
+    pending = list(first[0]) if first is not None else []
     if first is not None:
-        state.elapsed_s += first[2]
+        state.elapsed_s += first[1]
     started = time.perf_counter() - state.elapsed_s
     while True:
-        if first is not None:
-            state.a_ms.append(first[0])
-            state.b_ms.append(first[1])
-            first = None
+        if pending:
+            a, b = pending.pop(0)
+            state.a_ms.append(a)
+            state.b_ms.append(b)
         elif (len(state.a_ms) + index) % 2 == 0:
             state.a_ms.append(_time_one(run_a))
             state.b_ms.append(_time_one(run_b))
