@@ -12,9 +12,14 @@ whose shape keeps them) to one common value. A pair it cannot prove stays. With 
 Reshapes and the shape arithmetic feeding them (Shape, Gather, Unsqueeze, Concat), a few microseconds
 each beside ~30 us int4 GEMVs. Dynamo exports take those dims from other inputs (the cache's batch, the
 ids' length): equal there by the signature's dim names, which the proof accepts (``_same_symbol``).
+Where values carry no shapes (a merged decoder's branches), their ranks are read through the ops from the
+graph's inputs (``_ranks``); a rotated key fuse_rotary flattened after the export's head split
+(``RotaryEmbedding(Reshape(Reshape(k, s), [0,0,-1]))``) is read straight from the projection too.
 """
 
 from __future__ import annotations
+
+import contextvars
 
 import numpy as np
 import onnx_ir as ir
@@ -28,13 +33,20 @@ _BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
 def fold_head_reshapes(graph: ir.Graph) -> int:
     """Bypass the provable no-op Reshape pairs around fuse_gqa's attention nodes; returns how many pairs."""
     folded = 0
-    for node in list(graph):
-        if node.op_type != "Reshape" or not (node.name or "").startswith("fuse_gqa/layer_"):
-            continue
-        if node.name.endswith("/to_bsh"):
-            folded += _fold_into_flat(node)
-        elif node.name.endswith("/to_heads"):
-            folded += _fold_after_heads(node)
+    token = _RANKS.set(_ranks(graph))
+    try:
+        for node in list(graph):
+            if node.op_type != "Reshape" or not (node.name or "").startswith("fuse_gqa/layer_"):
+                continue
+            if node.name.endswith("/to_bsh"):
+                folded += _fold_into_flat(node)
+            elif node.name.endswith("/to_heads"):
+                folded += _fold_after_heads(node)
+        for node in list(graph):
+            if node.op_type == "GroupQueryAttention" and (node.name or "").startswith("fuse_gqa/layer_"):
+                folded += sum(_fold_before_rotary(v) for v in node.inputs[:3] if v is not None)
+    finally:
+        _RANKS.reset(token)
     return folded
 
 
@@ -48,6 +60,21 @@ def _fold_into_flat(flat: ir.Node) -> int:
         return 0
     ir.convenience.replace_all_uses_with(flat.outputs[0], x)
     return 1
+
+
+def _fold_before_rotary(value: ir.Value) -> int:
+    """A rotated GQA input ``RotaryEmbedding(Reshape(Reshape(x, s), [0,0,-1]))`` reads ``x`` where that pair is
+    a no-op: fuse_rotary flattens a present key that way (the export's head split, then its own flat form),
+    and in a no-cache decoder GQA's present replaces the present the head split also fed."""
+    rotary = value.producer()
+    if rotary is None or rotary.op_type != "RotaryEmbedding" or rotary.domain != "com.microsoft":
+        return 0
+    flat = rotary.inputs[0].producer() if rotary.inputs[0] is not None else None
+    if not _is_reshape(flat) or flat.attributes.get_int("allowzero", 0) or _constant(flat.inputs[1]) is None:
+        return 0
+    if _constant(flat.inputs[1]).reshape(-1).tolist() != [0, 0, -1]:
+        return 0
+    return _fold_into_flat(flat)
 
 
 def _fold_after_heads(unflat: ir.Node) -> int:
@@ -226,22 +253,81 @@ def _leading_source(node: ir.Node, output: ir.Value) -> ir.Value | None:
     return None
 
 
-def rank(value: ir.Value, depth: int = 8) -> int | None:
-    """``value``'s rank: its annotated shape's, else read from the op that makes it where the op fixes it, else
-    None.
-
-    Why: a merged decoder's branches reach the passes without value_info (``passes._subgraphs.standalone``),
-    so no value there has a shape, and no pair above could be proven (``head_reshapes_folded: 0`` in both
-    branches). The ops fuse_rotary and fuse_gqa write fix the rank by themselves: a Reshape's target has as
-    many entries as its output has dims, and RotaryEmbedding keeps its input's rank."""
+def rank(value: ir.Value) -> int | None:
+    """``value``'s rank: its annotated shape's, else the one ``_ranks`` read from the ops that make it, else
+    None."""
     if value.shape is not None:
         return len(value.shape)
-    node = value.producer()
-    if node is None or depth <= 0:
-        return None
-    if node.domain in _ONNX and _is_reshape(node):
-        entries = _shape_entries(node.inputs[1])
-        return len(entries) if entries is not None else None
-    if node.domain == "com.microsoft" and node.op_type == "RotaryEmbedding" and node.inputs[0] is not None:
-        return rank(node.inputs[0], depth - 1)
-    return None
+    return (_RANKS.get() or {}).get(id(value))
+
+
+# Ops whose output 0 has their input 0's rank.
+_SAME_RANK = frozenset({
+    "Cast", "Identity", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu",
+    "Softmax", "Transpose", "Slice", "Split", "LayerNormalization", "Dropout",
+})  # fmt: skip
+_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min"})
+_REDUCE = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2", "ReduceSumSquare"})
+_MS_SAME_RANK = frozenset({
+    "RotaryEmbedding", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "SkipLayerNormalization",
+    "MatMulNBits", "FastGelu", "QuickGelu", "Gelu", "BiasGelu",
+})  # fmt: skip
+_RANKS: contextvars.ContextVar[dict[int, int | None] | None] = contextvars.ContextVar("gqa_ranks", default=None)
+
+
+def _ranks(graph: ir.Graph) -> dict[int, int | None]:
+    """The rank of each node output that the ops alone fix, in one pass over the graph in order (by ``id``).
+
+    Why: a merged decoder's branches reach the passes without value_info (``passes._subgraphs.standalone``),
+    so no value there has a shape and no pair above could be proven (``head_reshapes_folded: 0`` in both
+    branches). Ranks follow from the graph's inputs, which keep their declared shapes, and the constants: a
+    Reshape's target has as many entries as its output has dims, a Gather's output rank(data) + rank(indices)
+    - 1, a broadcast the largest of its inputs', a MatMul of two matrices or batches of them the larger, a
+    reduction with keepdims its input's, the elementwise and layout ops (and ORT's norms and rotary) their
+    input's. Anything else is left unknown, which proves nothing."""
+    ranks: dict[int, int | None] = {}
+
+    def of(value: ir.Value | None) -> int | None:
+        if value is None:
+            return None
+        if value.shape is not None:
+            return len(value.shape)
+        if value.const_value is not None:
+            return len(value.const_value.shape)
+        return ranks.get(id(value))
+
+    for node in graph:
+        first = of(node.inputs[0]) if node.inputs else None
+        got: int | None = None
+        op = node.op_type
+        if node.domain in _ONNX:
+            if op == "Constant":
+                array = _constant(node.outputs[0])
+                got = array.ndim if array is not None else None
+            elif op in _SAME_RANK:
+                got = first
+            elif op in _BROADCAST:
+                known = [of(v) for v in node.inputs]
+                got = max(known) if known and None not in known else None  # type: ignore[type-var]
+            elif op in _REDUCE and node.attributes.get_int("keepdims", 1):
+                got = first
+            elif op == "MatMul" and len(node.inputs) == 2:
+                other = of(node.inputs[1])
+                got = max(first, other) if first is not None and other is not None and min(first, other) >= 2 else None
+            elif op == "Gather" and len(node.inputs) == 2:
+                indices = of(node.inputs[1])
+                got = first + indices - 1 if first is not None and indices is not None else None
+            elif _is_reshape(node):
+                entries = _shape_entries(node.inputs[1])
+                got = len(entries) if entries is not None else None
+        elif node.domain == "com.microsoft":
+            if op in _MS_SAME_RANK:
+                got = first
+            elif op == "GroupQueryAttention":
+                got = 3 if first == 3 else None
+        for index, output in enumerate(node.outputs):
+            if output.shape is not None:
+                ranks[id(output)] = len(output.shape)
+            elif index == 0 or op == "Split":  # every Split output has the input's rank; others' output 0 only
+                ranks[id(output)] = got
+    return ranks

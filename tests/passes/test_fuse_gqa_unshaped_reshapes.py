@@ -1,6 +1,6 @@
 """fuse_gqa's head Reshape folding (``_gqa_reshapes``) where no value carries a shape: a merged decoder's
 branches reach the passes without value_info (``passes._subgraphs.standalone``), so the rank of a Reshape's
-data is read from the op that makes it (a Reshape's target entries, RotaryEmbedding keeping its input's).
+data is read from the ops that make it (``_ranks``: a Reshape's target entries, ...).
 ``Reshape(Reshape(x, [0,0,-1,D]), [0,0,-1])`` is ``x`` only when x has rank 3; a rank-4 x comes back in
 another shape and stays. Numerics against the graph as written (optimizations off) at two shapes."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from passes.fusion._gqa_reshapes import fold_head_reshapes, rank
+from passes.fusion._gqa_reshapes import _ranks, fold_head_reshapes
 from tests.numerics import reference_session, run_named
 
 
@@ -46,7 +46,7 @@ def test_fold_head_reshapes_reads_the_rank_from_the_producing_reshape_when_value
     model, neg = _graph(source_shape)
     want = reference_session(ir.serde.serialize_model(model))
     source = next(n for n in model.graph if n.name == "source")
-    assert source.outputs[0].shape is None and rank(source.outputs[0]) == len(source_shape)
+    assert source.outputs[0].shape is None and _ranks(model.graph)[id(source.outputs[0])] == len(source_shape)
     # execute
     folded = fold_head_reshapes(model.graph)
     # assert: the rank-3 source is read straight; the rank-4 one keeps both Reshapes, which reshape it
@@ -61,9 +61,14 @@ def test_fold_head_reshapes_reads_the_rank_from_the_producing_reshape_when_value
 
 
 def test_rank_is_unknown_when_the_target_is_computed_from_an_unknown_shape():
-    # setup: a target read from a value of unknown rank: its entry count is unknown
+    # setup: a target read from an input of unknown rank: its entry count is unknown, and so is the rank of
+    # what reads the Reshape's output
     a = ir.Value(name="a", type=ir.TensorType(ir.DataType.FLOAT))
     shape = ir.node("Shape", [a], name="shape")
     reshape = ir.node("Reshape", [a, shape.outputs[0]], name="reshape")
-    # execute / assert
-    assert rank(reshape.outputs[0]) is None
+    neg = ir.node("Neg", [reshape.outputs[0]], name="neg")
+    graph = ir.Graph([a], [neg.outputs[0]], nodes=[shape, reshape, neg], opset_imports={"": 18}, name="g")
+    # execute
+    ranks = _ranks(graph)
+    # assert
+    assert ranks[id(reshape.outputs[0])] is None and ranks[id(neg.outputs[0])] is None
