@@ -355,7 +355,8 @@ def render(sections: list[str], *, loads: list[str], cmd: str, summary: list[str
             machine_line(host_info(target="cpu", intra_op_threads=0), load=loads[0]),
             f"Load average after the run: {loads[-1]}.",
             "",
-            f"No samples, target cpu, {settings}. Wall time of each process, start-up and imports included; each "
+            f"No samples, target cpu, {settings}. Wall time of each process, start-up and imports included "
+            "(the job's packages byte-compiled beforehand, as installed); each "
             f"model's peer, jobs in the order shown, one after the other. Issue 17's target: at most "
             f"{TARGET_RATIO:g}x the peer.",
             "",
