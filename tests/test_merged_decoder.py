@@ -34,7 +34,7 @@ from tests.models.build_seq2seq import (
     verify_merged,
 )
 from tests.numerics import reference_session, run_named
-from tests.test_seq2seq import fast_job
+from tests.test_seq2seq import quick_job
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
 MERGED_ENTRIES = {e["file"]: e for e in MANIFEST.get("merged", [])}
@@ -218,7 +218,7 @@ def test_fast_job_on_a_merged_decoder_is_exact_on_both_branches_when_no_samples(
     # setup
     source = merged_path(arch, exporter)
     # execute
-    artifact, report = fast_job(source, tmp_path / "job")
+    artifact, report = quick_job(source, tmp_path / "job")
     # assert: verified on sets of both branches, named in the report
     assert report["verification"]["ok"] is True, report["verification"]
     names = [s["name"] for s in report["input_sets"]]

@@ -23,9 +23,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from core.config import JobConfig
 from core.inputs import InputSynthesis, generate_input_sets
-from core.settings import PipelineSettings
 from passes._infra import PassContext
 from passes.fusion.fuse_gqa import FuseGqa
 from passes.fusion.fuse_rotary import FuseRotary
@@ -35,7 +33,7 @@ from passes.registry import build_passes, get_preset
 from tests.models.build_decoders import OUT, filename, input_names, merged_decoder_feeds, merged_filename, output_names
 from tests.models.merge import NO_CACHE_PAST, USE_CACHE
 from tests.numerics import reference_session, run_named
-from workers.pipeline import PipelineRequest, run_pipeline
+from tests.test_seq2seq import quick_job
 
 MANIFEST = json.loads((OUT / "manifest.json").read_text())
 ENTRIES = {e["file"]: e for e in MANIFEST.get("merged", [])}
@@ -231,14 +229,8 @@ def test_fast_job_on_a_merged_decoder_only_model_fuses_gqa_and_rotary_in_both_br
 ):
     # setup
     source = path_of(family, exporter)
-    settings = PipelineSettings(
-        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.1, ledger_runs=5,
-        intra_op_threads=1,
-    )  # fmt: skip
-    config = JobConfig(preset="fast", rollback_slower=False, benchmark=False)
     # execute
-    result = run_pipeline(PipelineRequest(source, tmp_path / "job", config, settings))
-    report = result.report
+    artifact, report = quick_job(source, tmp_path / "job")
     # assert: verified on sets of both branches; the fusions read from the verified pass record
     assert report["verification"]["ok"] is True, report["verification"]
     names = [s["name"] for s in report["input_sets"]]
@@ -248,11 +240,11 @@ def test_fast_job_on_a_merged_decoder_only_model_fuses_gqa_and_rotary_in_both_br
     assert passes["fuse_rotary"]["status"] == "applied"
     assert passes["fuse_rotary"]["counts"]["rotary_embeddings"] >= 2 * 2 * LAYERS
     # the artifact (the fused model, or the upload when the final gate times it slower on a tiny model)
-    proto = onnx.load(str(result.model_path))
+    proto = onnx.load(str(artifact))
     if report["decision"]["result"] != "original":
         for branch, ops in _branch_ops(proto).items():
             assert ops["GroupQueryAttention"] == LAYERS and ops["RotaryEmbedding"] >= 2 * LAYERS, (branch, ops)
-    _assert_exact_on_both_branches(source, result.model_path)
+    _assert_exact_on_both_branches(source, artifact)
 
 
 @pytest.mark.parametrize(("family", "exporter"), [("llama", "ts"), ("gpt2", "ts")])

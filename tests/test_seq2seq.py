@@ -425,14 +425,14 @@ def test_sizes_bound_by_a_caller_tie_every_encoder_side_input_when_fed_for_sizes
 # -------------------------------------------------------------------------------------------- pipeline
 
 
-def fast_job(source: Path, out: Path) -> tuple[Path, dict]:
-    """A no-sample ``fast`` job on ``source`` with quick pipeline settings: (artifact, report)."""
+def quick_job(source: Path, out: Path, preset: str = "fast") -> tuple[Path, dict]:
+    """A no-sample job of ``preset`` on ``source`` with quick pipeline settings: (artifact, report)."""
     settings = PipelineSettings(
         verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.1, ledger_runs=5,
         intra_op_threads=1,
     )  # fmt: skip
     # rollback_slower off: which passes pay is a timing question; these tests ask what the ledger verified
-    config = JobConfig(preset="fast", rollback_slower=False, benchmark=False)
+    config = JobConfig(preset=preset, rollback_slower=False, benchmark=False)
     result = run_pipeline(PipelineRequest(source, out, config, settings))
     return result.model_path, result.report
 
@@ -444,7 +444,7 @@ def test_fast_jobs_without_samples_stay_exact_through_generation_when_seq2seq(na
     arch = ARCHS[name]
     artifacts = {}
     for kind in KINDS:
-        artifact, report = fast_job(path_of(name, exporter, kind), tmp_path / kind)
+        artifact, report = quick_job(path_of(name, exporter, kind), tmp_path / kind)
         assert report["verification"]["ok"] is True, (kind, report["verification"])
         assert all(s["inputs"]["source"] == "generated" for s in report["input_sets"])
         if kind != "encoder":

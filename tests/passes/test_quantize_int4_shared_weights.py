@@ -204,24 +204,16 @@ def test_quantize_tables_leaves_a_table_float_when_its_rows_are_shorter_than_a_b
 @pytest.mark.slow
 def test_int4_job_on_a_merged_decoder_is_verified_and_stores_each_weight_once(tmp_path):
     # setup: the int4 preset as a job runs it, in process
-    from core.config import JobConfig
-    from core.settings import PipelineSettings
     from tests.models.build_decoders import OUT as DECODERS
-    from workers.pipeline import PipelineRequest, run_pipeline
+    from tests.test_seq2seq import quick_job
 
     source = DECODERS / "gpt2_merged_ts.onnx"
-    settings = PipelineSettings(
-        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.1, ledger_runs=5,
-        intra_op_threads=1,
-    )  # fmt: skip
-    config = JobConfig(preset="int4", rollback_slower=False, benchmark=False)
     # execute
-    result = run_pipeline(PipelineRequest(source, tmp_path / "job", config, settings))
+    artifact_path, report = quick_job(source, tmp_path / "job", preset="int4")
     # assert: verified; the int4 pass applied; every weight in one form, fewer bytes than the upload
-    report = result.report
     assert report["verification"]["ok"] is True, report["verification"]
     (int4,) = [p for p in report["passes"] if p["name"] == "quantize_int4"]
     assert int4["status"] == "applied" and int4["counts"]["nodes_quantized"] > 0, int4
-    original, artifact = onnx.load(str(source)), onnx.load(str(result.model_path))
+    original, artifact = onnx.load(str(source)), onnx.load(str(artifact_path))
     assert all(len(kinds) == 1 for kinds in weight_forms(original, artifact).values())
     assert weight_bytes(artifact) < 0.7 * weight_bytes(original)
