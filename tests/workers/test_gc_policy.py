@@ -12,14 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.test_cli import FAST_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tests" / "models" / "mlp_cleanup.onnx"
-FAST_ENV = {
-    "ONNXFORGE_PIPELINE__BENCHMARK_WARMUP": "1",
-    "ONNXFORGE_PIPELINE__BENCHMARK_MIN_RUNS": "3",
-    "ONNXFORGE_PIPELINE__BENCHMARK_MAX_SECONDS": "0.3",
-    "ONNXFORGE_PIPELINE__LEDGER_RUNS": "2",
-}
 
 
 def _python(code: str) -> list[str]:
