@@ -5,7 +5,8 @@ Run ``python -m bench.warmup_settle [--model corpus:vit/ts_eager ...] [--runs 7]
 A session is built as ``workers.benchmark`` builds it (ORT_ENABLE_ALL, ``make_session``), runs each of the
 gate's input sets once (as at build: the arena grows to the largest set), then ``--runs`` runs of each set in
 turn; every run is timed and printed in ms. The warm-up rule (``workers.benchmark.WARMUP_SETTLE``) stops once a
-run is within 10% of the one before it; this shows where that happens on a model at bench size. Prints only;
+run is no more than 10% faster than the one before it (warming only makes runs faster; a slower one is noise),
+and that run is timed as the set's first block; this shows where that happens on a model at bench size. Prints only;
 the figures depend on the host's load (printed before and after).
 """
 
