@@ -168,8 +168,8 @@ def _tie_job(model: Path, out: Path, config: JobConfig) -> PipelineResult:
 
 
 def test_fast_gate_hands_back_the_upload_and_says_so_when_it_stops_on_a_tie(tmp_path: Path, mlp_path: Path) -> None:
-    """One ulp changes a weight, not speed: the gate's answer at the floor is a tie or already settled (a quiet
-    host); either way what the report says matches what came back."""
+    """One ulp changes a weight, not speed: the gate's answer is a tie (at the floor, or a later turn under load)
+    or already settled (a quiet host); either way what the report says matches what came back."""
     result = _tie_job(mlp_path, tmp_path, JobConfig(preset="fast"))
     report, decision = result.report, result.report["decision"]
     shapes = report["benchmark"]["shapes"]
@@ -179,7 +179,9 @@ def test_fast_gate_hands_back_the_upload_and_says_so_when_it_stops_on_a_tie(tmp_
         assert decision["failed_pass"] is None and "no faster than the uploaded model" in decision["reason"]
         assert result.model_path.read_bytes() == mlp_path.read_bytes()
         assert TIE_STOP in [s["stopped_by"] for s in shapes]
-        assert all(s["original"]["runs"] == 10 for s in shapes)  # each set stopped at its floor
+        # Each set stopped at its floor or, on a loaded host whose first 10 pairs left it open, at a later turn;
+        # paired blocks either way.
+        assert all(s["original"]["runs"] == s["optimized"]["runs"] >= 10 for s in shapes)
     else:
         assert TIE_STOP not in [s["stopped_by"] for s in shapes] and "tie" not in decision["gate"]
 
