@@ -732,6 +732,16 @@ def _stop_after_block(state: _Blocks, params: BenchmarkParams, index: int) -> st
     return None
 
 
+def _block(run_a: Callable[[], Any], run_b: Callable[[], Any], *, a_first: bool) -> tuple[float, float]:
+    """One interleaved block: a run of A and one of B, in the order given (the callers alternate it: module
+    docstring, "Fairness"); (A ms, B ms)."""
+    if a_first:
+        a = _time_one(run_a)
+        return a, _time_one(run_b)
+    b = _time_one(run_b)
+    return _time_one(run_a), b
+
+
 def _first_block(runs_a: Runs, runs_b: Runs, index: int, warmup: int) -> tuple[list[tuple[float, float]], float]:
     """The warm-up of input set ``index``: runs of the models still ``warming`` on it, the runs that show a
     session settled (``Runs.settles``) timed rather than spent. While both warm up, each step is a block (one
@@ -754,11 +764,7 @@ def _first_block(runs_a: Runs, runs_b: Runs, index: int, warmup: int) -> tuple[l
             return [], 0.0
         start = time.perf_counter()
         if held is not None or (warming_a and warming_b):
-            if index % 2 == 0:
-                a, b = _time_one(run_a), _time_one(run_b)
-            else:
-                b = _time_one(run_b)
-                a = _time_one(run_a)
+            a, b = _block(run_a, run_b, a_first=index % 2 == 0)
             seconds = time.perf_counter() - start
             if held is not None:
                 if warmed(held[0], a) and warmed(held[1], b):
@@ -811,16 +817,9 @@ def _timed_blocks(
         state.elapsed_s += first[1]
     started = time.perf_counter() - state.elapsed_s
     while True:
-        if pending:
-            a, b = pending.pop(0)
-            state.a_ms.append(a)
-            state.b_ms.append(b)
-        elif (len(state.a_ms) + index) % 2 == 0:
-            state.a_ms.append(_time_one(run_a))
-            state.b_ms.append(_time_one(run_b))
-        else:
-            state.b_ms.append(_time_one(run_b))
-            state.a_ms.append(_time_one(run_a))
+        a, b = pending.pop(0) if pending else _block(run_a, run_b, a_first=(len(state.a_ms) + index) % 2 == 0)
+        state.a_ms.append(a)
+        state.b_ms.append(b)
         state.elapsed_s = time.perf_counter() - started
         block = len(state.a_ms)
         if until_floor and (block >= params.max_runs or floor_reached(block, state.elapsed_s, params)):
