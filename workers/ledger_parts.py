@@ -237,12 +237,19 @@ def pass_sets(
             sets.append(InputSet(name, feeds, {**provenance, "accepted": False, "error": error}))
             continue
         mine.append(InputSet(name, feeds, provenance))
-    refused = verifier.add_sets(mine)
-    for s in mine:
+    _add_marked(verifier, mine)
+    return [*sets, *mine]
+
+
+def _add_marked(verifier: Verifier, sets: list[InputSet]) -> dict[str, str]:
+    """``Verifier.add_sets``, each set's provenance marked ``accepted`` (with the ``error`` where its reference
+    refused it); returns the refused, name -> error."""
+    refused = verifier.add_sets(sets)
+    for s in sets:
         s.provenance["accepted"] = s.name not in refused
         if s.name in refused:
             s.provenance["error"] = refused[s.name]
-    return [*sets, *mine]
+    return refused
 
 
 def carry_sets(met: Sequence[InputSet], by: str, verifier: Verifier) -> dict[str, tuple[InputSet | None, str]]:
@@ -276,13 +283,13 @@ def carry_sets(met: Sequence[InputSet], by: str, verifier: Verifier) -> dict[str
         without = f", without {', '.join(left)} (no longer inputs)" if left else ""
         fed = f"fed by input name{without}"
         done[s.name] = (copy, f"carried: {fed}, its outputs computed by the model after {by}")
-    refused = verifier.add_sets(copies)
+    refused = _add_marked(verifier, copies)
     for copy in copies:
-        origin = copy.provenance["carried_from"]
-        copy.provenance["accepted"] = copy.name not in refused
         if copy.name in refused:
-            copy.provenance["error"] = refused[copy.name]
-            done[origin] = (None, f"dropped: the model after {by} refuses it: {refused[copy.name]}")
+            done[copy.provenance["carried_from"]] = (
+                None,
+                f"dropped: the model after {by} refuses it: {refused[copy.name]}",
+            )
     return done
 
 
