@@ -282,13 +282,9 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             non_matches.append(NonMatch("no MatMul with a constant 2-D weight to quantize (the lm_head aside)"))
             notes["decision"] = "skipped: nothing to quantize"
             return PassResult(unchanged, False, {"nodes_quantized": 0}, non_matches, notes)
-        budget_options = q.QuantizationOptions(
+        budget_options = _budget_options(
+            options,
             nodes_to_exclude=[*options.nodes_to_exclude, *kept_float, *shared],
-            min_cosine=options.min_cosine,
-            max_rel_error=options.max_rel_error,
-            max_abs_error=options.max_abs_error,
-            min_top1_agreement=options.min_top1_agreement,
-            max_perplexity_increase=options.max_perplexity_increase,
             max_exclusions=len(candidates) if options.max_exclusions is None else options.max_exclusions,
             max_samples=options.max_samples,
         )
@@ -836,12 +832,7 @@ def _tables(
     if choice == "float":
         notes["embeddings"] = {"decision": "float (option)"}
         return quantized
-    head_weights = {}
-    for node in original.graph:
-        if node.name in heads and node.op_type == "MatMul" and node.inputs[1] is not None:
-            tensor = node.inputs[1].const_value
-            if tensor is not None:
-                head_weights[node.name] = tensor.numpy()
+    head_weights = _head_weights(original, heads)
     proto = ir.serde.serialize_model(quantized)
     assert isinstance(options.block_size, int)  # chosen before the MatMuls were quantized
     tables = quantize_tables(
@@ -1132,13 +1123,7 @@ def _call_pinned(
     size = options.block_size if isinstance(options.block_size, int) else 32
     sized = options.model_copy(update={"block_size": size})
     notes["block_size"] = {"chosen": size, "by": "agreed across the branches"}
-    heads = set(lm_heads(model))
-    head_weights = {  # a tied table reads its quantized head's weights, as _tables does
-        n.name: n.inputs[1].const_value.numpy()
-        for n in model.graph
-        if n.name in heads and n.op_type == "MatMul" and n.inputs[1] is not None
-        if n.inputs[1].const_value is not None
-    }
+    head_weights = _head_weights(model, lm_heads(model))  # a tied table reads its quantized head's weights
 
     def build() -> onnx.ModelProto:
         proto = ir.serde.serialize_model(model)
@@ -1159,15 +1144,7 @@ def _call_pinned(
     logits = logits_output(model)
     roles = analyze(model).roles
     measured = _measure(original, {"agreed": built}, ctx.samples, options.max_samples, logits, roles=roles, timed=False)
-    budget = q.budget_of(
-        q.QuantizationOptions(
-            min_cosine=options.min_cosine,
-            max_rel_error=options.max_rel_error,
-            max_abs_error=options.max_abs_error,
-            min_top1_agreement=options.min_top1_agreement,
-            max_perplexity_increase=options.max_perplexity_increase,
-        )
-    )
+    budget = q.budget_of(_budget_options(options))
     if measured is None:
         notes["accuracy"] = "not measured: no samples give every input"
     else:
@@ -1188,6 +1165,29 @@ def _call_pinned(
     after = q.tensor_bytes(ir.serde.serialize_model(result))
     notes["weight_bytes"] = {"before": q.tensor_bytes(original), "after": after}
     return PassResult(result, True, counts, non_matches, notes)
+
+
+def _budget_options(options: QuantizeInt4Options, **given: Any) -> q.QuantizationOptions:
+    """The quantization driver's options with this pass's accuracy budget (``given``: the rest)."""
+    return q.QuantizationOptions(
+        min_cosine=options.min_cosine,
+        max_rel_error=options.max_rel_error,
+        max_abs_error=options.max_abs_error,
+        min_top1_agreement=options.min_top1_agreement,
+        max_perplexity_increase=options.max_perplexity_increase,
+        **given,
+    )
+
+
+def _head_weights(model: ir.Model, heads: Collection[str]) -> dict[str, np.ndarray]:
+    """The float weights of the lm_head MatMuls ``heads``, before quantization: a token table equal to one of
+    them transposed is tied to it (``quantize_tables``)."""
+    return {
+        node.name: node.inputs[1].const_value.numpy()
+        for node in model.graph
+        if node.name in heads and node.op_type == "MatMul" and node.inputs[1] is not None
+        if node.inputs[1].const_value is not None
+    }
 
 
 def _tables_read(model: ir.Model) -> list[str]:
