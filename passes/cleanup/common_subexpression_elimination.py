@@ -49,7 +49,7 @@ from pydantic import Field
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import all_graphs, is_input_of, is_output_of, node_label
 from passes.cleanup._symbolic_dims import Size, Sizes, mono, refine
-from passes.cleanup.shape_inference import _without_large_initializers
+from passes.cleanup.shape_inference import without_large_initializers
 
 _ONNX_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml"})
 _RANDOM_OPS = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
@@ -182,7 +182,7 @@ def _provable_dims(model: ir.Model, algebra: bool) -> tuple[dict[ir.Value, Sizes
     the iterations, which is not needed here. An inference failure proves nothing: no entry at all. Also
     returns the names declared on the graph inputs."""
     try:
-        with _without_large_initializers(model.graph):
+        with without_large_initializers(model.graph):
             proto = ir.serde.serialize_model(model)
         _forget_annotations(proto)
         inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)

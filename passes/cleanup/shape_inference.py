@@ -51,7 +51,7 @@ class ShapeInferenceOptions(PassOptions):
 
 
 @contextmanager
-def _without_large_initializers(graph: ir.Graph) -> Iterator[None]:
+def without_large_initializers(graph: ir.Graph) -> Iterator[None]:
     """Temporarily turn large or external initializers into typed graph inputs; restore the exact order."""
     order = list(graph.initializers.values())
     inputs = list(graph.inputs)
@@ -130,7 +130,7 @@ class ShapeInference(Pass[ShapeInferenceOptions]):
             return branches
         options = self.options
         try:
-            with _without_large_initializers(model.graph):
+            with without_large_initializers(model.graph):
                 proto = ir.serde.serialize_model(model)
             inferred_proto = onnx.shape_inference.infer_shapes(
                 proto, check_type=True, strict_mode=options.strict, data_prop=options.data_prop
