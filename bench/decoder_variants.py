@@ -95,10 +95,7 @@ def split_gate_up(src: Path, dst: Path, every: bool = False) -> int:
             order += replaced[id(node)]
         elif id(node) not in dropped:
             order.append(node)
-    del graph.node[:]
-    graph.node.extend(order)
-    _prune(graph)
-    _save(model, dst)
+    _write(model, order, dst)
     return len(replaced)
 
 
@@ -120,10 +117,7 @@ def drop_present_crops(src: Path, dst: Path) -> int:
     for node in kept:
         node.output[:] = [rename.get(o, o) for o in node.output]
         node.input[:] = [rename.get(i, i) for i in node.input]
-    del graph.node[:]
-    graph.node.extend(kept)
-    _prune(graph)
-    _save(model, dst)
+    _write(model, kept, dst)
     return len(rename)
 
 
@@ -186,11 +180,16 @@ def conditional_crops(src: Path, dst: Path) -> int:
             "If", ["crop_if/whole"], [c.output[0] for c in crops], "crop_if/if", then_branch=whole, else_branch=cut
         )
     )
-    del graph.node[:]
-    graph.node.extend(nodes)
-    _prune(graph)
-    _save(model, dst)
+    _write(model, nodes, dst)
     return len(crops)
+
+
+def _write(model: onnx.ModelProto, nodes: list[onnx.NodeProto], dst: Path) -> None:
+    """``model`` with ``nodes`` as its graph's nodes, the initializers they no longer read dropped, saved at ``dst``."""
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    _prune(model.graph)
+    _save(model, dst)
 
 
 def _prune(graph: onnx.GraphProto) -> None:
