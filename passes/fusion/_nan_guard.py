@@ -7,7 +7,8 @@ zeroes fully-masked rows with a one-element ``[1]`` constant; onnxscript's ``SDP
     p = Softmax(s)                          p = Softmax(s)
     Where(IsNaN(p), zero[1] = {0}, p)  ==>  Where(IsNaN(p), zero[] = 0, p)
 
-Exact: ``p`` has rank >= 1, so a ``[1]`` tensor and a scalar broadcast to the same shape and values. Built
+Exact: ``p`` has rank >= 1, so a ``[1]`` tensor and a scalar broadcast to the same shape and values. The SDPA
+rule then drops the guard, so ``guard_fused_attention`` puts it back on the fused op's output. Built
 with onnxscript's exported pattern API (``RewriteRuleClassBase``, ``MatchResult.fail``).
 """
 
@@ -43,3 +44,89 @@ class ScalarNanGuard(pattern.RewriteRuleClassBase):
 
 
 rules = pattern.RewriteRuleSet([ScalarNanGuard.rule()])
+
+
+# The fused ops whose rows follow the Softmax of the attention they replaced; attention_bias is input 5 of both.
+_FUSED_ATTENTION = ("Attention", "MultiHeadAttention")
+_BIAS_INPUT = 5
+_WALK_LIMIT = 64  # nodes read above a bias: a mask's subgraph is a handful of ops, a score path never reached
+
+
+def _holds_neg_inf(tensor: ir.TensorProtocol | None) -> bool:
+    if tensor is None or tensor.dtype is None or not tensor.dtype.is_floating_point():
+        return False
+    return bool(np.isneginf(tensor.numpy()).any())
+
+
+def _may_hold_neg_inf(bias: ir.Value) -> bool:
+    """Whether ``bias`` is computed from a constant holding -inf (TorchScript SDPA's ``Where(mask, 0, -inf)``),
+    so that a row can be masked in full; a finite fill (``finfo.min``) cannot give a NaN Softmax."""
+    seen: set[int] = set()
+    stack = [bias]
+    while stack and len(seen) < _WALK_LIMIT:
+        value = stack.pop()
+        if _holds_neg_inf(value.const_value):
+            return True
+        node = value.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "Constant":
+            attr = node.attributes.get("value")
+            if attr is not None and _holds_neg_inf(attr.as_tensor()):
+                return True
+            continue
+        stack.extend(v for v in node.inputs if v is not None)
+    return False
+
+
+def count_guards(model: ir.Model) -> int:
+    """``Where(IsNaN(Softmax(..)), 0, ..)`` nodes: attentions whose fully masked rows the model defines as 0."""
+    found = 0
+    for node in model.graph:
+        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+            continue
+        test = node.inputs[0].producer()
+        probs = test.inputs[0].producer() if test is not None and test.op_type == "IsNaN" else None
+        found += probs is not None and probs.op_type == "Softmax"
+    return found
+
+
+def guard_fused_attention(model: ir.Model) -> int:
+    """Restore the NaN guard that onnxscript's SDPA rule absorbs, on the fused op's output.
+
+    The guard zeroes a row of probabilities that is NaN, i.e. a query whose every key is masked with -inf (a
+    padded query outside every sliding window: ModernBERT's local layers; a row whose attention mask is all
+    zeros). ``Attention``/``MultiHeadAttention`` return NaN for that query instead, and the next layer's
+    ``probs @ V`` spreads it to every valid token (0 * NaN). Zeroing the fused output's NaN rows is the same::
+
+        Where(IsNaN(p), 0, p) @ V  ==  Where(IsNaN(y), 0, y),  y = p @ V
+
+    since a Softmax row is NaN in full or not at all and V is finite on finite inputs (the guarded model never
+    makes a NaN). Added only where the bias can hold -inf: a finite fill never gives a NaN row."""
+    added = 0
+    for node in list(model.graph):
+        if node.domain != "com.microsoft" or node.op_type not in _FUSED_ATTENTION:
+            continue
+        bias = node.inputs[_BIAS_INPUT] if len(node.inputs) > _BIAS_INPUT else None
+        if bias is None or not _may_hold_neg_inf(bias):
+            continue
+        out = node.outputs[0]
+        readers = list(out.uses())  # before the guard reads it too
+        dtype = out.type.dtype.numpy() if out.type is not None else np.float32
+        zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype))})
+        isnan = ir.node("IsNaN", [out])
+        where = ir.node("Where", [isnan.outputs[0], zero.outputs[0], out])
+        guarded = where.outputs[0]
+        guarded.shape, guarded.type = out.shape, out.type
+        for reader, index in readers:
+            reader.replace_input_with(index, guarded)
+        outputs = model.graph.outputs
+        for i, value in enumerate(outputs):
+            if value is out:  # the model's output keeps its name, now on the guarded value
+                name, out.name = out.name, None
+                guarded.name = name
+                outputs[i] = guarded
+        model.graph.insert_after(node, [zero, isnan, where])
+        added += 1
+    return added

@@ -30,10 +30,12 @@ more exporter forms are rewritten, exactly, into those onnxscript reads: a leadi
 heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); a boolean mask
 applied with ``Where`` becomes an additive one (``_where_mask``); and a Reshape to its own input's shape
 (TorchScript SDPA's attention output) is dropped, so that the MHA rule takes the merge of the heads too
-(``_identity_reshape``). Before any of them reads a shape, the lengths ORT's symbolic inference only guesses (a
-Slice with a negative start, GroupQueryAttention's present) are made unknown, so that no rule drops a sliding
-window's cache crop as a Slice that keeps everything (``_slice_dims``). Audio encoders are recognized by their
-convolutional stem (``_fusion_families``).
+(``_identity_reshape``). TorchScript SDPA's NaN guard, which onnxscript's SDPA rule absorbs, is put back on the
+fused op's output where the mask can hold -inf (``_nan_guard``): the fused kernels return NaN for a query whose
+every key is masked, where the export returns 0. Before any of them reads a shape, the lengths ORT's symbolic
+inference only guesses (a Slice with a negative start, GroupQueryAttention's present) are made unknown, so that
+no rule drops a sliding window's cache crop as a Slice that keeps everything (``_slice_dims``). Audio encoders
+are recognized by their convolutional stem (``_fusion_families``).
 
 How far attention is fused is an option, because the fullest fusion is not the fastest everywhere:
 ``attention="attention"`` (default) packs Q/K/V into ``com.microsoft::Attention``; ``"mha"`` stops at
@@ -456,8 +458,11 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
     report["where_masks"] = where_mask.rules.apply_to_model(model)
     report["gemm"] = gemm_to_matmul(model)
+    guarded = nan_guard.count_guards(model)
     report["nan_guards"] = nan_guard.rules.apply_to_model(model)
     counts = onnxscript_adapter.fuse_for_ort(model, stop_before=attention)
+    # onnxscript's SDPA rule drops the guard, and the fused ops return NaN for a query whose keys are all masked
+    report["nan_guards_restored"] = nan_guard.guard_fused_attention(model) if guarded else 0
     report["onnxscript_counts"] = {k: v for k, v in counts.items() if v}
     return ir.serde.serialize_model(model)
 
