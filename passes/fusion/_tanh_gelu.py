@@ -1,4 +1,5 @@
-"""GELU's tanh form as GPT-2 writes it (``gelu_new``), with its bias, fused into ``com.microsoft::FastGelu``.
+"""GELU's tanh form as GPT-2 writes it (``gelu_new``) and as the TorchScript exporter writes
+``F.gelu(x, approximate="tanh")``, with its bias, fused into ``com.microsoft::FastGelu``.
 
 onnxscript's ``gelu`` rule (0.7.2) reads ``x * (0.5 * (1 + tanh(..)))``; GPT-2 (TorchScript and dynamo
 exports alike) computes ``(0.5 * x) * (1 + tanh(..))``, so the rule stops at the outer Mul and only ORT's
@@ -7,6 +8,15 @@ optimizer engine fused it. This rule reads GPT-2's order and takes the projectio
     h = Add(MatMul(x, W), b)                             (b a constant vector over the last axis)
     Mul(Mul(h, 0.5), Add(Tanh(Mul(Add(h, Mul(Pow(h, 3), 0.044715)), sqrt(2/pi))), 1))
     ==>  FastGelu(MatMul(x, W), b)                        (com.microsoft; FastGelu(h) without a bias)
+
+The TorchScript exporter's ``aten::gelu`` symbolic (``approximate="tanh"``: transformers'
+``gelu_pytorch_tanh``, the activation of Gemma 1-3, StarCoder2, GPT-BigCode, and of ``nn.GELU(approximate=
+"tanh")``) writes its own fixed order, constants first and the cube as two Muls::
+
+    Mul(0.5, Mul(h, Add(1, Tanh(Mul(sqrt(2/pi), Add(h, Mul(0.044715, Mul(h, Mul(h, h)))))))))
+
+which neither onnxscript's rule nor the GPT-2 one reads: on a decoder whose family expects no GELU (Gemma's
+gated MLP is Llama-shaped) the ORT engine that would fuse it is never tried, and the Tanh chain stayed.
 
 Exact up to the kernel's rounding (``FastGelu`` evaluates the same tanh formula). The constants are checked
 with a relative tolerance of 1e-4, ORT ``fusion_fastgelu``'s habit, and a mismatch names the constant and the
@@ -44,6 +54,10 @@ def _bias_split(h: ir.Value) -> tuple[ir.Value, ir.Value] | None:
 
 
 class TanhGelu(pattern.RewriteRuleClassBase):
+    constants: tuple[str, ...] = tuple(_EXPECTED)
+    # uses of h inside the pattern: the bias moves into the kernel only when nothing else reads the Add
+    inner_uses = 3
+
     # onnxscript binds pattern variables by parameter name: each constant is a positional parameter.
     def pattern(self, op, h, half, three, cubic, sqrt_2_over_pi, one):  # noqa: PLR0917
         inner = op.Add(h, op.Mul(op.Pow(h, three), cubic))
@@ -53,7 +67,8 @@ class TanhGelu(pattern.RewriteRuleClassBase):
         result = pattern.MatchResult()
         if h.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
             return result.fail(f"input of type {h.dtype}: FastGelu takes float or float16", h)
-        for name, want in _EXPECTED.items():
+        for name in self.constants:
+            want = _EXPECTED[name]
             got = _scalar(constants[name])
             if got is None:
                 return result.fail(f"{name} is not a constant scalar (expected {want:g})", constants[name])
@@ -63,9 +78,21 @@ class TanhGelu(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, h, **_):
         split = _bias_split(h)
-        if split is not None and len(h.uses()) == 3:  # the Add feeds only this GELU: its bias moves in
+        if split is not None and len(h.uses()) == self.inner_uses and not h.is_graph_output():
             return op.FastGelu(*split, _domain="com.microsoft")
         return op.FastGelu(h, _domain="com.microsoft")
 
 
-rules = pattern.RewriteRuleSet([TanhGelu.rule()])
+class TorchScriptTanhGelu(TanhGelu):
+    """``aten::gelu(approximate="tanh")`` as torch's TorchScript symbolic (opset 9 on) emits it."""
+
+    constants = ("half", "cubic", "sqrt_2_over_pi", "one")  # the cube is Mul(h, Mul(h, h)): no exponent
+    inner_uses = 5  # Mul(h, h) reads h twice
+
+    def pattern(self, op, h, half, cubic, sqrt_2_over_pi, one):  # noqa: PLR0917
+        cube = op.Mul(h, op.Mul(h, h))
+        inner = op.Mul(sqrt_2_over_pi, op.Add(h, op.Mul(cubic, cube)))
+        return op.Mul(half, op.Mul(h, op.Add(one, op.Tanh(inner))))
+
+
+rules = pattern.RewriteRuleSet([TanhGelu.rule(), TorchScriptTanhGelu.rule()])
