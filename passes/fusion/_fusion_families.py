@@ -26,6 +26,9 @@ roberta       position ids computed from the input ids (``CumSum`` of the non-pa
 bert          an embedding table with 2-16 rows (token types; RoBERTa's has 1 row)
 distilbert    word and position embeddings only, LayerNorm right after their sum; or a word embedding alone,
               read from the input ids and normalized at once (DeBERTa-v3: relative positions only)
+vit           a word embedding alone, read from the input ids and (after a scaling, mask product or cast)
+              read by both a LayerNorm and a residual Add: a pre-norm text encoder with rotary or no absolute
+              positions (ESM-2), whose layers are ViT's
 unknown       no Softmax or no normalization: not a transformer we know how to fuse
 ============  ==========================================================================================
 
@@ -212,7 +215,35 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
                 f"one embedding table read by {node.name!r} from the input ids and normalized at once: no absolute "
                 "positions (relative ones in attention, as DeBERTa-v3), no token types, no causal mask"
             )
+        if (path := _pre_norm_residual(node.outputs[0])) is not None:
+            return "vit", (
+                f"one embedding table read by {node.name!r} from the input ids, its rows ({path}) read by both a "
+                "LayerNorm and the residual Add around the block it feeds: a pre-norm text encoder (ESM-2), "
+                "fused as ViT's pre-norm layers"
+            )
     return "unknown", "attention found, but no embedding structure of a known family"
+
+
+# What an embedding passes through before the first block: scaling, the padding mask's product, a cast.
+_EMBEDDING_STEPS = ("Mul", "Div", "Cast", "Where", "Identity", "Dropout")
+
+
+def _pre_norm_residual(value: ir.Value, hops: int = 3) -> str | None:
+    """The ops from the embedding lookup to a value that a LayerNormalization and an Add both read (the first
+    pre-norm block: ``x + attn(LN(x))``), as words; None when no such value is within ``hops`` of them."""
+    frontier, path = [value], ["Gather"]
+    for _ in range(hops + 1):
+        following = []
+        for v in frontier:
+            readers = {u.node.op_type for u in v.uses()}
+            if "LayerNormalization" in readers and "Add" in readers:
+                return " -> ".join(path)
+            following += [u.node.outputs[0] for u in v.uses() if u.node.op_type in _EMBEDDING_STEPS]
+        if len(following) != 1:  # one chain from the table to the first block, nothing else
+            return None
+        frontier = following
+        path.append(following[0].producer().op_type)
+    return None
 
 
 def _reads_graph_input(node: ir.Node) -> bool:
