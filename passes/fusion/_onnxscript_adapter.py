@@ -16,8 +16,8 @@ ours where onnxscript's rules miss an exporter's form: ``_rms_norm_opset17`` (th
 torch exporters write, whatever the opset), ``_merge_heads`` (keeps onnxscript's MHA rule from absorbing a
 flattening Reshape), ``_attention_bias`` (T5's relative position bias and mask as one ``attention_bias``),
 ``_concat_shape`` (a length read off a grown cache, ``Shape(Concat(past, new))``, read off its parts, so the
-with-past MHA rule can take the Concat without a cycle) and ``_tanh_gelu`` (GPT-2's GELU with its bias),
-each before the step it feeds.
+with-past MHA rule can take the Concat without a cycle), ``_tanh_gelu`` (GPT-2's GELU with its bias) and
+``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step it feeds.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from onnxscript.rewriter.rules.common import gemm_to_matmul_add_rule
 
 from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _concat_shape as concat_shape
+from passes.fusion import _erf_gelu as erf_gelu
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
 from passes.fusion import _tanh_gelu as tanh_gelu
@@ -150,6 +151,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         fuse("attention")
     # Ours: GPT-2's (0.5 * x) * (1 + tanh(..)) order, with its bias, which onnxscript's gelu rule does not read.
     counts["tanh_gelu"] = tanh_gelu.rules.apply_to_model(model)
+    # Ours: (x * 0.5) * (1 + erf(x / sqrt 2)), ESM's order, which onnxscript's erf_gelu rules do not read.
+    counts["erf_gelu_half_first"] = erf_gelu.rules.apply_to_model(model)
     for step in ("gelu", "bias_gelu", "sdpa_via_mha"):
         fuse(step)
     optimizer.optimize(model)  # inlines the intermediate fusion functions no later rule consumed
