@@ -348,6 +348,11 @@ def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], has_past: bool) -> tu
         raise ProbeError(f"key/value have shapes {k_all}/{v_all}, not [1, kv_heads, {total}, {head_size}]")
     kv_heads = k_all[1]
     expanded = (1, heads, total, head_size)
+    # Multi-query attention may leave its single key/value head unrepeated (Falcon-7B's eager attention):
+    # MatMul broadcasts that axis over the query heads, which is what GroupQueryAttention's kv_num_heads=1 does.
+    broadcast = (1, 1, total, head_size)
+    if kv_heads == 1 and shapes[site.k_rep.name] == broadcast and shapes[site.v_rep.name] == broadcast:
+        expanded = broadcast
     if shapes[site.k_rep.name] != expanded or shapes[site.v_rep.name] != expanded or heads % kv_heads:
         raise ProbeError(f"repeated key/value {shapes[site.k_rep.name]} are not {expanded} from {kv_heads} kv heads")
     if site.reshaped is not None and shapes[site.reshaped.name] != shapes[site.context.outputs[0].name]:
@@ -360,7 +365,14 @@ def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], has_past: bool) -> tu
 
 
 def _mha_unfit(site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int, int, int]) -> str | None:
-    """None where MultiHeadAttention takes the layer's mask as attention_bias ([B|1, H|1, S, T]), else why not."""
+    """None where MultiHeadAttention takes the layer's keys and values as they are (one per query head) and its
+    mask as attention_bias ([B|1, H|1, S, T]), else why not."""
+    kv = shapes[site.k_rep.name][2 if site.k_bsnd else 1]
+    if kv != sizes[0]:
+        return (
+            f"the keys and values keep {kv} head(s) for MatMul to broadcast over {sizes[0]} query heads; "
+            "MultiHeadAttention takes one per query head"
+        )
     if site.mask is None:
         return None
     mask = shapes[site.mask.name]
