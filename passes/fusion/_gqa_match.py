@@ -17,10 +17,11 @@ TorchScript's SDPA decomposition puts a ``Reshape`` back to the query's 4-D shap
 and the ``Transpose``, its target computed from the product's own ``Shape``: looked through (``Site.reshaped``),
 the probe proving it keeps every dim. Without a cache, ``k_all`` is ``k_new`` itself; with as many kv heads as
 heads (GPT-2), ``k_rep`` is ``k_all``.
-The scale may also sit on q and k^T (one Mul each). Casts to the same element type and single-input
-Concat/Identity copies are looked through. q, k_new and v_new are opaque values, so rotary embedding,
-fused (``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads, kv heads, head
-size) are not read here: ``_gqa_probe`` measures them, and also what the mask computes.
+The scale may also sit on q and k^T (one Mul each). Soft-capped scores (Gemma 2: ``cap * tanh(scores /
+cap)`` before the mask) are read as the scores and the cap (``Site.softcap``). Casts to the same element
+type and single-input Concat/Identity copies are looked through. q, k_new and v_new are opaque values, so
+rotary embedding, fused (``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads,
+kv heads, head size) are not read here: ``_gqa_probe`` measures them, and also what the mask computes.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class Site:
     # TorchScript's SDPA reshapes MatMul(probs, v) to the query's shape before the Transpose: that Reshape's
     # output (the probe checks it keeps every dim), else None.
     reshaped: ir.Value | None = None
+    # Gemma 2's logit soft-capping, cap * tanh(scores / cap) between the scale and the mask: the cap, else 0
+    softcap: float = 0.0
 
     def probed(self) -> list[ir.Value]:
         """The values whose run-time shapes ``_gqa_probe`` measures for this site."""
@@ -105,6 +108,7 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     if list(out_t.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
         raise Declined(f"found Transpose perm {list(out_t.attributes.get_ints('perm', []))} after MatMul(probs, v)")
     scores, mask = _strip_mask(softmax.inputs[0])
+    scores, softcap = _strip_softcap(scores)
     q, kt, scale = _strip_scale(scores)
     k_rep, k_bsnd = _transposed_keys(kt)
     k_all, v_all = _unrepeat(k_rep, "k"), _unrepeat(context.inputs[1], "v")
@@ -116,7 +120,7 @@ def _match(layer: int, softmax: ir.Node) -> Site:
         raise Declined("found a cache Concat on one of key and value only")
     return Site(
         layer, softmax, q, k_new, v_new, k_past, v_past, k_all, v_all, k_rep, context.inputs[1], mask, scale,
-        context, out_t.outputs[0], k_bsnd, reshaped,
+        context, out_t.outputs[0], k_bsnd, reshaped, softcap,
     )  # fmt: skip
 
 
@@ -210,6 +214,26 @@ def _strip_mask(value: ir.Value) -> tuple[ir.Value, ir.Value | None]:
         if _producer(add.inputs[i], "Mul", "Div", "MatMul") is not None:
             return add.inputs[i], add.inputs[1 - i]
     raise Declined("found an Add before the Softmax whose inputs are not scores (Mul, Div or MatMul) and a mask")
+
+
+def _strip_softcap(value: ir.Value) -> tuple[ir.Value, float]:
+    """(scores, cap) from ``Mul(Tanh(Div(scores, cap)), cap)`` (``Mul(scores, 1/cap)`` inside as well), the
+    soft-capping GroupQueryAttention applies between the scale and the mask (its ``softcap``); (value, 0.0)
+    when the scores are not capped."""
+    outer = _producer(value, "Mul")
+    if outer is None:
+        return value, 0.0
+    cap = _scalar(outer.inputs[1]) or _scalar(outer.inputs[0])
+    tanh = _producer(outer.inputs[0], "Tanh") or _producer(outer.inputs[1], "Tanh")
+    if cap is None or tanh is None:
+        return value, 0.0
+    inner = _producer(tanh.inputs[0], "Div", "Mul")
+    c = None if inner is None else _scalar(inner.inputs[1])
+    if c is None or c == 0.0:
+        raise Declined(f"found Tanh before the Softmax capping by {cap:g}, not of scores / {cap:g}")
+    if not np.isclose(c if inner.op_type == "Div" else 1.0 / c, cap, rtol=1e-6):
+        raise Declined(f"found a soft-cap of cap * tanh(scores / c) with c != cap ({cap:g})")
+    return inner.inputs[0], cap
 
 
 def _strip_scale(value: ir.Value) -> tuple[ir.Value, ir.Value, float]:

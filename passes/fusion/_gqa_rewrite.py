@@ -136,6 +136,8 @@ def rewrite_gqa(
     attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(site.scale)}
     if window is not None:
         attributes["local_window_size"] = window - gqa_window_offset()
+    if site.softcap:
+        attributes["softcap"] = float(site.softcap)
     past = [site.k_past, site.v_past]
     if window is not None:
         whole = [crop_source(value, window - 1) for value in past]

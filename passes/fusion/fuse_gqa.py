@@ -40,6 +40,11 @@ defined cropped. The job's own input sets keep the cache below the window, so th
 at its edge (``PassResult.verify_inputs``: one token after a cache of W - 1 and of W, two rows, a short prompt
 across it; up to ``window_edge_up_to`` positions), on which this and every later stage is verified too.
 
+Soft-capped scores (Gemma 2's ``cap * tanh(scores / cap)`` between the scale and the mask) become GQA's
+``softcap``; multi-query attention whose one kv head MatMul broadcasts over the query heads (Falcon's eager
+attention, no repeat_kv) becomes ``kv_num_heads=1``. MultiHeadAttention has neither, so the fallback
+declines both.
+
 Rotary inside GQA (``do_rotary=1`` on the packed QKV projection, as the model builder emits) is not done:
 the graphs take ``position_ids`` as an input, and ORT 1.32's CPU GroupQueryAttention ignores its
 ``position_ids`` input on a first prompt (an empty past), rotating by 0..S-1 instead: measured 1.6 max abs
@@ -188,7 +193,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
         model.opset_imports.setdefault("com.microsoft", 1)
         notes["layers"] = [
             {"layer": s.layer, "op": op, "heads": h, "kv_heads": kv, "head_size": d, "scale": s.scale,
-             "cache": s.k_past is not None}
+             "cache": s.k_past is not None, **({"softcap": s.softcap} if s.softcap else {})}
             for s, (h, kv, d), op, _ in plans
         ]  # fmt: skip
         windows = {k.window for _, _, _, k in plans if k.window is not None}
@@ -367,6 +372,8 @@ def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], has_past: bool) -> tu
 def _mha_unfit(site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int, int, int]) -> str | None:
     """None where MultiHeadAttention takes the layer's keys and values as they are (one per query head) and its
     mask as attention_bias ([B|1, H|1, S, T]), else why not."""
+    if site.softcap:
+        return f"the scores are soft-capped ({site.softcap:g} * tanh(scores / {site.softcap:g})), which it cannot"
     kv = shapes[site.k_rep.name][2 if site.k_bsnd else 1]
     if kv != sizes[0]:
         return (
