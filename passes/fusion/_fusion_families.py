@@ -29,6 +29,8 @@ distilbert    word and position embeddings only, LayerNorm right after their sum
 vit           a word embedding alone, read from the input ids and (after a scaling, mask product or cast)
               read by both a LayerNorm and a residual Add: a pre-norm text encoder with rotary or no absolute
               positions (ESM-2), whose layers are ViT's
+encoder       no LayerNorm and no RMS norm, but a Softmax of the product of two activations that multiplies a third
+              (self-attention; MobileBERT's NoNorm is an element-wise Mul + Add): only attention is expected
 unknown       no Softmax or no normalization: not a transformer we know how to fuse
 ============  ==========================================================================================
 
@@ -53,7 +55,7 @@ from core.inputs import InputSynthesis
 from passes.fusion._decoder_structure import attention_counts
 
 Family = Literal[
-    "bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2", "unknown"
+    "bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2", "encoder", "unknown"
 ]
 FAMILIES: tuple[str, ...] = typing.get_args(Family)[:-1]
 
@@ -79,6 +81,7 @@ ORT_MODEL_TYPE: dict[str, str] = {
     # skip norm, GELU) with the heads and hidden size given, which is what their layers are.
     "whisper": "vit",
     "wav2vec2": "vit",
+    "encoder": "vit",
 }
 
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
@@ -112,6 +115,9 @@ def _per_layer_fusions(family: str, n: int) -> dict[str, int]:
         # post-norm like BERT (or pre-norm in its "stable" variant, the same count), plus the norm after the
         # positional convolution's residual Add; GELUs of the convolutional feature encoder come on top.
         return {"attention": n, "skip_layer_norm": 2 * n + 1, "gelu": n}
+    if family == "encoder":
+        # no normalization a fusion reads (MobileBERT's NoNorm is an element-wise Mul + Add): attention alone
+        return {"attention": n}
     if family in ("t5", "llama"):
         # pre-RMS-norm: the norm of every block but the first follows a residual Add, and so does the final
         # norm (T5 adds no positions to its embedding); T5's feed-forward is ReLU, the decoders' SiLU gated:
@@ -189,6 +195,11 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
             if causal:
                 return "llama", f"a decoder: RMS normalization, no LayerNormalization, {causal}"
             return "t5", "RMS normalization (Pow, ReduceMean, Sqrt), no LayerNormalization, no causal mask"
+        if (softmax := _scaled_dot_product(model)) is not None:
+            return "encoder", (
+                f"no LayerNormalization or RMS norm, but {softmax.name!r} is a Softmax of a product of two "
+                "activations read by another (attention, as MobileBERT's with its NoNorm): attention alone"
+            )
         return "unknown", "no LayerNormalization: not a LayerNorm transformer"
     if stem := _conv_stem(model):
         return stem
@@ -243,6 +254,42 @@ def _pre_norm_residual(value: ir.Value, hops: int = 3) -> str | None:
             return None
         frontier = following
         path.append(following[0].producer().op_type)
+    return None
+
+
+# Between the scores' MatMul and the Softmax (scale, mask, bias); between the Softmax and the product with V.
+_SCORE_STEPS = ("Add", "Sub", "Mul", "Div", "Where", "Cast")
+_PROBS_STEPS = ("Where", "Cast", "Dropout", "Identity")
+
+
+def _activation_product(value: ir.Value | None, depth: int) -> bool:
+    """``value`` is a MatMul of two computed values (no weight), through at most ``depth`` score steps."""
+    node = value.producer() if value is not None else None
+    if node is None or depth < 0:
+        return False
+    if node.op_type == "MatMul":
+        return all(v is not None and v.const_value is None and not v.is_initializer() for v in node.inputs)
+    return node.op_type in _SCORE_STEPS and any(_activation_product(v, depth - 1) for v in node.inputs)
+
+
+def _read_by_product(value: ir.Value, depth: int = 2) -> bool:
+    for use in value.uses():
+        node = use.node
+        if node.op_type == "MatMul":
+            other = node.inputs[1 - use.idx] if use.idx < 2 else None
+            if other is not None and other.const_value is None and not other.is_initializer():
+                return True
+        elif node.op_type in _PROBS_STEPS and depth > 0 and _read_by_product(node.outputs[0], depth - 1):
+            return True
+    return False
+
+
+def _scaled_dot_product(model: ir.Model) -> ir.Node | None:
+    """The first Softmax of ``Q @ K^T`` (scaled, masked) whose probabilities multiply another activation (V):
+    self-attention, not a classifier's Softmax over a weight product."""
+    for node in model.graph:
+        if node.op_type == "Softmax" and _activation_product(node.inputs[0], 4) and _read_by_product(node.outputs[0]):
+            return node
     return None
 
 

@@ -97,7 +97,9 @@ from passes.fusion._identity_reshape import drop_identity_reshapes
 from passes.fusion._qkv_packing import pack_qkv
 from passes.fusion._short_attention import short_biased_attention
 
-KnownFamily = Literal["bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2"]
+KnownFamily = Literal[
+    "bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2", "encoder"
+]
 Engine = Literal["onnxscript", "ort", "onnxscript+ort"]
 AttentionMode = Literal["attention", "mha", "none"]
 _ORT_LOGGERS = ("fusion_attention", "fusion_gpt_attention_no_past", "fusion_embedlayer", "fusion_skiplayernorm")
@@ -108,7 +110,8 @@ class FuseTransformerOptions(PassOptions):
         None,
         description="Model family; None detects it from the graph (embeddings, causal mask, RMS norms, the Conv "
         "stem of vision and audio encoders). "
-        "'llama' covers the RMS-norm decoders (Llama, Qwen2, Mistral, Phi-3).",
+        "'llama' covers the RMS-norm decoders (Llama, Qwen2, Mistral, Phi-3); 'encoder' is attention without a "
+        "norm any fusion reads (MobileBERT's NoNorm): attention alone is expected.",
     )
     num_heads: int = Field(0, ge=0, description="Attention heads for ORT's optimizer; 0 detects from shapes.")
     hidden_size: int = Field(0, ge=0, description="Hidden size for ORT's optimizer; 0 detects from shapes.")
