@@ -51,11 +51,15 @@ _PAST_NAME = re.compile(r"^past|past_key|past_value|\.past|cache", re.IGNORECASE
 _DECODER_NAME = re.compile(r"decoder", re.IGNORECASE)
 _ALIAS_OPS = frozenset({"Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
 # Ops a signal passes through between the convolutions of a feature encoder (norms, activations, casts).
+# A norm over channels written channels-last (data2vec-audio's and ConvNeXt's LayerNorm between two
+# Transposes) keeps the length axis too: without them the walk ends after the first convolution and the
+# audio is sized for that one alone.
 _CONV_PATH_OPS = frozenset(
     {
         "Conv", "Relu", "Gelu", "Erf", "Mul", "Add", "Div", "Sub", "Sqrt", "Pow", "Tanh", "Sigmoid", "Cast",
         "InstanceNormalization", "GroupNormalization", "BatchNormalization", "Reshape", "Unsqueeze",
         "MaxPool", "AveragePool", "LeakyRelu", "HardSwish", "Clip", "Pad", "ReduceMean",
+        "Transpose", "LayerNormalization",
     }
 )  # fmt: skip
 _SELECTORS = frozenset({"NonZero", "ArgMax", "ArgMin", "Compress", "GatherND", "TopK"})
