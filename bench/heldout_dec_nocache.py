@@ -17,9 +17,10 @@ and the decision, or the error), exact (the report's final verification, worst m
 expected (``Attention``/``MultiHeadAttention``/``GroupQueryAttention`` after against the upload's Softmax
 count), rotary (``RotaryEmbedding`` after / 2 per layer for rotary families), norms (fused
 ``LayerNormalization``/``SimplifiedLayerNormalization`` and skip forms after, against the upload's
-``LayerNormalization`` plus RMS norms), GELU (fused / ``Erf``+``Tanh`` before), speedup (the report's gate)
-and notes (passes that failed, what ``fuse_transformer`` missed and why). Files and ``results.json`` go to
-``bench/out/heldout/dec_nocache/``; a markdown table is printed.
+``LayerNormalization`` plus RMS norms; in brackets the norms of ORT's session-optimized graph, upload ->
+artifact, where RMS norms become ``SimplifiedLayerNormalization``), GELU (fused / ``Erf``+``Tanh``
+before), speedup (the report's gate) and notes (passes that failed, what ``fuse_transformer`` missed and
+why). Files and ``results.json`` go to ``bench/out/heldout/dec_nocache/``; a markdown table is printed.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ ATOL, RTOL = 1e-4, 1e-3
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, POSITIONS = 2, 32, 4, 2, 64, 384, 264
 PAD, BOS, EOS, LOW = 1, 0, 2, 5
 CHECK_SHAPES = ((1, 7), (3, 23))
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization")
 NORM_OPS += ("SkipSimplifiedLayerNormalization",)
 
@@ -336,6 +337,19 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------- jobs
 
 
+def _session_norms(path: Path) -> int:
+    """Norms in the graph ORT's session builds at its default level: RMS norms are fused there
+    (``SimplifiedLayerNormalization``), not in the artifact, as for the corpus's Llama."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    with tempfile.TemporaryDirectory() as tmp:
+        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        ops = Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    return sum(ops[o] for o in NORM_OPS)
+
+
 def _structure(src: Path, dst: Path | None) -> dict[str, Any]:
     before = onnx.load(str(src), load_external_data=False)
     ops = Counter(n.op_type for n in before.graph.node)
@@ -353,6 +367,7 @@ def _structure(src: Path, dst: Path | None) -> dict[str, Any]:
         out["softmax_after"] = done["Softmax"]
         out["rotary_after"] = done["RotaryEmbedding"]
         out["norms_after"] = sum(done[o] for o in NORM_OPS)
+        out["session_norms"] = [_session_norms(src), _session_norms(dst)]
         out["nodes"] = [len(before.graph.node), len(after.graph.node)]
     return out
 
@@ -415,7 +430,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         f"yes ({job['max_abs']:.0e})" if job["exact"] else f"**no** ({job['max_abs']:.1e})",
         f"{st.get('attention_after', 0)}/{st['softmax']}",
         rotary,
-        f"{st.get('norms_after', 0)}/{st['norms']}",
+        "{}/{} ({}->{})".format(st.get("norms_after", 0), st["norms"], *st.get("session_norms", ("?", "?"))),
         f"{st['fusions']['gelu']['found']}/{st['gelu']}" if st["gelu"] else "-",
         (f"x{speed:.2f}" if speed else "-") + ("; " if notes else "") + "; ".join(notes),
     ]
@@ -428,12 +443,59 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def gelu_ab(shape: tuple[int, int, int] = (4, 128, 4096), blocks: int = 30) -> dict[str, dict[str, float]]:
+    """ms per run of each tanh-GELU form the project fuses into FastGelu, unfused (twice: an A/A) and fused,
+    alone on an activation of ``shape``, 1 thread, ORT's default level (its session fuses neither form),
+    interleaved blocks in rotating order; medians."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+
+    from passes.fusion import _tanh_gelu
+    from tests.passes.test_fuse_tanh_gelu_torchscript import FORMS
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    out: dict[str, dict[str, float]] = {}
+    for form, nodes in FORMS.items():
+        info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "S", shape[-1]]) for n in ("h", "gelu")]
+        upload = helper.make_model(
+            helper.make_graph(nodes("h", 0.044715), "g", info[:1], info[1:]),
+            opset_imports=[helper.make_opsetid("", 17)],
+        )
+        model = ir.serde.deserialize_model(upload)
+        ShapeInferencePass()(model)
+        assert _tanh_gelu.rules.apply_to_model(model) == 1
+        RemoveUnusedNodesPass()(model)
+        sessions = {}
+        for name, proto in (("unfused", upload), ("fused", ir.serde.serialize_model(model)), ("unfused_copy", upload)):
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = 1
+            sessions[name] = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(sessions["fused"].run(None, {"h": x})[0], sessions["unfused"].run(None, {"h": x})[0],
+                                   atol=2e-5, rtol=1e-5)  # fmt: skip
+        times: dict[str, list[float]] = {k: [] for k in sessions}
+        keys = list(sessions)
+        for block in range(blocks):
+            for key in keys[block % 3 :] + keys[: block % 3]:
+                started = time.perf_counter()
+                sessions[key].run(None, {"h": x})
+                times[key].append(time.perf_counter() - started)
+        out[form] = {k: round(float(np.median(v)) * 1e3, 3) for k, v in times.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", default=list(SPECS), choices=list(SPECS))
     ap.add_argument("--exporters", nargs="*", default=list(EXPORTERS), choices=list(EXPORTERS))
     ap.add_argument("--reuse", action="store_true", help="keep each row already recorded by this builder version")
+    ap.add_argument("--gelu-ab", action="store_true", help="time the tanh-GELU forms unfused vs FastGelu, only")
     args = ap.parse_args(argv)
+    if args.gelu_ab:
+        for form, ms in gelu_ab().items():
+            print(f"{form}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
+        return 0
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.only:

@@ -17,6 +17,8 @@ The TorchScript exporter's ``aten::gelu`` symbolic (``approximate="tanh"``: tran
 
 which neither onnxscript's rule nor the GPT-2 one reads: on a decoder whose family expects no GELU (Gemma's
 gated MLP is Llama-shaped) the ORT engine that would fuse it is never tried, and the Tanh chain stayed.
+BLOOM's (Megatron's) factored form, ``(x * 0.5) * (1 + tanh((x * 0.79788456) * (x * 0.044715 * x + 1)))``,
+was fused by neither engine.
 
 Exact up to the kernel's rounding (``FastGelu`` evaluates the same tanh formula). The constants are checked
 with a relative tolerance of 1e-4, ORT ``fusion_fastgelu``'s habit, and a mismatch names the constant and the
@@ -31,6 +33,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 _EXPECTED = {"half": 0.5, "three": 3.0, "cubic": 0.044715, "sqrt_2_over_pi": math.sqrt(2.0 / math.pi), "one": 1.0}
+_EXPECTED["one_inner"] = 1.0  # the factored form's 1 + c * x * x
 
 
 def _scalar(value: ir.Value | None) -> float | None:
@@ -54,7 +57,7 @@ def _bias_split(h: ir.Value) -> tuple[ir.Value, ir.Value] | None:
 
 
 class TanhGelu(pattern.RewriteRuleClassBase):
-    constants: tuple[str, ...] = tuple(_EXPECTED)
+    constants: tuple[str, ...] = ("half", "three", "cubic", "sqrt_2_over_pi", "one")
     # uses of h inside the pattern: the bias moves into the kernel only when nothing else reads the Add
     inner_uses = 3
 
@@ -95,4 +98,17 @@ class TorchScriptTanhGelu(TanhGelu):
         return op.Mul(half, op.Mul(h, op.Add(one, op.Tanh(inner))))
 
 
-rules = pattern.RewriteRuleSet([TanhGelu.rule(), TorchScriptTanhGelu.rule()])
+class FactoredTanhGelu(TanhGelu):
+    """Megatron's bias-GELU formula, ``x * 0.5 * (1 + tanh(0.79788456 * x * (1 + 0.044715 * x * x)))``
+    (BLOOM's ``bloom_gelu_forward``), the cubic factored as x * (1 + c * x * x); both exporters keep torch's
+    left-to-right products."""
+
+    constants = ("half", "cubic", "sqrt_2_over_pi", "one", "one_inner")
+    inner_uses = 4
+
+    def pattern(self, op, h, half, cubic, sqrt_2_over_pi, one, one_inner):  # noqa: PLR0917
+        inner = op.Mul(op.Mul(h, sqrt_2_over_pi), op.Add(op.Mul(op.Mul(h, cubic), h), one_inner))
+        return op.Mul(op.Mul(h, half), op.Add(op.Tanh(inner), one))
+
+
+rules = pattern.RewriteRuleSet([TanhGelu.rule(), TorchScriptTanhGelu.rule(), FactoredTanhGelu.rule()])

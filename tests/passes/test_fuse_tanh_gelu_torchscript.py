@@ -1,8 +1,10 @@
-"""The TorchScript exporter's ``F.gelu(x, approximate="tanh")`` fused into ``com.microsoft::FastGelu`` (issue 17,
-held-out decoders: Gemma's gated MLP kept its Tanh chain under ``fast``; ``bench/heldout_dec_nocache.py``).
+"""The TorchScript exporter's ``F.gelu(x, approximate="tanh")`` and BLOOM's factored tanh GELU fused into
+``com.microsoft::FastGelu`` (issue 17, held-out decoders: Gemma's gated MLP and BLOOM's MLP kept their Tanh
+chains under ``fast``; ``bench/heldout_dec_nocache.py``).
 
 The graphs are the exporter's ``aten::gelu`` symbolic node for node (constants first, the cube as
-``Mul(h, Mul(h, h))``), on a projection with and without a bias, alone and gating an up-projection as
+``Mul(h, Mul(h, h))``) and BLOOM's ``x * 0.5 * (1 + tanh(0.79788456 * x * (1 + 0.044715 * x * x)))`` as both
+exporters write it, on a projection with and without a bias, alone and gating an up-projection as
 Gemma's ``act(gate) * up`` does; each is checked in ORT against the unfused graph run with optimizations off.
 """
 
@@ -30,16 +32,9 @@ def _const(name: str, value: float) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.float32)))
 
 
-def torchscript_gelu(*, bias: bool, gated: bool, cubic: float = 0.044715, bias_reader: bool = False) -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(rng.standard_normal((D, F)).astype(np.float32), "W")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"])]
-    h = "mm"
-    if bias:
-        inits.append(numpy_helper.from_array(rng.standard_normal(F).astype(np.float32), "b"))
-        nodes.append(helper.make_node("Add", ["b", "mm"], ["h"]))  # the exporter's order: bias first
-        h = "h"
-    nodes += [
+def _torchscript(h: str, cubic: float) -> list[onnx.NodeProto]:
+    """torch's ``aten::gelu(approximate="tanh")`` symbolic, node for node."""
+    return [
         _const("beta", math.sqrt(2 / math.pi)),
         _const("kappa", cubic),
         _const("one", 1.0),
@@ -54,6 +49,43 @@ def torchscript_gelu(*, bias: bool, gated: bool, cubic: float = 0.044715, bias_r
         helper.make_node("Mul", [h, "t1"], ["ht"]),
         helper.make_node("Mul", ["half", "ht"], ["gelu"]),
     ]
+
+
+def _factored(h: str, cubic: float) -> list[onnx.NodeProto]:
+    """BLOOM's ``x * 0.5 * (1.0 + tanh(0.79788456 * x * (1 + 0.044715 * x * x)))`` as both exporters write it
+    (torch evaluates left to right, the scalars on the right)."""
+    return [
+        _const("beta", 0.79788456),
+        _const("kappa", cubic),
+        _const("one", 1.0),
+        _const("half", 0.5),
+        helper.make_node("Mul", [h, "half"], ["xh"]),
+        helper.make_node("Mul", [h, "beta"], ["xb"]),
+        helper.make_node("Mul", [h, "kappa"], ["xk"]),
+        helper.make_node("Mul", ["xk", h], ["xkx"]),
+        helper.make_node("Add", ["xkx", "one"], ["poly"]),
+        helper.make_node("Mul", ["xb", "poly"], ["inner"]),
+        helper.make_node("Tanh", ["inner"], ["t"]),
+        helper.make_node("Add", ["t", "one"], ["t1"]),
+        helper.make_node("Mul", ["xh", "t1"], ["gelu"]),
+    ]
+
+
+FORMS = {"torchscript": _torchscript, "factored": _factored}
+
+
+def tanh_gelu_graph(
+    *, bias: bool, gated: bool, form: str = "torchscript", cubic: float = 0.044715, bias_reader: bool = False
+) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((D, F)).astype(np.float32), "W")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"])]
+    h = "mm"
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(F).astype(np.float32), "b"))
+        nodes.append(helper.make_node("Add", ["b", "mm"], ["h"]))  # the exporter's order: bias first
+        h = "h"
+    nodes += FORMS[form](h, cubic)
     out = "gelu"
     if gated:
         inits.append(numpy_helper.from_array(rng.standard_normal((D, F)).astype(np.float32), "U"))
@@ -94,10 +126,11 @@ def _assert_same(original: onnx.ModelProto, fused: ir.Model) -> None:
             np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"at {batch}x{seq}")
 
 
+@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_tanh_gelu_fuses_fast_gelu_when_torchscript_gelu_tanh(bias, gated):
-    original = torchscript_gelu(bias=bias, gated=gated)
+def test_tanh_gelu_fuses_fast_gelu_when_torchscript_or_factored_gelu_tanh(bias, gated, form):
+    original = tanh_gelu_graph(bias=bias, gated=gated, form=form)
     model = _loaded(original)
     assert tanh_gelu.rules.apply_to_model(model) == 1
     RemoveUnusedNodesPass()(model)  # the rule leaves the bias Add and the constants unread, not removed
@@ -111,8 +144,9 @@ def test_tanh_gelu_fuses_fast_gelu_when_torchscript_gelu_tanh(bias, gated):
     _assert_same(original, model)
 
 
-def test_tanh_gelu_keeps_bias_add_when_biased_projection_read_elsewhere():
-    original = torchscript_gelu(bias=True, gated=False, bias_reader=True)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_tanh_gelu_keeps_bias_add_when_biased_projection_read_elsewhere(form):
+    original = tanh_gelu_graph(bias=True, gated=False, form=form, bias_reader=True)
     model = _loaded(original)
     assert tanh_gelu.rules.apply_to_model(model) == 1
     RemoveUnusedNodesPass()(model)
@@ -121,8 +155,9 @@ def test_tanh_gelu_keeps_bias_add_when_biased_projection_read_elsewhere():
     _assert_same(original, model)
 
 
-def test_tanh_gelu_leaves_graph_when_cubic_constant_differs():
-    model = _loaded(torchscript_gelu(bias=False, gated=True, cubic=0.05))
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_tanh_gelu_leaves_graph_when_cubic_constant_differs(form):
+    model = _loaded(tanh_gelu_graph(bias=False, gated=True, form=form, cubic=0.05))
     assert tanh_gelu.rules.apply_to_model(model) == 0
     assert "com.microsoft::FastGelu" not in op_histogram(model)
 
@@ -130,7 +165,7 @@ def test_tanh_gelu_leaves_graph_when_cubic_constant_differs():
 def test_fuse_for_ort_fuses_gated_torchscript_gelu_when_no_attention():
     """What ``fuse_transformer``'s onnxscript engine runs: the rule's FastGelu survives onnxscript's own
     gelu/bias_gelu steps and the cleanups after them."""
-    original = torchscript_gelu(bias=True, gated=True)
+    original = tanh_gelu_graph(bias=True, gated=True)
     model = _loaded(original)
     counts = adapter.fuse_for_ort(model)
     assert counts["tanh_gelu"] == 1
