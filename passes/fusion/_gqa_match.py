@@ -112,7 +112,7 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     q, kt, scale = _strip_scale(scores)
     k_rep, k_bsnd = _transposed_keys(kt)
     k_all, v_all = _unrepeat(k_rep, "k"), _unrepeat(context.inputs[1], "v")
-    if k_bsnd and (k_all is not k_rep or _producer(k_all, "Concat") is not None):
+    if k_bsnd and (k_all is not k_rep or _cache_concat(k_all)):
         raise Declined("found keys transposed straight from [B,S,N,D] but repeated or concatenated with a cache")
     k_past, k_new = _split_cache(k_all, "key")
     v_past, v_new = _split_cache(v_all, "value")
@@ -307,6 +307,13 @@ def _unrepeat(value: ir.Value, which: str) -> ir.Value:
     if axes is None or axes.reshape(-1).tolist() != [2]:
         raise Declined(f"found repeat_kv of {which} unsqueezing axes {None if axes is None else axes.tolist()}, not 2")
     return unsqueeze.inputs[0]
+
+
+def _cache_concat(value: ir.Value) -> bool:
+    """Whether ``value`` is a Concat other than of the head dim's halves (partial rotary: GPT-J's rotated and
+    plain parts of [B,S,N,D] keys joined on the last axis), so possibly a cache's."""
+    concat = _producer(value, "Concat")
+    return concat is not None and concat.attributes.get_int("axis", 0) not in (3, -1)
 
 
 def _split_cache(value: ir.Value, which: str) -> tuple[ir.Value | None, ir.Value]:
