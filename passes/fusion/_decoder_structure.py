@@ -232,8 +232,9 @@ def _computed_positions(graph: ir.Graph, hidden: int) -> tuple[int, int] | None:
     return None
 
 
-def _score_keys(softmax: ir.Node) -> ir.Value | None:
-    """The keys operand of ``MatMul(q, k)`` under a Softmax's scores, through the scale, bias and mask ops."""
+def _score_operands(softmax: ir.Node) -> tuple[ir.Value, ir.Value] | None:
+    """The (queries, keys) operands of ``MatMul(q, k)`` under a Softmax's scores, through the scale, bias and
+    mask ops."""
     frontier = [softmax.inputs[0]]
     for _ in range(6):
         step = []
@@ -242,11 +243,24 @@ def _score_keys(softmax: ir.Node) -> ir.Value | None:
             if node is None:
                 continue
             if node.op_type == "MatMul" and all(v is not None and const(v) is None for v in node.inputs):
-                return node.inputs[1]
+                return node.inputs[0], node.inputs[1]
             if node.op_type in _SCORE_PATH:
                 step += [v for v in node.inputs if v is not None and const(v) is None]
         frontier = step
     return None
+
+
+def _input_sources(graph: ir.Graph) -> dict[ir.Value, frozenset[ir.Value]]:
+    """For every value, the graph inputs its data (not its shape) is computed from, in one topological sweep."""
+    initializers = set(graph.initializers.values())
+    sources: dict[ir.Value, frozenset[ir.Value]] = {v: frozenset({v}) for v in graph.inputs if v not in initializers}
+    for node in graph:
+        if node.op_type in _METADATA:
+            continue
+        found = frozenset().union(*(sources.get(v, frozenset()) for v in node.inputs if v is not None))
+        for out in node.outputs:
+            sources[out] = found
+    return sources
 
 
 def _decoder_side(model: ir.Model, roles: dict[str, str] | None = None) -> set[ir.Value]:
@@ -274,19 +288,31 @@ def _attention(
     graph: ir.Graph, decoder_side: set[ir.Value], named: dict[str, str] | None = None
 ) -> dict[str, int] | None:
     """Attention sites by kind: "self" where the keys are computed from the decoder's inputs, "cross" where
-    only from the encoder's; a Softmax whose keys are not found counts as self."""
+    only from the encoder's; a Softmax whose keys are not found counts as self.
+
+    A graph holding both encoder and decoder (``decoder_input_ids`` beside ``input_ids``, or pixels, or mel
+    features) has no encoder-side input: every input is its own, and the encoder's states are computed in the
+    graph. There a cross attention is told by its operands: its queries read a graph input its keys do not
+    (the decoder's ids), where a self attention's queries and keys come from one stream (with a cache, the
+    keys read the past on top of the queries' inputs, never fewer)."""
     kinds = {"self": 0, "cross": 0}
+    sources: dict[ir.Value, frozenset[ir.Value]] | None = None
     for node in graph:
         if node.op_type == "Softmax" and node.domain in ("", "ai.onnx"):
-            keys = _score_keys(node)
+            queries, keys = _score_operands(node) or (None, None)
         elif node.op_type in _FUSED_ATTENTION and node.domain == "com.microsoft":
             slot = _FUSED_ATTENTION[node.op_type]
             keys = node.inputs[slot] if slot is not None and slot < len(node.inputs) else None
+            queries = node.inputs[0] if keys is not None else None
             if keys is None:  # packed QKV or a fused self cache: the keys are the decoder's
                 keys = node.inputs[0]
         else:
             continue
-        kind = "cross" if keys is not None and keys not in decoder_side else "self"
+        cross = keys is not None and keys not in decoder_side
+        if not cross and keys is not None and queries is not None:
+            sources = sources if sources is not None else _input_sources(graph)
+            cross = bool(sources.get(queries, frozenset()) - sources.get(keys, frozenset()))
+        kind = "cross" if cross else "self"
         kinds[kind] += 1
         if named is not None:
             named[node.name or ""] = kind
