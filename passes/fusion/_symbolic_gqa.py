@@ -15,7 +15,15 @@ Without a past the kernel writes the new keys and values alone, heads first (ORT
     present_key, present_value : [batch, kv_num_heads, L, head_size]    (k's [batch, S, kv_num_heads * head_size])
 
 with ``L`` a fresh symbol (``total_sequence_length`` is a run-time input), so no dim is claimed equal to
-another that the kernel does not make equal. Everything else is ORT's inference as it is.
+another that the kernel does not make equal.
+
+A Slice whose end ORT cannot compare with 0 stops the whole inference: its last attempt (``flatten_min``)
+asserts that ``end - 0`` is a sum, which an end of ``floor(...)`` form is not, and raises AssertionError where
+its caller catches only TypeError. SEW's encoder slices its pooled states and its positional convolution to
+their common length, ``floor`` of a length that went through seven strided convolutions and a pool: the
+inference failed, the heads dims of its TorchScript exports stayed unknown and neither attention fused. Such
+a Slice gets a fresh symbol on each sliced axis, what ORT gives a Slice whose bounds it cannot read.
+Everything else is ORT's inference as it is.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ _PAST_KEY, _KEY = 3, 1
 
 
 class _GqaPresents(SymbolicShapeInference):
+    """GroupQueryAttention's presents without a past; a Slice whose end ORT's proof cannot read."""
+
     def _infer_GroupQueryAttention(self, node: onnx.NodeProto) -> None:  # ORT dispatches on this name
         super()._infer_GroupQueryAttention(node)
         if len(node.input) > _PAST_KEY and node.input[_PAST_KEY]:
@@ -47,6 +57,28 @@ class _GqaPresents(SymbolicShapeInference):
             length = str(self._new_symbolic_dim_from_output(node, index, 2))
             shape = [key[0], kv_heads, length, key[2] // kv_heads]
             self.known_vi_[node.output[index]].CopyFrom(helper.make_tensor_value_info(node.output[index], dtype, shape))
+
+    def _infer_Slice(self, node: onnx.NodeProto) -> None:  # ORT dispatches on this name
+        try:
+            super()._infer_Slice(node)
+        except AssertionError:
+            shape = self._get_shape(node, 0)
+            if shape is None:
+                raise  # no shape to keep: ORT's failure stands
+            self._slice_unread(node, shape)
+
+    def _slice_unread(self, node: onnx.NodeProto, shape: list[int | str]) -> None:
+        # axes left unread (computed at run time, or opset <= 9 attributes) mean every axis may be sliced
+        axes = self._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
+        rank = len(shape)
+        sliced = (
+            range(rank) if axes is None else [int(a) % rank for a in (axes if hasattr(axes, "__iter__") else [axes])]
+        )
+        out = list(shape)
+        for axis in sliced:
+            out[axis] = str(self._new_symbolic_dim_from_output(node, 0, axis))
+        vi = self.known_vi_[node.output[0]]
+        vi.CopyFrom(helper.make_tensor_value_info(node.output[0], vi.type.tensor_type.elem_type, out))
 
 
 def infer_shapes(proto: onnx.ModelProto, auto_merge: bool = True) -> onnx.ModelProto:
