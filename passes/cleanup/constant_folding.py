@@ -131,6 +131,7 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
         # Objects, not ids: a folded node is freed and its id may be reused by a node the folder adds.
         read_before = {n for g in all_graphs(model) for n in g if any(o.uses() for o in n.outputs)}
 
+        static_dims = _fold_static_dims(model)
         result = onnxscript.optimizer.fold_constants(
             model,
             onnx_shape_inference=options.onnx_shape_inference,
@@ -150,6 +151,8 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
             "skipped_over_cap": guard.over_cap,
             "skipped_size_unknown": len(guard.non_matches) - guard.over_cap,
         }
+        if static_dims:
+            counts["static_dims_folded"] = static_dims
         if added:
             counts["nodes_added"] = sum(added.values())  # an inlined If branch
         notes = {"removed_by_op": dict(sorted(removed.items()))} if removed else {}
@@ -157,11 +160,63 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
             notes["orphans_removed"] = orphans
         return PassResult(
             model,
-            modified=result.modified or orphans > 0,
+            modified=result.modified or orphans > 0 or static_dims > 0,
             counts=counts,
             non_matches=guard.non_matches,
             notes=notes,
         )
+
+
+def _fold_static_dims(model: ir.Model) -> int:
+    """``Gather(Shape(x), i)`` with a scalar ``i`` (how torch exports ``x.size(i)``) becomes a constant when
+    dim ``i`` of ``x`` is static, however many other dims are symbolic. onnxscript's folder takes only 1-D
+    indices there, so a static size read off a dynamic tensor stayed a Shape chain that kept its producer
+    alive: GPT-NeoX's partial rotary slices ``q[..., : cos.shape[-1]]``, and the Cos stays computed after
+    fuse_rotary replaced every other use of it."""
+    folded = 0
+    for graph in list(all_graphs(model)):
+        for node in list(graph):
+            if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+                continue
+            source, indices = node.inputs
+            shape_node = source.producer() if source is not None else None
+            if shape_node is None or shape_node.op_type != "Shape" or shape_node.domain not in ("", "ai.onnx"):
+                continue
+            axis = node.attributes.get("axis")
+            index = _constant(indices)
+            if (axis is not None and axis.as_int() != 0) or index is None or index.shape.rank() != 0:
+                continue
+            data = shape_node.inputs[0]
+            if data is None or data.shape is None:
+                continue
+            start, end = (shape_node.attributes.get(k) for k in ("start", "end"))
+            dims = list(data.shape)[start.as_int() if start else 0 : end.as_int() if end else None]
+            i = int(index.numpy())
+            if not -len(dims) <= i < len(dims) or not isinstance(dims[i], int):
+                continue
+            if node.outputs[0].is_graph_output():
+                continue  # the output keeps its name, which a replacement value would not
+            tensor = ir.tensor(np.array(dims[i], np.int64), name=f"{node.outputs[0].name}_static")
+            constant = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", tensor)])
+            constant.outputs[0].name = tensor.name
+            constant.outputs[0].shape, constant.outputs[0].dtype = ir.Shape([]), ir.DataType.INT64
+            graph.insert_before(node, constant)
+            ir.convenience.replace_all_uses_with(node.outputs[0], constant.outputs[0])
+            graph.remove(node, safe=True)
+            folded += 1
+    return folded
+
+
+def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """An initializer's or a Constant node's tensor (the folder has not run yet, so Constant outputs carry
+    no const_value)."""
+    if value is None or value.const_value is not None:
+        return None if value is None else value.const_value
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
+        return None
+    attr = producer.attributes.get("value")
+    return attr.as_tensor() if attr is not None else None
 
 
 def _remove_orphans(model: ir.Model, read_before: set[ir.Node]) -> int:
