@@ -220,6 +220,10 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
 def _num_heads(q: ir.Value) -> int | None:
     if q.shape is not None and len(q.shape) == 4 and isinstance(q.shape[1], int):
         return q.shape[1]
+    # A fused qkv projection split per head on the last axis (GPT-NeoX: [B, N, S, 3*D] sliced into q, k, v
+    # after the head Transpose) keeps the heads axis: read it from the tensor before the split.
+    while (head_split := _slice(_producer(q, "Slice"), {})) is not None:
+        q = head_split[0]
     transpose = _producer(q, "Transpose")
     reshape = _producer(transpose.inputs[0], "Reshape") if transpose else None
     if transpose is None or reshape is None or ints_attr(transpose, "perm") != [0, 2, 1, 3]:
