@@ -158,6 +158,24 @@ def test_coverage_subset_run_keeps_the_doc_rows_when_no_saved_results() -> None:
     assert coverage.rows_from_doc("bench", "# no bench section\n") is None
 
 
+def test_coverage_render_keeps_the_section_of_a_size_without_saved_results(tmp_path, monkeypatch) -> None:
+    """A run of one size (``--size bench``) renders the doc from that size's saved results: the other size's
+    section, whose results are not committed, stays in the doc as it was instead of being dropped."""
+    from bench import coverage
+
+    text = DOC.read_text()
+    tiny = coverage._doc_section("tiny", text)
+    assert tiny is not None and tiny.startswith("## tiny ") and "| bert | ts_eager |" in tiny
+    monkeypatch.setattr(coverage, "OUT", tmp_path)  # no saved results of any size
+    monkeypatch.setattr(coverage, "DOC", tmp_path / "coverage.md")
+    (tmp_path / "coverage.md").write_text(text)
+    rendered = coverage.render()
+    assert rendered.startswith(coverage.HEADER)
+    assert tiny in rendered
+    assert rendered.count("\n## tiny ") == 1
+    assert coverage._doc_section("bench", "# no bench section\n") is None
+
+
 # What a run of bench.coverage records about itself, for the read-back tests (another host than the doc's).
 RUN = {
     "machine": {
