@@ -30,12 +30,13 @@ more exporter forms are rewritten, exactly, into those onnxscript reads: a leadi
 heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); a boolean mask
 applied with ``Where`` becomes an additive one (``_where_mask``); and a Reshape to its own input's shape
 (TorchScript SDPA's attention output) is dropped, so that the MHA rule takes the merge of the heads too
-(``_identity_reshape``). TorchScript SDPA's NaN guard, which onnxscript's SDPA rule absorbs, is put back on the
-fused op's output where the mask can hold -inf (``_nan_guard``): the fused kernels return NaN for a query whose
-every key is masked, where the export returns 0. Before any of them reads a shape, the lengths ORT's symbolic
-inference only guesses (a Slice with a negative start, GroupQueryAttention's present) are made unknown, so that
-no rule drops a sliding window's cache crop as a Slice that keeps everything (``_slice_dims``). Audio encoders
-are recognized by their convolutional stem (``_fusion_families``).
+(``_identity_reshape``). A LayerNorm without a bias gets the zero one ONNX defines for it, which the skip-norm
+rules bind (``zero_norm_biases``). TorchScript SDPA's NaN guard, which onnxscript's SDPA rule absorbs, is put
+back on the fused op's output where the mask can hold -inf (``_nan_guard``): the fused kernels return NaN for a
+query whose every key is masked, where the export returns 0. Before any of them reads a shape, the lengths ORT's
+symbolic inference only guesses (a Slice with a negative start, GroupQueryAttention's present) are made unknown,
+so that no rule drops a sliding window's cache crop as a Slice that keeps everything (``_slice_dims``). Audio
+encoders are recognized by their convolutional stem (``_fusion_families``).
 
 How far attention is fused is an option, because the fullest fusion is not the fastest everywhere:
 ``attention="attention"`` (default) packs Q/K/V into ``com.microsoft::Attention``; ``"mha"`` stops at
@@ -457,6 +458,7 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     if report["identity_reshapes"]:
         common_passes.RemoveUnusedNodesPass()(model)
     report["norm_flattens_sunk"] = sink_flatten_below_norm(model)
+    report["norm_biases_zeroed"] = zero_norm_biases(model)
     report["bmm_unfolded"] = unfold_batched_heads(model)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
     report["where_masks"] = where_mask.rules.apply_to_model(model)
@@ -504,6 +506,30 @@ class _Collect(logging.Handler):
         message = record.getMessage().lower()
         if "fail" in message or "not" in message:
             self.sink[f"{record.name}: {message}"] += 1
+
+
+def zero_norm_biases(model: ir.Model) -> int:
+    """Give each ``LayerNormalization`` without a bias (``nn.LayerNorm(bias=False)``: ModernBERT, as the dynamo
+    exporter writes it) an explicit zero one, the value ONNX defines for the missing input: onnxscript's
+    skip-norm rules bind a bias and otherwise stop there ("pattern variable beta does not match None")."""
+    added = 0
+    for node in model.graph:
+        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            continue
+        scale = node.inputs[1]
+        if scale is None or scale.const_value is None:  # the bias must match a scale whose shape is known
+            continue
+        zeros = np.zeros(scale.const_value.shape.numpy(), dtype=scale.const_value.dtype.numpy())
+        bias = ir.Value(name=f"{scale.name}_zero_bias_{added}", const_value=ir.tensor(zeros))
+        bias.shape, bias.type = ir.Shape(zeros.shape), ir.TensorType(scale.const_value.dtype)
+        model.graph.register_initializer(bias)
+        if len(node.inputs) < 3:
+            node.resize_inputs(3)
+        node.replace_input_with(2, bias)
+        added += 1
+    return added
 
 
 def sink_flatten_below_norm(model: ir.Model) -> int:

@@ -51,7 +51,8 @@ def test_mobilebert_attention_fuses_without_a_layer_norm():
 
 HEADS = """
 <ir_version: 9, opset_import: ["" : 18]>
-g (float[B, S, 4] x, float[B, S, 4] k) => (float[B, S, 4] y) <float[4, 4] w = {%s}> {
+g (float[B, S, 4] x) => (float[B, S, 4] y) <float[4, 4] w = {%s}> {
+    k = Relu(x)
     kt = Transpose <perm = [0, 2, 1]> (k)
     s = MatMul(%s)
     p = Softmax <axis = -1> (s)
