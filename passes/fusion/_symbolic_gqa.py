@@ -22,13 +22,17 @@ asserts that ``end - 0`` is a sum, which an end of ``floor(...)`` form is not, a
 its caller catches only TypeError. SEW's encoder slices its pooled states and its positional convolution to
 their common length, ``floor`` of a length that went through seven strided convolutions and a pool: the
 inference failed, the heads dims of its TorchScript exports stayed unknown and neither attention fused. Such
-a Slice gets a fresh symbol on each sliced axis, what ORT gives a Slice whose bounds it cannot read.
+a Slice keeps ``Min(end, length)`` on an axis it trims from 0 by a symbolic end (the length a dynamo export
+also computes and reshapes by), and a fresh symbol on any other sliced axis, what ORT gives a Slice whose
+bounds it cannot read.
 Everything else is ORT's inference as it is.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import sympy
 from onnx import helper
 
 # As ORT's transformers optimizer imports it (see _symbolic_shapes.infer): the module is imported lazily, by it.
@@ -62,23 +66,36 @@ class _GqaPresents(SymbolicShapeInference):
         try:
             super()._infer_Slice(node)
         except AssertionError:
-            shape = self._get_shape(node, 0)
-            if shape is None:
+            if self._get_shape(node, 0) is None:
                 raise  # no shape to keep: ORT's failure stands
-            self._slice_unread(node, shape)
+            self._slice_unread(node)
 
-    def _slice_unread(self, node: onnx.NodeProto, shape: list[int | str]) -> None:
-        # axes left unread (computed at run time, or opset <= 9 attributes) mean every axis may be sliced
-        axes = self._try_get_value(node, 3) if len(node.input) > 3 and node.input[3] else None
-        rank = len(shape)
-        sliced = (
-            range(rank) if axes is None else [int(a) % rank for a in (axes if hasattr(axes, "__iter__") else [axes])]
+    def _slice_unread(self, node: onnx.NodeProto) -> None:
+        shape = self._get_sympy_shape(node, 0)
+        starts, ends, axes, steps = (
+            self._try_get_value(node, i) if len(node.input) > i and node.input[i] else None for i in (1, 2, 3, 4)
         )
-        out = list(shape)
-        for axis in sliced:
-            out[axis] = str(self._new_symbolic_dim_from_output(node, 0, axis))
+        starts, ends, steps = (None if v is None else list(np.atleast_1d(v)) for v in (starts, ends, steps))
+        if axes is not None:
+            axes = [int(a) % len(shape) for a in np.atleast_1d(axes)]
+        elif starts is not None:
+            axes = list(range(len(starts)))
+        # axes left unread (computed at run time, or opset <= 9 attributes) mean every axis may be sliced
+        for k, axis in enumerate(range(len(shape)) if axes is None else axes):
+            start = starts[k] if starts is not None and k < len(starts) else None
+            end = ends[k] if ends is not None and k < len(ends) else None
+            step = steps[k] if steps is not None and k < len(steps) else 1
+            if start == 0 and step == 1 and isinstance(end, sympy.Expr) and not end.is_number:
+                # x[:end] keeps min(end, length) rows. The same expression, not a fresh symbol: a dynamo
+                # export computes the trimmed length once and reshapes by that value (SEW's heads split is
+                # [batch, Min(...), -1, 8]), so only this keeps its heads dim a constant.
+                shape[axis] = sympy.Min(end, shape[axis])
+            else:
+                shape[axis] = self._new_symbolic_dim_from_output(node, 0, axis)
+        self._update_computed_dims(shape)
+        dims = [int(d) if getattr(d, "is_number", isinstance(d, int)) else str(d) for d in shape]
         vi = self.known_vi_[node.output[0]]
-        vi.CopyFrom(helper.make_tensor_value_info(node.output[0], vi.type.tensor_type.elem_type, out))
+        vi.CopyFrom(helper.make_tensor_value_info(node.output[0], vi.type.tensor_type.elem_type, dims))
 
 
 def infer_shapes(proto: onnx.ModelProto, auto_merge: bool = True) -> onnx.ModelProto:
