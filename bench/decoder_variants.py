@@ -201,12 +201,13 @@ def _prune(graph: onnx.GraphProto) -> None:
 
 
 def check(original: Path, variant: Path) -> list[tuple[str, float]]:
-    from bench.step_ab import feeds_for, session
+    from bench.step_ab import feeds_for, session, vocabulary
 
     a, b = session(str(original), 1), session(str(variant), 1)
+    vocab = vocabulary([str(original), str(variant)])
     worst = []
     for past, tokens in ((0, 7), (128, 1), (300, 3)):
-        feeds = feeds_for(a, past, tokens)
+        feeds = feeds_for(a, past, tokens, vocab)
         diff = max(float(np.abs(x - y).max()) for x, y in zip(a.run(None, feeds), b.run(None, feeds), strict=True))
         worst.append((f"{tokens} token(s) after {past}", diff))
     return worst

@@ -44,17 +44,25 @@ import onnx
 import onnxruntime as ort
 
 from bench._copies import load_copies, pick, rotated
+from core.inputs import index_ranges
 
 _KV_HEADS, _HEAD_DIM = 2, 64  # bench.decoders_genai's size
 
 
-def feeds_for(sess: ort.InferenceSession, past: int, tokens: int) -> dict[str, np.ndarray]:
+def vocabulary(paths: list[str]) -> int:
+    """The token ids every compared model takes: below the smallest embedding table among them (read from the
+    graph, as the service's input synthesis does), 1000 where none says."""
+    sizes = [index_ranges(onnx.load(p, load_external_data=False)).get("input_ids") for p in paths]
+    return min([n for n in sizes if n] or [1000])
+
+
+def feeds_for(sess: ort.InferenceSession, past: int, tokens: int, vocab: int = 1000) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
     for value in sess.get_inputs():
         name = value.name
         if name == "input_ids":
-            feeds[name] = rng.integers(3, 1000, (1, tokens), dtype=np.int64)
+            feeds[name] = rng.integers(min(3, vocab - 1), vocab, (1, tokens), dtype=np.int64)
         elif name == "attention_mask":
             feeds[name] = np.ones((1, past + tokens), np.int64)
         elif name == "position_ids":
@@ -107,7 +115,8 @@ def profile(paths: list[str], call: Call, markdown: bool = False) -> None:
     blocks, calls = call.blocks, call.calls
     prefix = f"/tmp/step_ab_{os.getpid()}"
     sessions = [session(p, call.threads, f"{prefix}_{i}") for i, p in enumerate(paths)]
-    feeds = [feeds_for(s, call.past, call.tokens) for s in sessions]
+    vocab = vocabulary(paths)
+    feeds = [feeds_for(s, call.past, call.tokens, vocab) for s in sessions]
     for sess, feed in zip(sessions, feeds, strict=True):
         for _ in range(3):
             sess.run(None, feed)
@@ -176,7 +185,8 @@ def timed(paths: list[str], call: Call, cpu: bool, copies: int) -> None:
     threads, blocks, calls = call.threads, call.blocks, call.calls
     # The module docstring says why copies, round-robin, and a first session never timed.
     ballast, sessions = load_copies(paths, copies, lambda path: session(path, threads))
-    feeds = [feeds_for(s[0], call.past, call.tokens) for s in sessions]
+    vocab = vocabulary(paths)
+    feeds = [feeds_for(s[0], call.past, call.tokens, vocab) for s in sessions]
     for copies_of, feed in zip(sessions, feeds, strict=True):
         for sess in copies_of:
             for _ in range(3):

@@ -165,3 +165,19 @@ def test_present_crop_variants(tmp_path: Path) -> None:
         dropped = sessions["none"].run(None, feeds)
         assert (dropped[1].shape == want[1].shape) == fits
         assert want[1].shape[2] == min(past + seq, 7)
+
+
+def test_step_ab_feeds_token_ids_below_every_compared_models_vocabulary_when_the_table_is_small() -> None:
+    """The A/B's token ids come from the models' own embedding tables: a test decoder's 256-row table ran out of
+    range under the fixed 1000 it drew from before (ORT's Gather refuses such an index)."""
+    from bench.step_ab import feeds_for, session, vocabulary
+
+    path = str(Path(__file__).parent / "models" / "decoders" / "llama_past_ts.onnx")
+    vocab = vocabulary([path, path])
+    assert vocab == 256
+    sess = session(path, 1)
+    for past, tokens in ((0, 7), (5, 1)):
+        feeds = feeds_for(sess, past, tokens, vocab)
+        assert feeds["input_ids"].max() < vocab and feeds["attention_mask"].shape == (1, past + tokens)
+        logits = sess.run(None, feeds)[0]
+        assert logits.shape == (1, tokens, vocab) and np.isfinite(logits).all()
