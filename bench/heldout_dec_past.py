@@ -6,7 +6,8 @@ Run ``python -m bench.heldout_dec_past [--only FAMILY ...] [--exporters ts dynam
 32, 4 heads, vocabulary 256, every parameter perturbed by ``0.02 * randn`` as ``tests.models.build_decoders``
 does), wrapped into Optimum's ``text-generation-with-past`` signature by that module (``input_ids``,
 ``attention_mask``, ``position_ids`` where the family takes them, ``past_key_values.N.key/.value`` in;
-``logits``, ``present.N.key/.value`` out) and exported by TorchScript (opset 18, eager attention) and dynamo,
+``logits``, ``present.N.key/.value`` out) and exported by TorchScript (opset 18, eager attention) and dynamo
+(``--exporters ts_sdpa``: TorchScript with ``attn_implementation`` "sdpa"),
 with symbolic batch, sequence and past axes. Each export is checked against torch in ORT at a prefill on an
 empty cache and a decode step on a past of 7 (``build_decoders.PAST_CHECKS``).
 
@@ -48,6 +49,7 @@ CLI = REPO / ".venv" / "bin" / "onnxforge"
 LAYERS, HIDDEN, HEADS, VOCAB = 2, 32, 4, 256
 HEAD_DIM = HIDDEN // HEADS
 GEN_PROMPT, GEN_STEPS, GEN_BATCH = 5, 4, 2
+EXPORTERS = (*bd.EXPORTERS, "ts_sdpa")  # ts_sdpa: TorchScript with attn_implementation "sdpa" (not by default)
 
 
 @dataclass(frozen=True)
@@ -173,13 +175,16 @@ def signature(probe: Probe) -> bd.Signature:
     return bd.Signature(tuple(names_in(probe)), LAYERS, probe.kv_heads, HEAD_DIM, VOCAB)
 
 
-def module(probe: Probe) -> Any:
+def module(probe: Probe, attention: str = "eager") -> Any:
     """The seeded model behind the Optimum signature; without ``position_ids`` for ALiBi families, whose
     forward does not take them."""
     import torch
     from transformers.cache_utils import DynamicCache
 
     model = bd.causal_lm(probe.family())
+    if attention == "sdpa" and not getattr(type(model), "_supports_sdpa", False):
+        raise ValueError(f"transformers has no SDPA attention for {type(model).__name__}")  # as it refuses
+    model.config._attn_implementation = attention
     if probe.positions:
         return bd.wrap(model, "past")
     config = model.config
@@ -214,7 +219,7 @@ def export(mod: Any, probe: Probe, exporter: str, path: Path) -> onnx.ModelProto
     args = _args(probe, *bd.EXPORT_SHAPE, seed=0)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        if exporter == "ts":
+        if exporter in ("ts", "ts_sdpa"):
             axes = {n: {0: "batch", 1: "sequence"} for n in ("input_ids", "position_ids", "logits")}
             axes["attention_mask"] = {0: "batch", 1: "total_sequence"}
             axes |= {n: {0: "batch", 2: "past_sequence"} for n in ins if n.startswith("past_")}
@@ -281,7 +286,7 @@ def build(probe: Probe, exporter: str, reuse: bool) -> dict[str, Any]:
             return info
     info: dict[str, Any] = {"file": str(path), "family": probe.name, "exporter": exporter}
     try:
-        mod = module(probe)
+        mod = module(probe, "sdpa" if exporter == "ts_sdpa" else "eager")
         proto = export(mod, probe, exporter, path)
         bd.save(proto, path)
         info["max_abs_vs_torch"] = verify(mod, probe, path)
@@ -452,7 +457,7 @@ def table(rows: list[dict[str, Any]], builds: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.heldout_dec_past", description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=sorted(PROBES), default=None)
-    parser.add_argument("--exporters", nargs="+", choices=bd.EXPORTERS, default=list(bd.EXPORTERS))
+    parser.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=list(bd.EXPORTERS))
     parser.add_argument("--presets", nargs="*", default=["fast", "int4"])
     parser.add_argument("--reuse", action="store_true", help="keep earlier exports (their build sidecars)")
     args = parser.parse_args(argv)

@@ -168,43 +168,70 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
 
 
 def _fold_static_dims(model: ir.Model) -> int:
-    """``Gather(Shape(x), i)`` with a scalar ``i`` (how torch exports ``x.size(i)``) becomes a constant when
-    dim ``i`` of ``x`` is static, however many other dims are symbolic. onnxscript's folder takes only 1-D
-    indices there, so a static size read off a dynamic tensor stayed a Shape chain that kept its producer
-    alive: GPT-NeoX's partial rotary slices ``q[..., : cos.shape[-1]]``, and the Cos stays computed after
-    fuse_rotary replaced every other use of it."""
+    """``Gather(Shape(x), i)`` with a scalar ``i`` (how torch exports ``x.size(i)``) and ``Slice(Shape(x), a, b)``
+    (``x.shape[a:b]``; TorchScript's decomposed SDPA reads the head size as ``Shape(q)[-1:]``) become constants
+    when the dims they pick are static, however many other dims of x are symbolic. onnxscript's folder folds
+    neither there (it takes only 1-D Gather indices, and no Slice of a partly symbolic shape), so a static size
+    read off a dynamic tensor stayed a chain: the SDPA scale ``1/sqrt(head_size)`` stayed computed at run time
+    (Falcon), and attention fusions look for a constant scale."""
     folded = 0
     for graph in list(all_graphs(model)):
         for node in list(graph):
-            if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            if node.op_type not in ("Gather", "Slice") or node.domain not in ("", "ai.onnx"):
                 continue
-            source, indices = node.inputs
-            shape_node = source.producer() if source is not None else None
-            if shape_node is None or shape_node.op_type != "Shape" or shape_node.domain not in ("", "ai.onnx"):
-                continue
-            axis = node.attributes.get("axis")
-            index = _constant(indices)
-            if (axis is not None and axis.as_int() != 0) or index is None or index.shape.rank() != 0:
-                continue
-            data = shape_node.inputs[0]
-            if data is None or data.shape is None:
-                continue
-            start, end = (shape_node.attributes.get(k) for k in ("start", "end"))
-            dims = list(data.shape)[start.as_int() if start else 0 : end.as_int() if end else None]
-            i = int(index.numpy())
-            if not -len(dims) <= i < len(dims) or not isinstance(dims[i], int):
-                continue
-            if node.outputs[0].is_graph_output():
-                continue  # the output keeps its name, which a replacement value would not
-            tensor = ir.tensor(np.array(dims[i], np.int64), name=f"{node.outputs[0].name}_static")
+            picked = _static_dims_picked(node)
+            if picked is None or node.outputs[0].is_graph_output():
+                continue  # a graph output keeps its name, which a replacement value would not
+            dims, scalar = picked
+            array = np.array(dims[0] if scalar else dims, np.int64)
+            tensor = ir.tensor(array, name=f"{node.outputs[0].name}_static")
             constant = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", tensor)])
             constant.outputs[0].name = tensor.name
-            constant.outputs[0].shape, constant.outputs[0].dtype = ir.Shape([]), ir.DataType.INT64
+            constant.outputs[0].shape, constant.outputs[0].dtype = ir.Shape(array.shape), ir.DataType.INT64
             graph.insert_before(node, constant)
             ir.convenience.replace_all_uses_with(node.outputs[0], constant.outputs[0])
             graph.remove(node, safe=True)
             folded += 1
     return folded
+
+
+def _static_dims_picked(node: ir.Node) -> tuple[list[int], bool] | None:
+    """The static dims a Gather/Slice of ``Shape(x)`` picks, and whether the result is a scalar; None when
+    it is not one or any picked dim is symbolic."""
+    source = node.inputs[0] if node.inputs else None
+    shape_node = source.producer() if source is not None else None
+    if shape_node is None or shape_node.op_type != "Shape" or shape_node.domain not in ("", "ai.onnx"):
+        return None
+    data = shape_node.inputs[0]
+    if data is None or data.shape is None:
+        return None
+    first, last = (shape_node.attributes.get(k) for k in ("start", "end"))
+    dims = list(data.shape)[first.as_int() if first else 0 : last.as_int() if last else None]
+    if node.op_type == "Gather":
+        axis = node.attributes.get("axis")
+        index = _constant(node.inputs[1]) if len(node.inputs) == 2 else None
+        if (axis is not None and axis.as_int() != 0) or index is None or index.shape.rank() != 0:
+            return None  # 1-D indices are onnxscript's own rule
+        i = int(index.numpy())
+        picked, scalar = ([dims[i]] if -len(dims) <= i < len(dims) else None), True
+    else:
+        bounds = [_constant(v) if v is not None else None for v in node.inputs[1:5]]
+        starts, ends = bounds[0], bounds[1] if len(bounds) > 1 else None
+        axes = bounds[2] if len(bounds) > 2 else None
+        steps = bounds[3] if len(bounds) > 3 else None
+        if starts is None or ends is None or starts.numpy().shape != (1,) or ends.numpy().shape != (1,):
+            return None
+        if axes is not None and [int(a) for a in axes.numpy()] not in ([0], [-1]):
+            return None
+        if len(node.inputs) > 3 and node.inputs[3] is not None and axes is None:
+            return None  # axes given but not constant
+        if len(node.inputs) > 4 and node.inputs[4] is not None and (steps is None or list(steps.numpy()) != [1]):
+            return None
+        # with step 1 ONNX clamps starts and ends as Python slicing does (INT64_MAX: to the end)
+        picked, scalar = dims[int(starts.numpy()[0]) : int(ends.numpy()[0])], False
+    if picked is None or not all(isinstance(d, int) for d in picked):
+        return None
+    return picked, scalar
 
 
 def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:

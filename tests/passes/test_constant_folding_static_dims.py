@@ -13,7 +13,7 @@ from tests.passes._util import apply, checked, ops, parse
 
 MODEL = """
     <ir_version: 8, opset_import: ["" : 17]>
-    g (float[N, S, 4] x) => (float[M, 4] y, float[N, K] z, float[N, S, 4] w) {
+    g (float[N, S, 4] x) => (float[M, 4] y, float[N, K] z, float[N, S, 4] w, float[N, K] v) {
         shape = Shape(x)
         last = Constant <value = int64 {-1}> ()
         d = Gather <axis = 0> (shape, last)
@@ -31,7 +31,17 @@ MODEL = """
         target2 = Concat <axis = 0> (nu, minus)
         z = Reshape(x, target2)
         f = Cast <to = 1> (d2)
-        w = Mul(x, f)
+        w0 = Mul(x, f)
+        lo = Constant <value = int64[1] {-1}> ()
+        hi = Constant <value = int64[1] {9223372036854775807}> ()
+        size = Slice(shape, lo, hi)
+        sizef = Cast <to = 1> (size)
+        root = Sqrt(sizef)
+        w = Div(w0, root)
+        mid = Constant <value = int64[1] {1}> ()
+        lead = Slice(shape, zero, mid)
+        lead_shape = Concat <axis = 0> (lead, minus)
+        v = Reshape(x, lead_shape)
     }"""
 
 
@@ -39,10 +49,11 @@ def test_constant_folding_folds_a_static_dim_read_off_a_dynamic_shape() -> None:
     original = parse(MODEL)
     model, result = apply(ConstantFolding(), original)
     assert result.modified
-    assert result.counts["static_dims_folded"] == 2  # dim -1 of x, and dim 1 of Shape(x)[1:]
-    # Only the batch dim N (symbolic) is still read off the shape: one Shape, one Gather left.
-    assert ops(model).get("Shape") == 1 and ops(model).get("Gather") == 1
-    assert ops(model).get("Cast") is None  # Cast(4) folded once its input became a constant
+    # dim -1 of x, dim 1 of Shape(x)[1:], and x.shape[-1:] (the SDPA head size under Sqrt)
+    assert result.counts["static_dims_folded"] == 3
+    # Only the batch dim N (symbolic) is still read off the shape: by one Gather and by one Slice (x.shape[:1])
+    assert ops(model).get("Shape") == 1 and ops(model).get("Gather") == 1 and ops(model).get("Slice") == 1
+    assert ops(model).get("Cast") is None and ops(model).get("Sqrt") is None  # folded once their input was
     shapes = [{"x": (1, 1, 4)}, {"x": (3, 5, 4)}, {"x": (2, 17, 4)}]
     assert_equivalent(original, checked(model), shapes)
 
