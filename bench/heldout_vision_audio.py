@@ -195,6 +195,14 @@ SPECS: dict[str, Spec] = {
         ),
         Spec("hubert", "HubertConfig", "HubertModel", "raw", _W2V),
         Spec(
+            "hubert_stable",
+            "HubertConfig",
+            "HubertModel",
+            "raw",
+            {**_W2V, "feat_extract_norm": "layer", "do_stable_layer_norm": True, "conv_bias": True},
+            note="hubert-large/wav2vec2-large-lv60 layout: LayerNorm per conv, pre-norm layers",
+        ),
+        Spec(
             "wavlm",
             "WavLMConfig",
             "WavLMModel",
