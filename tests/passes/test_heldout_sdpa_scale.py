@@ -1,0 +1,79 @@
+"""Falcon's SDPA export with a KV cache through the ``fast`` preset's passes up to fuse_gqa (issue 17,
+held-out decoders).
+
+``tests/models/heldout/falcon_past_ts_sdpa.onnx``: ``python -m bench.heldout_dec_past --only falcon
+--exporters ts_sdpa`` (tiny FalconForCausalLM from its config: 2 layers, hidden 32, 4 query heads, one KV
+head, rotary, parallel attention; TorchScript with ``attn_implementation="sdpa"``, Optimum's signature).
+TorchScript's decomposed SDPA scales q and k^T each by ``sqrt(1/sqrt(Shape(q)[-1:]))``: the head size read
+off q's shape, static while batch and sequence are not. constant_folding left that Slice of the shape, the
+scale stayed computed at run time, and fuse_gqa found a Mul where it looks for k^T: 0 of 2 layers fused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from passes import registry
+from passes._infra import PassContext, op_histogram
+from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "heldout" / "falcon_past_ts_sdpa.onnx"
+LAYERS = 2
+
+
+def session(model: ir.Model | Path, optimized: bool = False) -> ort.InferenceSession:
+    data = str(model) if isinstance(model, Path) else ir.serde.serialize_model(model).SerializeToString()
+    options = ort.SessionOptions()
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def fused() -> tuple[ir.Model, dict[str, int]]:
+    model = ir.load(MODEL)
+    specs = registry.PRESETS["fast"].specs
+    upto = [s for s in specs[: [s.name for s in specs].index("fuse_gqa") + 1] if s.name != "padding_elimination"]
+    counts: dict[str, int] = {}
+    for p in registry.build_passes(upto):
+        result = p(model, PassContext())
+        model = result.model
+        for key, value in result.counts.items():  # summed over a pass's runs (constant_folding runs twice)
+            counts[f"{p.name}.{key}"] = counts.get(f"{p.name}.{key}", 0) + value
+    return model, counts
+
+
+def test_sdpa_scale_folds_and_every_layer_becomes_group_query_attention(fused) -> None:
+    model, counts = fused
+    ops = op_histogram(model)
+    assert counts.get("constant_folding.static_dims_folded", 0) >= 2  # the head size, once per layer
+    assert counts["fuse_gqa.fused_gqa"] == LAYERS
+    assert ops["com.microsoft::GroupQueryAttention"] == LAYERS
+    assert "Softmax" not in ops and "Sqrt" not in ops  # no attention and no run-time scale left
+    for node in (n for n in model.graph if n.op_type == "GroupQueryAttention"):
+        assert node.attributes.get_int("kv_num_heads") == 1
+        assert node.attributes.get_float("scale") == pytest.approx(8**-0.5, rel=1e-6)
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+
+
+def test_sdpa_fused_decoder_computes_what_the_export_does_on_a_growing_cache(fused) -> None:
+    model, _ = fused
+    signature = Signature.of(MODEL)
+    reference, candidate = session(MODEL), session(model, optimized=True)
+    names = [o.name for o in reference.get_outputs()]
+    feeds = decoder_feeds(signature, 2, 6, 0, seed=3)
+    for step in range(5):  # a prefill on an empty cache, then one token at a time on the reference's cache
+        want = dict(zip(names, reference.run(names, feeds), strict=True))
+        got = dict(zip(names, candidate.run(names, feeds), strict=True))
+        for name in names:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} step {step}")
+        past = presents_as_past(want)
+        tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
+        feeds = decoder_feeds(signature, 2, 1, past["past_key_values.0.key"].shape[2], tokens=tokens, past_values=past)
