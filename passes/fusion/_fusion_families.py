@@ -40,6 +40,11 @@ decoder reaches it with GroupQueryAttention or MultiHeadAttention and no Softmax
 decoder has two per layer, a self and a cross attention: ``cross`` of them (``count_cross_attention``) are
 no layer of their own, and each adds one attention and one residual norm to the family's count for the
 ``layers - cross`` self attentions (its feed-forward, and so its GELU, is per layer).
+
+The family's count is then capped by the graph (``fusable_sites``): no more skip norms than residual Adds a
+norm reads, no more GELUs than the graph computes. The families are layouts, and their members vary (Marian
+without BART's embedding norm, a ReLU or SiLU feed-forward in a family of GELUs): what a graph does not hold
+is not a fusion missed.
 """
 
 from __future__ import annotations
@@ -87,14 +92,28 @@ ORT_MODEL_TYPE: dict[str, str] = {
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
 
 
-def expected_fusions(family: str, layers: int, cross: int = 0) -> dict[str, int]:
+def expected_fusions(family: str, layers: int, cross: int = 0, sites: dict[str, int] | None = None) -> dict[str, int]:
     """Fused-op counts a fully fused model of this family has, for ``layers`` attention blocks of which
     ``cross`` are cross attentions (an encoder-decoder's decoder): the family's count for the self attentions,
-    plus per cross attention the attention and the residual norm after it."""
+    plus per cross attention the attention and the residual norm after it.
+
+    With ``sites`` (``fusable_sites`` of the graph), each norm and GELU count is capped by what the graph
+    holds: a family is a guess at the layout, and a member may lack what it describes (Marian has no
+    embedding norm, Pegasus adds 2-D positions before its first norms, M2M100 and OPT feed forward through
+    ReLU, StableLM through SiLU). A count the graph cannot reach would be reported missing for a fusion that
+    has nothing to fuse. Attention keeps the family's count: its Softmax blocks are what ``layers`` counts."""
     expected = _per_layer_fusions(family, layers - cross)
     if cross and expected:
         expected["attention"] += cross
         expected["skip_layer_norm"] += cross
+    if sites is not None:
+        if "skip_layer_norm" in expected:
+            expected["skip_layer_norm"] = min(expected["skip_layer_norm"], sites["residual_norms"])
+        if "embed_layer_norm" in expected:  # the norm left once every residual one is a skip norm
+            free = sites["norms"] - expected.get("skip_layer_norm", 0)
+            expected["embed_layer_norm"] = min(expected["embed_layer_norm"], max(free, 0))
+        if "gelu" in expected:
+            expected["gelu"] = min(expected["gelu"], sites["gelus"])
     return expected
 
 
@@ -124,6 +143,100 @@ def _per_layer_fusions(family: str, n: int) -> dict[str, int]:
         # no GELU to fuse.
         return {"attention": n, "skip_layer_norm": 2 * n}
     return {}
+
+
+_NORM_OPS = frozenset({"LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization"})
+
+
+def fusable_sites(model: ir.Model) -> dict[str, int]:
+    """What the graph holds for the norm and GELU fusions to take in: ``norms`` (LayerNormalization and RMS
+    norm ops, and their decompositions: a ``ReduceMean`` of ``Pow(x, 2)`` or ``Mul(x, x)``), ``residual_norms``
+    (the residual Adds, ``is_residual``, that a norm reads, each once: a skip norm takes in its Add, so the two
+    norms of a parallel block's sum (GPT-NeoX) fuse one; skip norms already fused count too) and
+    ``gelus`` (``Erf`` and ``Tanh``, the anchors of the exact and tanh GELUs, QuickGELU's ``Sigmoid(x * c)``,
+    and GELUs already fused)."""
+    norms = skips = gelus = 0
+    sums: set[ir.Node] = set()  # the residual Adds normalized: one skip norm takes in each
+    for node in model.graph:
+        if node.domain == "com.microsoft":
+            if node.op_type in GROUPS["skip_layer_norm"]:
+                norms, skips = norms + 1, skips + 1
+            elif node.op_type in GROUPS["gelu"]:
+                gelus += 1
+            continue
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in ("Erf", "Tanh", "Gelu") or (node.op_type == "Sigmoid" and _scaled_sigmoid(node)):
+            gelus += 1
+        elif (normalized := _norm_input(node)) is not None:
+            norms += 1
+            if is_residual(normalized):
+                sums.add(_through_casts(normalized).producer())
+    return {"norms": norms, "residual_norms": skips + len(sums), "gelus": gelus}
+
+
+def _norm_input(node: ir.Node) -> ir.Value | None:
+    """The tensor ``node`` normalizes, when it is a norm op or the ``ReduceMean`` of a decomposed norm's squares
+    (one per norm: the LayerNorm decomposition's first ReduceMean reads ``x`` itself, not a square)."""
+    if node.op_type in _NORM_OPS:
+        return node.inputs[0]
+    if node.op_type != "ReduceMean" or node.inputs[0] is None or (square := node.inputs[0].producer()) is None:
+        return None
+    base = square.inputs[0]
+    squared = _is_const(square.inputs[1], 2) if square.op_type == "Pow" else square.op_type == "Mul"
+    if base is None or not squared or (square.op_type == "Mul" and square.inputs[1] is not base):
+        return None
+    centred = _through_casts(base).producer()
+    # LayerNorm written out: the squares are of x - mean(x), the norm's input is x
+    return centred.inputs[0] if centred is not None and centred.op_type == "Sub" else base
+
+
+def _through_casts(value: ir.Value) -> ir.Value:
+    for _ in range(4):
+        node = value.producer()
+        if node is None or node.op_type != "Cast" or node.inputs[0] is None:
+            break
+        value = node.inputs[0]
+    return value
+
+
+def is_residual(value: ir.Value | None) -> bool:
+    """An Add of two computed tensors of one shape: a residual sum, which a skip norm takes in. Looks through
+    the Casts T5's TorchScript export writes before a norm's statistics (``x.to(float32)``). A constant operand
+    is a bias or a learned position table (ViT's); an operand broadcast to the other's shape is a position
+    table shared by the batch (Pegasus' and BlenderbotSmall's [S, H], BERT's [1, S, H]): the skip norm ops
+    take neither as their skip input, and no rule fuses them."""
+    if value is None:
+        return False
+    producer = _through_casts(value).producer()
+    if producer is None or producer.op_type != "Add" or producer.domain not in ("", "ai.onnx"):
+        return False
+    operands = producer.inputs
+    computed = [v for v in operands if v is not None and v.producer() is not None and _constant(v) is None]
+    if len(operands) != 2 or len(computed) != 2:
+        return False
+    shapes = [v.shape for v in computed if v.shape is not None]
+    return len(shapes) < 2 or not _broadcast(*shapes)  # unknown shapes count: too low a cap hides a real miss
+
+
+def _broadcast(a: ir.Shape, b: ir.Shape) -> bool:
+    """One of the shapes is broadcast to the other: a lower rank, or a static 1 against another extent."""
+    if len(a) != len(b):
+        return True
+    return any((x == 1) != (y == 1) and (isinstance(x, int) or isinstance(y, int)) for x, y in zip(a, b, strict=True))
+
+
+def _scaled_sigmoid(node: ir.Node) -> bool:
+    """``Sigmoid(x * c)`` for a scalar constant ``c`` multiplied back by ``x``: QuickGELU (``c`` = 1.702, CLIP);
+    SiLU's ``Sigmoid(x)`` has no scale."""
+    scaled = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if scaled is None or scaled.op_type != "Mul":
+        return False
+    factor = [(v, _constant(v)) for v in scaled.inputs]
+    x = next((v for v, c in factor if c is None), None)
+    if x is None or not any(c is not None and c.size == 1 for _, c in factor):
+        return False
+    return any(u.node.op_type == "Mul" and x in u.node.inputs for u in node.outputs[0].uses())
 
 
 def achieved_fusions(model: ir.Model) -> dict[str, int]:

@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from passes._infra import NonMatch
 from passes.fusion import _attention_bias as attention_bias
+from passes.fusion import _fusion_families as fam
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _onnxscript_adapter as adapter
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
@@ -123,16 +124,9 @@ def _groups_of(node: ir.Node) -> list[str]:
 
 
 def _is_residual(value: ir.Value | None) -> bool:
-    """An Add of two computed tensors: a residual sum, which a Skip norm would take in. Looks through the
-    Cast T5's TorchScript export writes before a norm's statistics (``x.to(float32)``), which the fused
-    candidate no longer has: without it the original's anchors and the candidate's would not be the same and
-    a layer would be numbered "?"."""
-    producer = value.producer() if value is not None else None
-    while producer is not None and producer.op_type == "Cast" and producer.inputs[0] is not None:
-        producer = producer.inputs[0].producer()
-    if producer is None or producer.op_type != "Add" or producer.domain not in _ONNX:
-        return False
-    return all(v is not None and v.const_value is None and v.producer() is not None for v in producer.inputs)
+    """A residual sum a skip norm would take in, as ``fuse_transformer`` counts the sites it expects to fuse
+    (``_fusion_families.is_residual``): a site reported here is one the expected count includes."""
+    return fam.is_residual(value)
 
 
 def _reads_mean(pow_node: ir.Node) -> bool:

@@ -183,7 +183,8 @@ class FuseTransformer(Pass):
             reason = "TensorRT parses standard ONNX only: com.microsoft contrib ops would fall back"
             return PassResult(unchanged, False, {}, [NonMatch(reason)], notes | _skip(reason)), proto
         heads, hidden = opts.num_heads or heads, opts.hidden_size or hidden
-        expected = fam.expected_fusions(family, layers, cross)
+        sites = fam.fusable_sites(base)
+        expected = fam.expected_fusions(family, layers, cross, sites)
         attention: AttentionMode = opts.attention
         # Windows with a bias run slower fused on the CPU EP (_short_attention): unfused, and the report says why.
         windows = short_biased_attention(base) if attention != "none" and ctx.target == "cpu" else None
@@ -193,6 +194,7 @@ class FuseTransformer(Pass):
         if attention == "none":  # left unfused on purpose: not a shortfall to report
             expected.pop("attention", None)
         notes |= {"num_heads": heads, "hidden_size": hidden, "expected": expected, "attention_mode": attention}
+        notes["fusable_sites"] = sites
 
         reference = _session(raw)
         complete = [f for f in ctx.samples if all(name in f for name in _names(reference))]
