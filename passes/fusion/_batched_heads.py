@@ -24,6 +24,11 @@ element order, so reshaping the sum is the sum of the reshaped terms::
 after which the product's fold is dropped as above and the relative terms reach the Softmax as a
 ``[B, h, S, T]`` bias (``attention_bias`` of the fused attention).
 
+BLOOM's ``baddbmm(alibi, q3, kT3, alpha=1/sqrt(d))`` adds a term that broadcasts over the queries (ALiBi,
+``[B*h, 1, T]``) to the product scaled after the MatMul. Such a term is unfolded on its own to ``[B, h, 1, T]``
+(``[-1, h]`` then its own last sizes: its leading dim is the sum's, so each element keeps its head), and a
+scalar ``Mul``/``Div`` applied to the folded product is applied to the 4-D product instead.
+
 A site is rewritten only where the shapes prove each fold merges exactly the two leading dims of its 4-D
 source and the unfold restores them (dims compared as the same int or the same symbol; TorchScript's
 run-time shapes are resolved first by ``_symbolic_shapes``). The scalar scaling between the fold and the
@@ -127,6 +132,32 @@ def _same_shape(a: ir.Value | None, b: ir.Value | None) -> bool:
     return da is not None and db is not None and len(da) == len(db) and all(map(_same, da, db))
 
 
+def _broadcasts_within_heads(term: ir.Value | None, total: ir.Value | None) -> bool:
+    """A 3-D term whose leading ``B*h`` dim is the sum's and whose other dims are the sum's or 1 (BLOOM's ALiBi,
+    ``[B*h, 1, T]``, broadcast over the queries): unfolding its leading dim alone keeps every element's head."""
+    dims, full = _dims(term), _dims(total)
+    if dims is None or full is None or len(dims) != 3 or len(full) != 3 or not _same(dims[0], full[0]):
+        return False
+    return all(d == 1 or _same(d, f) for d, f in zip(dims[1:], full[1:], strict=True))
+
+
+def _unfold_like(term: ir.Value, unfolded: ir.Value, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+    """``term [B*h, X, Y]`` reshaped to ``[B, h, X, Y]`` with h the unfold's constant heads dim: ``[-1, h]``
+    then the term's own last two sizes. Nothing here reads the full term, which the SDPA rule must see
+    read by the sum alone."""
+    heads = list(unfolded.shape)[1]
+    lead = ir.node("Constant", [], {"value": ir.tensor(np.array([-1, heads], np.int64))}, name=f"{prefix}/lead")
+    begin = ir.node("Constant", [], {"value": ir.tensor(np.array([1], np.int64))}, name=f"{prefix}/b1")
+    end = ir.node("Constant", [], {"value": ir.tensor(np.array([3], np.int64))}, name=f"{prefix}/b3")
+    own = ir.node("Shape", [term], name=f"{prefix}/term_shape")
+    rest = ir.node("Slice", [own.outputs[0], begin.outputs[0], end.outputs[0]], name=f"{prefix}/rest")
+    shape = ir.node("Concat", [lead.outputs[0], rest.outputs[0]], {"axis": 0}, name=f"{prefix}/term_target")
+    reshaped = ir.node("Reshape", [term, shape.outputs[0]], name=f"{prefix}/term1")
+    reshaped.outputs[0].shape = ir.Shape(list(unfolded.shape)[:2] + list(term.shape)[1:])
+    reshaped.outputs[0].dtype = term.dtype
+    return [lead, begin, end, own, rest, shape, reshaped], reshaped.outputs[0]
+
+
 def distribute_unfolds(model: ir.Model) -> int:
     """Rewrite ``Reshape(Add(x, y))`` that unfolds ``[B*h, S, T]`` to ``[B, h, S, T]`` into ``Add(Reshape(x),
     Reshape(y))`` where x, y and the sum have one shape (no broadcast) and the sum has no other reader than
@@ -149,17 +180,32 @@ def distribute_unfolds(model: ir.Model) -> int:
             if not (_same(target[2], folded[1]) and _same(target[3], folded[2])):
                 continue
             x, y = add.inputs
-            if not (_same_shape(x, total) and _same_shape(y, total)):
+            if not _same_shape(x, total):
+                x, y = y, x
+            if not _same_shape(x, total):
+                continue
+            broadcast = not _same_shape(y, total)
+            if broadcast and not (_broadcasts_within_heads(y, total) and isinstance(target[1], int)):
                 continue
             readers = [u.node for u in total.uses()]
             if any(r is not unfold and r.op_type != "Shape" for r in readers):
                 continue
-            prefix = unfold.name or "unfold"
+            if broadcast and len(readers) > 1:
+                continue  # a Shape reader would need a full-shape term to read; none is left but the product
+            prefix = unfold.name or f"unfold_{done}"  # ORT refuses two nodes of one name
             nodes = []
             parts = []
-            for i, term in enumerate((x, y)):
-                # the same shape operand and attributes (allowzero included): each term reshapes as the sum did
-                part = ir.node("Reshape", [term, unfold.inputs[1]], dict(unfold.attributes), name=f"{prefix}/term{i}")
+            # the same shape operand and attributes (allowzero included): the full term reshapes as the sum did
+            part = ir.node("Reshape", [x, unfold.inputs[1]], dict(unfold.attributes), name=f"{prefix}/term0")
+            part.outputs[0].shape, part.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+            nodes.append(part)
+            parts.append(part.outputs[0])
+            if broadcast:
+                nodes_y, term = _unfold_like(y, part.outputs[0], prefix)
+                nodes += nodes_y
+                parts.append(term)
+            else:
+                part = ir.node("Reshape", [y, unfold.inputs[1]], dict(unfold.attributes), name=f"{prefix}/term1")
                 part.outputs[0].shape, part.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
                 nodes.append(part)
                 parts.append(part.outputs[0])
@@ -169,7 +215,7 @@ def distribute_unfolds(model: ir.Model) -> int:
             model.graph.insert_before(unfold, nodes)
             # Shape readers read a term instead (the same shape): the one that is not a MatMul product, which
             # unfold_batched_heads replaces; reading it would keep a second (3-D or 4-D) product alive
-            kept = y if x.producer() is not None and x.producer().op_type == "MatMul" else x
+            kept = y if _product_of(x) is not None else x
             for reader in readers:
                 if reader is not unfold:
                     reader.replace_input_with(0, kept)
@@ -182,6 +228,33 @@ def distribute_unfolds(model: ir.Model) -> int:
     return done
 
 
+def _scaled_by(matmul: ir.Node) -> list[tuple[ir.Node, ir.Value]]:
+    """The chain of scalar ``Mul``/``Div`` that alone reads the MatMul's product (besides ``Shape`` ops), in
+    order, each with its scalar operand; [] when none."""
+    chain: list[tuple[ir.Node, ir.Value]] = []
+    value = matmul.outputs[0]
+    while True:
+        uses = [u for u in value.uses() if u.node.op_type != "Shape"]
+        if len(uses) != 1 or value.is_graph_output():
+            return chain
+        node, idx = uses[0].node, uses[0].idx
+        if node.op_type not in _SCALAR_OPS or node.domain not in _ONNX or (node.op_type == "Div" and idx != 0):
+            return chain
+        scalar = node.inputs[1 - idx]
+        if not _scalar(scalar):
+            return chain
+        chain.append((node, scalar))
+        value = node.outputs[0]
+
+
+def _product_of(value: ir.Value | None) -> ir.Node | None:
+    """The MatMul whose product ``value`` is, through scalar ``Mul``/``Div``; None otherwise."""
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type in _SCALAR_OPS and node.domain in _ONNX and _scalar(node.inputs[1]):
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node if node is not None and node.op_type == "MatMul" and node.domain in _ONNX else None
+
+
 def unfold_batched_heads(model: ir.Model) -> int:
     """Rewrite every proven ``[B*h, S, d]`` attention product to its 4-D form; the number rewritten (the
     unfolds distributed over relative-position sums first, ``distribute_unfolds``)."""
@@ -190,7 +263,8 @@ def unfold_batched_heads(model: ir.Model) -> int:
     for matmul in model.graph:
         if matmul.op_type != "MatMul" or matmul.domain not in _ONNX:
             continue
-        out = matmul.outputs[0]
+        after = _scaled_by(matmul)
+        out = after[-1][0].outputs[0] if after else matmul.outputs[0]
         uses = [u for u in out.uses() if u.node.op_type != "Shape"]  # TorchScript reads the unfold's sizes
         if len(uses) != 1 or out.is_graph_output():
             continue
@@ -207,9 +281,9 @@ def unfold_batched_heads(model: ir.Model) -> int:
             continue
         lead_ok = all(_same(target[i], source[i]) and _same(other[i], source[i]) for i in (0, 1))
         if lead_ok and _same(target[2], folded[1]) and _same(target[3], folded[2]):
-            sites.append((matmul, unfold, lhs, rhs))
-    for matmul, unfold, lhs, (source, transposed, scalars) in sites:
-        prefix = matmul.name or "bmm"
+            sites.append((matmul, after, unfold, lhs, rhs))
+    for index, (matmul, after, unfold, lhs, (source, transposed, scalars)) in enumerate(sites):
+        prefix = matmul.name or f"bmm_{index}"  # ORT refuses two nodes of one name
         nodes: list[ir.Node] = []
         value = source
         if transposed:
@@ -223,9 +297,16 @@ def unfold_batched_heads(model: ir.Model) -> int:
         product = ir.node("MatMul", [lhs, value], name=f"{prefix}/4d")
         nodes.append(product)
         product.outputs[0].shape, product.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+        # a scale applied to the folded product (baddbmm's alpha) is a scalar: it applies to the 4-D one alike
+        last = product
+        for op, scalar in after:
+            last = ir.node(op.op_type, [last.outputs[0], scalar], name=f"{prefix}/{op.op_type.lower()}_4d_out")
+            last.outputs[0].shape, last.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+            nodes.append(last)
         model.graph.insert_before(unfold, nodes)
-        _reshape_readers(model.graph, matmul.outputs[0], product, unfold)
-        ir.convenience.replace_all_uses_with(unfold.outputs[0], product.outputs[0])
+        for folded in [matmul.outputs[0]] + [op.outputs[0] for op, _ in after]:
+            _reshape_readers(model.graph, folded, last, unfold)
+        ir.convenience.replace_all_uses_with(unfold.outputs[0], last.outputs[0])
     if sites:
         common_passes.RemoveUnusedNodesPass()(model)
         # a Shape reader of a product whose unfold was distributed sits before the new 4-D product it now reads

@@ -38,6 +38,7 @@ from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _erf_gelu as erf_gelu
 from passes.fusion import _merge_heads as merge_heads
+from passes.fusion import _mha_kv_layout as mha_kv_layout
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
 from passes.fusion import _tanh_gelu as tanh_gelu
 
@@ -164,6 +165,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     )(model)
     # Ours: sdpa_via_mha's Expand of a bias that already has the query length copies it for nothing.
     counts["noop_bias_expands"] = attention_bias.drop_noop_bias_expands(model)
+    # Ours: sdpa_via_mha transposes a [B, N, T, H] cache to [B, T, N*H]; MultiHeadAttention reads it as it is.
+    counts["heads_first_kv"] = mha_kv_layout.read_heads_first_kv(model)
     return counts
 
 

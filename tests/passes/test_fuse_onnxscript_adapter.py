@@ -64,6 +64,7 @@ OURS = (
     "tanh_gelu",
     "erf_gelu_half_first",
     "noop_bias_expands",
+    "heads_first_kv",
 )
 
 
