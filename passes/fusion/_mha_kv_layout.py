@@ -4,8 +4,8 @@ onnxscript's ``sdpa_via_mha`` rule (0.7.2) always gives MultiHeadAttention 3-D `
 values: where they are 4-D ``[B, N, T, H]`` (a decoder's ``Concat(past, new)`` on the sequence axis, BLOOM's
 ALiBi attention with a cache) it inserts ``Reshape(Transpose(0, 2, 1, 3)(kv), [B, T, N*H])``, a copy of the
 whole cache for each of K and V, in every layer, at every decode step. ORT's MultiHeadAttention also takes
-key and value as ``[B, N, T, H]`` (BNSH, its cross-attention layout, CPU and CUDA) and reads them in place,
-so the Transpose and Reshape are dropped::
+key and value as ``[B, N, T, H]`` (BNSH, its cross-attention layout; checked on the CPU EP, ORT 1.32) and
+reads them in place, so the Transpose and Reshape are dropped::
 
     MultiHeadAttention(q, Reshape(Transpose(k4, perm=[0,2,1,3]), [B,T,N*H]), Reshape(Transpose(v4, ..), ..))
     ==>  MultiHeadAttention(q, k4, v4)
