@@ -215,15 +215,41 @@ def is_residual(value: ir.Value | None) -> bool:
     computed = [v for v in operands if v is not None and v.producer() is not None and _constant(v) is None]
     if len(operands) != 2 or len(computed) != 2:
         return False
-    shapes = [v.shape for v in computed if v.shape is not None]
+    shapes = [dims for v in computed if (dims := _dims(v)) is not None]
     return len(shapes) < 2 or not _broadcast(*shapes)  # unknown shapes count: too low a cap hides a real miss
 
 
-def _broadcast(a: ir.Shape, b: ir.Shape) -> bool:
+def _broadcast(a: list, b: list) -> bool:
     """One of the shapes is broadcast to the other: a lower rank, or a static 1 against another extent."""
     if len(a) != len(b):
         return True
     return any((x == 1) != (y == 1) and (isinstance(x, int) or isinstance(y, int)) for x, y in zip(a, b, strict=True))
+
+
+def _dims(value: ir.Value, depth: int = 4) -> list | None:
+    """``value``'s dims, with the static ones ONNX inference loses through a Slice with a computed end (it
+    leaves every axis unknown) read from the operands: a Gather keeps its indices' dims, a Slice the dims of
+    the axes it does not cut. TorchScript's position ids are such a slice of a ``[1, max_positions]`` buffer,
+    and their leading 1 is what tells a batch-broadcast position table from a residual."""
+    dims = list(value.shape) if value.shape is not None else None
+    node = value.producer()
+    if not depth or node is None or any(v is None for v in node.inputs[:2]):
+        return dims
+    refined = None
+    if node.op_type == "Gather":
+        table, indices = _dims(node.inputs[0], depth - 1), _dims(node.inputs[1], depth - 1)
+        axis = node.attributes.get_int("axis", 0)
+        if table is not None and indices is not None:
+            refined = table[:axis] + indices + table[axis + 1 :]
+    elif node.op_type == "Slice" and len(node.inputs) > 3 and (axes := _constant(node.inputs[3])) is not None:
+        data = _dims(node.inputs[0], depth - 1)
+        if data:
+            cut = {int(a) % len(data) for a in axes.reshape(-1)}
+            refined = [None if i in cut else d for i, d in enumerate(data)]
+    if refined is None or (dims is not None and len(dims) != len(refined)):
+        return dims
+    known = dims or refined
+    return [r if isinstance(r, int) and not isinstance(d, int) else d for d, r in zip(known, refined, strict=True)]
 
 
 def _scaled_sigmoid(node: ir.Node) -> bool:

@@ -86,10 +86,18 @@ class _Builder:
             act = self.op("Mul", half, self.op("Add", erf, self.const(np.array(1.0, np.float32))))
         return self.linear(act, 2 * H, H)
 
-    def embed(self, ids: str, table: str, positions: str) -> str:
-        """Scaled token embedding plus sinusoidal positions [S, H] read at Range(0, S): Marian's."""
+    def embed(self, ids: str, table: str, positions: str, buffer: bool = False) -> str:
+        """Scaled token embedding plus sinusoidal positions [S, H] read at Range(0, S) (Marian's); with
+        ``buffer``, [1, S, H] read at a slice of a [1, max_positions] id buffer (TorchScript's BERT), whose
+        leading 1 ONNX inference loses through the computed end."""
         length = self.op("Gather", self.op("Shape", ids), self.const(np.array(1, np.int64)), axis=0)
-        steps = self.op("Range", self.const(np.array(0, np.int64)), length, self.const(np.array(1, np.int64)))
+        if buffer:
+            end = self.op("Unsqueeze", length, self.const(np.array([0], np.int64)))
+            ids_buffer = self.const(np.arange(POSITIONS, dtype=np.int64)[None])
+            zero, one = self.const(np.array([0], np.int64)), self.const(np.array([1], np.int64))
+            steps = self.op("Slice", ids_buffer, zero, end, one, one)  # along axis 1
+        else:
+            steps = self.op("Range", self.const(np.array(0, np.int64)), length, self.const(np.array(1, np.int64)))
         tokens = self.op("Mul", self.op("Gather", table, ids), self.const(np.array(np.sqrt(H), np.float32)))
         return self.op("Add", tokens, self.op("Gather", positions, steps))
 
@@ -99,14 +107,14 @@ def _sinusoids() -> np.ndarray:
     return np.concatenate([np.sin(angle), np.cos(angle)], axis=1).astype(np.float32)
 
 
-def encoder_decoder(activation: str, embedding_norm: bool = False) -> onnx.ModelProto:
+def encoder_decoder(activation: str, embedding_norm: bool = False, buffer: bool = False) -> onnx.ModelProto:
     """One encoder layer and one decoder layer, post-norm, (input_ids, decoder_input_ids) -> logits; with
     ``embedding_norm`` the embedding sums are normalized too (BlenderbotSmall's and Pegasus' first norms, whose
-    positions are broadcast over the batch)."""
+    positions are broadcast over the batch); ``buffer``: positions as TorchScript's BERT reads them."""
     b = _Builder(seed=0 if activation == "relu" else 1)
     table, positions = b.weight(VOCAB, H), b.const(_sinusoids())
-    x = b.embed("input_ids", table, positions)
-    y = b.embed("decoder_input_ids", table, positions)
+    x = b.embed("input_ids", table, positions, buffer)
+    y = b.embed("decoder_input_ids", table, positions, buffer)
     if embedding_norm:
         x, y = b.norm(x), b.norm(y)
     x = b.norm(b.op("Add", x, b.attention(x, x)))
@@ -185,10 +193,15 @@ def test_fuse_transformer_still_expects_every_gelu_the_graph_holds_when_the_feed
     _assert_exact(model, result.model)
 
 
-def test_fusable_sites_count_no_residual_norm_when_an_embedding_norm_reads_positions_broadcast_over_the_batch():
-    # setup: embedding norms of tokens + [S, H] positions (Pegasus' first norms, BlenderbotSmall's): a norm
-    # each, but no skip norm takes a position table broadcast over the batch as its skip input
-    plain, normed = encoder_decoder("relu"), encoder_decoder("relu", embedding_norm=True)
+@pytest.mark.parametrize("buffer", [False, True], ids=["range_positions", "sliced_id_buffer"])
+def test_fusable_sites_count_no_residual_norm_when_an_embedding_norm_reads_positions_broadcast_over_the_batch(
+    buffer: bool,
+):
+    # setup: embedding norms of tokens + [S, H] positions (Pegasus' first norms, BlenderbotSmall's) or of
+    # [1, S, H] ones (VisionEncoderDecoder's BERT decoder): a norm each, but no skip norm takes a position
+    # table broadcast over the batch as its skip input
+    plain = encoder_decoder("relu", buffer=buffer)
+    normed = encoder_decoder("relu", embedding_norm=True, buffer=buffer)
     # execute
     sites = [fam.fusable_sites(_inferred(m)) for m in (plain, normed)]
     # assert
