@@ -442,14 +442,15 @@ _STEM = {4: ("vit", "patch-embedding"), 3: ("whisper", "spectrogram"), 2: ("wav2
 
 def _conv_stem(model: ir.Model) -> tuple[str, str] | None:
     """A Conv reading a float graph input (directly, or through the Unsqueeze/Reshape/Cast that give raw
-    audio its channel axis): the family by the input's rank, with the evidence."""
+    audio its channel axis, and the Transpose that puts a spectrogram's bins first, as AST's patch stem
+    does): the family by the input's rank, with the evidence."""
     for node in model.graph:
         if node.op_type != "Conv":
             continue
         source, hops = node.inputs[0], 0
         while source is not None and not source.is_graph_input() and hops < 3:
             producer = source.producer()
-            if producer is None or producer.op_type not in ("Unsqueeze", "Reshape", "Cast", "Identity"):
+            if producer is None or producer.op_type not in ("Unsqueeze", "Reshape", "Cast", "Identity", "Transpose"):
                 break
             source, hops = producer.inputs[0], hops + 1
         if source is None or not source.is_graph_input() or source.shape is None:
