@@ -14,6 +14,9 @@ in_place=True       the same ``ir.Model`` object, mutated   graph rewrites (chea
 in_place=False      a new ``ir.Model``; input untouched    passes that round-trip through other tools
 =================  =====================================  ============================================
 
+``__call__`` also refuses a result whose graph reads a value nothing defines (``passes/_dangling.py``) that
+the input did not already read: a pass never hands on a dangling value.
+
 Match before mutate: a pass decides every rewrite on an unmodified graph, records a ``NonMatch`` for each
 candidate it declines (naming the node and the failed condition), and only then edits.
 
@@ -78,6 +81,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.errors import InvalidPassOptionsError, PassError
 from core.verdict import Verdict
+from passes._dangling import dangling_values
 
 Target = Literal["cpu", "cuda", "tensorrt"]
 
@@ -248,6 +252,8 @@ class Pass(abc.ABC, Generic[OptionsT]):
     def __call__(self, model: ir.Model, ctx: PassContext | None = None) -> PassResult:
         ctx = ctx or PassContext()
         files_before = set(ctx.side_files)
+        # Read before the call: an in-place pass mutates the model. A graph that came in broken is not its doing.
+        dangling_before = set(dangling_values(model.graph))
         try:
             result = self.call(model, ctx)
         except PassError:
@@ -270,6 +276,12 @@ class Pass(abc.ABC, Generic[OptionsT]):
             )
         if result.inputs_changed is not None and not self.changes_inputs:
             raise PassError("changed the model's inputs without declaring changes_inputs", pass_name=self.name)
+        # A value nothing defines surfaces much later (ORT refuses the stage, or a later pass reads a stale
+        # constant); refused here, the failure names the pass that lost it.
+        lost = [d for d in dangling_values(result.model.graph) if d not in dangling_before]
+        if lost:
+            shown = "; ".join(lost[:3]) + (f" (+{len(lost) - 3} more)" if len(lost) > 3 else "")
+            raise PassError(f"handed on a graph with values nothing defines: {shown}", pass_name=self.name)
         return result
 
     def __repr__(self) -> str:

@@ -169,6 +169,23 @@ def _merge(graph: ir.Graph, keep: ir.Node, twins: list[ir.Node]) -> None:
         drop_orphans(graph, inputs)
 
 
+def _reshape_source(value: ir.Value) -> tuple[ir.Value, ir.Node | None]:
+    """What the copy flattens: the input of the Reshape that made ``value``, when one did; else ``value``.
+
+    A Reshape only relabels row-major data, so ``Reshape(Reshape(x, s), [-1, d])`` is ``Reshape(x, [-1, d])``
+    for any ``s`` and allowzero (the copy's shape has no 0). Leaving the chain hands the fusions a
+    Reshape(Reshape) on every merged-heads output (LeViT's attentions), which onnxscript 0.7.2 collapses once
+    per optimizer round into an initializer named ``<output>/shape``: the second collapse on one output
+    re-registers that name, evicting the first initializer while other Reshapes still read it, and the
+    fused candidate is refused as a graph with a dangling value."""
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Reshape" and producer.domain in _ONNX:
+        source = producer.inputs[0]
+        if source is not None:
+            return source, producer
+    return value, None
+
+
 def _apply(
     graph: ir.Graph, names: FreshNames, entry: ir.Node, p: ir.Node, plan: dict[int, Dim], *, twins: list[ir.Node]
 ) -> list[ir.Node]:
@@ -182,12 +199,17 @@ def _apply(
         shape = ir.val(names(f"{origin}@{p.name}_in{i}_shape"), const_value=ir.tensor(np.array([-1, last], np.int64)))
         shape.dtype, shape.shape = ir.DataType.INT64, ir.Shape([2])
         graph.register_initializer(shape)
-        copy = ir.node("Reshape", [value, shape], name=names(f"{origin}@{p.name}_in{i}"))
+        source, folded = _reshape_source(value)
+        copy = ir.node("Reshape", [source, shape], name=names(f"{origin}@{p.name}_in{i}"))
         copy.outputs[0].name = names(f"{origin}@{p.name}_in{i}_out")
         copy.outputs[0].dtype = value.dtype
         copy.outputs[0].shape = ir.Shape([flat if lead is None else lead, last])
         graph.insert_before(p, copy)
         p.replace_input_with(i, copy.outputs[0])
+        if folded is not None and not list(folded.outputs[0].uses()) and not folded.outputs[0].is_graph_output():
+            folded_inputs = list(folded.inputs)
+            graph.remove(folded, safe=True)
+            drop_orphans(graph, folded_inputs)
         copies.append(copy)
     if p.op_type in _NORMS:
         p.attributes["axis"] = ir.AttrInt64("axis", 1)
