@@ -42,3 +42,26 @@ def dangling_values(graph: ir.Graph, _outer: tuple[ir.Graph, ...] = ()) -> list[
                 found.extend(dangling_values(sub, (graph, *_outer)))
     found.extend(f"output {v.name!r}" for v in graph.outputs if not _defined(v, scopes))
     return found
+
+
+def reattach_constants(graph: ir.Graph) -> int:
+    """Register again each constant the graph's nodes read that is no longer an initializer; the count.
+
+    onnxscript 0.7.2's rewriter registers a rule's new initializer under its name even when that name is taken
+    (its ``ReshapeReshape`` names the shape ``<output>/shape``, so two collapses onto one output collide): the
+    first initializer is unregistered while other nodes still read it. The value keeps its tensor, so
+    registering it again (under a fresh name when the new one holds the old) restores exactly what they read."""
+    count = 0
+    for node in graph:
+        for value in node.inputs:
+            if value is None or value.producer() is not None or value.is_graph_input() or value.is_initializer():
+                continue
+            if value.const_value is None or value.graph is not None:
+                continue
+            base, k = value.name or "constant", 0
+            while value.name is None or value.name in graph.initializers:
+                k += 1
+                value.name = f"{base}_{k}"
+            graph.register_initializer(value)
+            count += 1
+    return count

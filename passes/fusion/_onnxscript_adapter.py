@@ -18,13 +18,15 @@ flattening Reshape), ``_attention_bias`` (T5's relative position bias and mask a
 ``_concat_shape`` (a length read off a grown cache, ``Shape(Concat(past, new))``, read off its parts, so the
 with-past MHA rule can take the Concat without a cycle), ``_tanh_gelu`` (GPT-2's GELU with its bias) and
 ``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step it feeds.
+After every onnxscript step, a constant its rewriter unregistered while nodes still read it is registered
+again (``passes/_dangling.py``; counted as ``constants_reattached``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Literal
+from typing import Literal, TypeVar
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
@@ -34,6 +36,7 @@ from onnxscript.rewriter import pattern, rewrite
 from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES
 from onnxscript.rewriter.rules.common import gemm_to_matmul_add_rule
 
+from passes import _dangling as dangling
 from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _erf_gelu as erf_gelu
@@ -71,6 +74,9 @@ _RULE_SETS: dict[str, tuple[str, str]] = {
 }
 # The steps a stop point leaves out: "mha" keeps MultiHeadAttention unpacked, "none" leaves no SDPA to fuse.
 _CUT = {"attention": (), "mha": ("attention",), "none": ("sdpa", "attention")}
+
+
+_T = TypeVar("_T")
 
 
 class OnnxscriptAPIChangedError(ImportError):
@@ -114,20 +120,26 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     (MultiHeadAttention, projections left separate) or "none" (the attention core left to ORT).
     """
     cut = _CUT[stop_before]
-    counts: dict[str, int] = {}
+    counts: dict[str, int] = {"constants_reattached": 0}
+
+    def settled(result: _T) -> _T:
+        # onnxscript's rewriter can evict an initializer other nodes still read (passes/_dangling.py): put each
+        # back right after the step, before a later one serializes the graph without it.
+        counts["constants_reattached"] += dangling.reattach_constants(model.graph)
+        return result
 
     def fuse(step: str, shape_inference: bool = False) -> None:
-        counts[step] = 0 if step in cut else rule_set(step).apply_to_model(model)
+        counts[step] = 0 if step in cut else settled(rule_set(step).apply_to_model(model))
         if shape_inference and step not in cut:  # the SDPA rules add nodes whose shapes later steps read
             common_passes.ShapeInferencePass()(model)
 
-    rewrite(model, [gemm_to_matmul_add_rule])
+    settled(rewrite(model, [gemm_to_matmul_add_rule]))
     common_passes.ShapeInferencePass()(model)
-    optimizer.optimize(model)
-    rule_set("shape_optimization").apply_to_model(model)
-    optimizer.optimize(model)
+    settled(optimizer.optimize(model))
+    settled(rule_set("shape_optimization").apply_to_model(model))
+    settled(optimizer.optimize(model))
     # Ours: RMS norms in the forms the exporters write that onnxscript's rule does not read (_rms_norm_opset17).
-    counts["rms_norms_opset17"] = rms_norm_opset17.rules.apply_to_model(model)
+    counts["rms_norms_opset17"] = settled(rms_norm_opset17.rules.apply_to_model(model))
     for step in ("erf_gelu", "rms_normalization", "skip_layer_normalization", "skip_rms_normalization"):
         fuse(step)
     fuse("rotary_embedding")
@@ -135,9 +147,9 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     common_passes.CommonSubexpressionEliminationPass()(model)
     fuse("partial_rotary_embedding")
     # Ours, not onnxscript's: keeps the MHA rule from swallowing a flattening Reshape (see _merge_heads).
-    counts["merge_heads_split"] = 0 if "sdpa" in cut else merge_heads.rules.apply_to_model(model)
+    counts["merge_heads_split"] = 0 if "sdpa" in cut else settled(merge_heads.rules.apply_to_model(model))
     # Ours too: T5's relative position bias and its mask become one attention_bias (see _attention_bias).
-    counts["attention_biases_grouped"] = 0 if "sdpa" in cut else attention_bias.rules.apply_to_model(model)
+    counts["attention_biases_grouped"] = 0 if "sdpa" in cut else settled(attention_bias.rules.apply_to_model(model))
     # Ours: a length read off a grown cache (T5's key length for its position bias) from the Concat's inputs;
     # the with-past MHA rule (mha1) replaces that Concat with the attention's present output, which the Shape
     # would then read to compute the attention's own bias: a cycle, and the candidate refused (_concat_shape).
@@ -151,13 +163,13 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         fuse("mha_bias")
         fuse("attention")
     # Ours: GPT-2's (0.5 * x) * (1 + tanh(..)) order, with its bias, which onnxscript's gelu rule does not read.
-    counts["tanh_gelu"] = tanh_gelu.rules.apply_to_model(model)
+    counts["tanh_gelu"] = settled(tanh_gelu.rules.apply_to_model(model))
     # Ours: (x * 0.5) * (1 + erf(x / sqrt 2)), ESM's order, which onnxscript's erf_gelu rules do not read.
-    counts["erf_gelu_half_first"] = erf_gelu.rules.apply_to_model(model)
+    counts["erf_gelu_half_first"] = settled(erf_gelu.rules.apply_to_model(model))
     for step in ("gelu", "bias_gelu", "sdpa_via_mha"):
         fuse(step)
-    optimizer.optimize(model)  # inlines the intermediate fusion functions no later rule consumed
-    rewrite(model, ORT_PATTERN_REWRITE_RULES)
+    settled(optimizer.optimize(model))  # inlines the intermediate fusion functions no later rule consumed
+    settled(rewrite(model, ORT_PATTERN_REWRITE_RULES))
     ir.passes.Sequential(
         common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1),
         common_passes.RemoveInitializersFromInputsPass(),

@@ -65,6 +65,7 @@ OURS = (
     "erf_gelu_half_first",
     "noop_bias_expands",
     "heads_first_kv",
+    "constants_reattached",
 )
 
 
