@@ -68,6 +68,9 @@ class Site:
     reshaped: ir.Value | None = None
     # Gemma 2's logit soft-capping, cap * tanh(scores / cap) between the scale and the mask: the cap, else 0
     softcap: float = 0.0
+    # The probabilities went through the exporter's NaN guard (``Where(IsNaN(p), 0, p)``), which defines a
+    # fully masked query's output as 0: a fused op that returns NaN there must get it back.
+    guarded: bool = False
 
     def probed(self) -> list[ir.Value]:
         """The values whose run-time shapes ``_gqa_probe`` measures for this site."""
@@ -99,7 +102,8 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     rank = len(softmax.inputs[0].shape) if softmax.inputs[0].shape is not None else 4
     if axis not in (-1, rank - 1):
         raise Declined(f"found Softmax over axis {axis}, not the keys (-1)")
-    probs = _through_nan_guard(_through_casts(softmax.outputs[0]))
+    unguarded = _through_casts(softmax.outputs[0])
+    probs = _through_nan_guard(unguarded)
     context = _single_use(probs, "MatMul", "the Softmax's output")
     if context.inputs[0] is not probs:
         raise Declined("found the probabilities as the MatMul's second input, not its first")
@@ -120,7 +124,7 @@ def _match(layer: int, softmax: ir.Node) -> Site:
         raise Declined("found a cache Concat on one of key and value only")
     return Site(
         layer, softmax, q, k_new, v_new, k_past, v_past, k_all, v_all, k_rep, context.inputs[1], mask, scale,
-        context, out_t.outputs[0], k_bsnd, reshaped, softcap,
+        context, out_t.outputs[0], k_bsnd, reshaped, softcap, probs is not unguarded,
     )  # fmt: skip
 
 

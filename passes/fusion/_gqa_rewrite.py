@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes._match import take_graph_output
+from passes.fusion import _nan_guard as nan_guard
 from passes.fusion._gqa_match import Site
 from passes.fusion._gqa_probe import gqa_window_offset
 from passes.fusion._slice_dims import crop_source
@@ -29,8 +30,8 @@ def const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
 
 
 def lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
-    """seqlens_k = sum(mask, axis 1) - 1 and total_sequence_length = mask.shape[1], both int32, once per
-    graph, at its start (they read only the graph input)."""
+    """seqlens_k = max(sum(mask, axis 1) - 1, 0) and total_sequence_length = mask.shape[1], both int32, once
+    per graph, at its start (they read only the graph input)."""
     mask = next(v for v in graph.inputs if v.name == mask_name)
     opset = graph.opset_imports.get("", 18)
     cast = ir.node("Cast", [mask], {"to": ir.DataType.INT32}, name="fuse_gqa/mask_int32")
@@ -40,12 +41,21 @@ def lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
     else:
         summed = ir.node("ReduceSum", [cast.outputs[0]], {"axes": [1], "keepdims": 0}, name="fuse_gqa/mask_sum")
     one = const(graph, "fuse_gqa/one", np.array(1, np.int32))
-    seqlens = ir.node("Sub", [summed.outputs[0], one], name="fuse_gqa/seqlens_k")
+    last = ir.node("Sub", [summed.outputs[0], one], name="fuse_gqa/last_key")
+    nodes = [cast, summed, last]
+    seqlens = last
+    if opset >= 12:  # integer Max
+        # A row whose mask is all zeros (an empty row of a padded batch) would give -1, which ORT's
+        # GroupQueryAttention refuses, failing the whole batch where the export returns that row's (meaningless)
+        # values: it attends to its first key instead, and every other row is unchanged.
+        zero = const(graph, "fuse_gqa/zero", np.array(0, np.int32))
+        seqlens = ir.node("Max", [last.outputs[0], zero], name="fuse_gqa/seqlens_k")
+        nodes.append(seqlens)
     shape = ir.node("Shape", [mask], name="fuse_gqa/mask_shape")
     index = const(graph, "fuse_gqa/index_1", np.array(1, np.int64))
     length = ir.node("Gather", [shape.outputs[0], index], {"axis": 0}, name="fuse_gqa/mask_length")
     total = ir.node("Cast", [length.outputs[0]], {"to": ir.DataType.INT32}, name="fuse_gqa/total_sequence_length")
-    nodes = [cast, summed, seqlens, shape, length, total]
+    nodes += [shape, length, total]
     graph.insert_before(next(iter(graph)), nodes)
     seqlens.outputs[0].name, total.outputs[0].name = "fuse_gqa/seqlens_k", "fuse_gqa/total_sequence_length"
     return seqlens.outputs[0], total.outputs[0]
@@ -205,7 +215,11 @@ def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int]) -> Non
         domain="com.microsoft",
         name=f"{prefix}/MultiHeadAttention",
     )
-    _replace_output(graph, site, [*nodes, mha], mha.outputs[0], sizes)
+    out, guard = mha.outputs[0], []
+    if site.guarded:  # MultiHeadAttention returns NaN for a query whose every key is masked with -inf
+        guard = nan_guard.zero_nan_rows(out)
+        out = guard[-1].outputs[0]
+    _replace_output(graph, site, [*nodes, mha, *guard], out, sizes)
 
 
 def _replace_output(graph: ir.Graph, site: Site, nodes: list[ir.Node], out: ir.Value, sizes) -> None:

@@ -113,12 +113,8 @@ def guard_fused_attention(model: ir.Model) -> int:
             continue
         out = node.outputs[0]
         readers = list(out.uses())  # before the guard reads it too
-        dtype = out.type.dtype.numpy() if out.type is not None else np.float32
-        zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype))})
-        isnan = ir.node("IsNaN", [out])
-        where = ir.node("Where", [isnan.outputs[0], zero.outputs[0], out])
-        guarded = where.outputs[0]
-        guarded.shape, guarded.type = out.shape, out.type
+        made = zero_nan_rows(out)
+        guarded = made[-1].outputs[0]
         for reader, index in readers:
             reader.replace_input_with(index, guarded)
         outputs = model.graph.outputs
@@ -127,6 +123,17 @@ def guard_fused_attention(model: ir.Model) -> int:
                 name, out.name = out.name, None
                 guarded.name = name
                 outputs[i] = guarded
-        model.graph.insert_after(node, [zero, isnan, where])
+        model.graph.insert_after(node, made)
         added += 1
     return added
+
+
+def zero_nan_rows(out: ir.Value) -> list[ir.Node]:
+    """``Where(IsNaN(out), 0, out)``: the nodes to insert after ``out``'s producer, the last one's output the
+    guarded value (same type and shape). Rewiring ``out``'s readers is the caller's."""
+    dtype = out.type.dtype.numpy() if out.type is not None else np.float32
+    zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype))})
+    isnan = ir.node("IsNaN", [out])
+    where = ir.node("Where", [isnan.outputs[0], zero.outputs[0], out])
+    where.outputs[0].shape, where.outputs[0].type = out.shape, out.type
+    return [zero, isnan, where]

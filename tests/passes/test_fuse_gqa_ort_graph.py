@@ -35,7 +35,7 @@ PER_LAYER = {
     "Mul": 1,
     "SimplifiedLayerNormalization": 2,
 }
-SEQLENS = {"Shape": 1, "Gather": 1, "Cast": 2, "ReduceSum": 1, "Sub": 1}
+SEQLENS = {"Shape": 1, "Gather": 1, "Cast": 2, "ReduceSum": 1, "Sub": 1, "Max": 1}  # Max: an all-zero mask row
 
 
 def _ort_graph(name: str, tmp_path) -> list[str]:
