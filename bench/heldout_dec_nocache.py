@@ -25,12 +25,9 @@ why). Files and ``results.json`` go to ``bench/out/heldout/dec_nocache/``; a mar
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,8 +42,8 @@ if str(REPO) not in sys.path:
 
 import onnx  # noqa: E402
 
-from bench.coverage import ATTENTION_OPS, _rms_norms, fusion_counts, run_job  # noqa: E402
-from tests.models.corpus import _cause, _strip  # noqa: E402
+from bench import _heldout  # noqa: E402
+from bench.coverage import ATTENTION_OPS, _rms_norms  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "heldout" / "dec_nocache"
 EXPORTERS = ("ts_eager", "ts_sdpa", "dynamo")
@@ -295,13 +292,12 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
     spec = SPECS[name]
     path = out / f"{name}_{exporter}.onnx"
     info: dict[str, Any] = {"model": name, "exporter": exporter, "builder_version": BUILDER_VERSION}
-    started = time.perf_counter()
-    try:
-        import transformers as tf
+    import transformers as tf
 
-        if not hasattr(tf, spec.config):
-            info.update(ok=False, skipped=True, error=f"transformers {tf.__version__} has no {spec.config}")
-            return info
+    if not hasattr(tf, spec.config):
+        info.update(ok=False, skipped=True, error=f"transformers {tf.__version__} has no {spec.config}")
+        return info
+    with _heldout.build_record(info, path) as tmp:
         attention = "eager" if exporter == "ts_eager" else "sdpa"
         try:
             model = _model(spec, attention)
@@ -312,25 +308,15 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
         info["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
         wrapper = _wrapper(model)
         example = feeds(2, 16)
-        tmp = path.with_suffix(".onnx.tmp")
         proto = _export(wrapper, exporter, example, tmp)
-        proto = _strip(proto, {"onnxforge.builder": f"bench.heldout_dec_nocache --only {name} --exporters {exporter}"})
-        onnx.checker.check_model(proto, full_check=True)
-        onnx.save(proto, tmp)
-        tmp.replace(path)
-        try:
-            info["max_abs_vs_torch"] = _verify(wrapper, path)
-        except BaseException as exc:
-            info["verify_error"] = _cause(exc)[:300]
-            raise
-        info.update(ok=True, nodes=len(proto.graph.node), path=str(path))
-    except Exception as exc:
-        path.with_suffix(".onnx.tmp").unlink(missing_ok=True)
-        last = traceback.extract_tb(exc.__traceback__)[-1]
-        info.update(ok=False, error=f"{type(exc).__name__}: {_cause(exc)} ({Path(last.filename).name}:{last.lineno})")
-        if "verify_error" not in info:
-            path.unlink(missing_ok=True)
-    info["build_s"] = round(time.perf_counter() - started, 1)
+        _heldout.finish_build(
+            info,
+            proto,
+            tmp,
+            path,
+            builder=f"bench.heldout_dec_nocache --only {name} --exporters {exporter}",
+            verify=lambda: _verify(wrapper, path),
+        )
     return info
 
 
@@ -340,57 +326,28 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
 def _session_norms(path: Path) -> int:
     """Norms in the graph ORT's session builds at its default level: RMS norms are fused there
     (``SimplifiedLayerNormalization``), not in the artifact, as for the corpus's Llama."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    with tempfile.TemporaryDirectory() as tmp:
-        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
-        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        ops = Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    ops = _heldout.session_ops(path)
     return sum(ops[o] for o in NORM_OPS)
 
 
 def _structure(src: Path, dst: Path | None) -> dict[str, Any]:
-    before = onnx.load(str(src), load_external_data=False)
-    ops = Counter(n.op_type for n in before.graph.node)
-    out: dict[str, Any] = {
-        "softmax": ops["Softmax"],
-        "norms": ops["LayerNormalization"] + _rms_norms(before),
-        "gelu": ops["Erf"] + ops["Tanh"],
-    }
-    if dst is not None and dst.exists():
-        after = onnx.load(str(dst), load_external_data=False)
-        done = Counter(n.op_type for n in after.graph.node)
-        out["fusions"] = fusion_counts(before, after)
-        out["attention_after"] = sum(done[o] for o in ATTENTION_OPS)
-        out["attention_ops"] = {o: done[o] for o in ATTENTION_OPS if done[o]}
-        out["softmax_after"] = done["Softmax"]
-        out["rotary_after"] = done["RotaryEmbedding"]
-        out["norms_after"] = sum(done[o] for o in NORM_OPS)
-        out["session_norms"] = [_session_norms(src), _session_norms(dst)]
-        out["nodes"] = [len(before.graph.node), len(after.graph.node)]
-    return out
+    def before(model: onnx.ModelProto, ops: Counter[str]) -> dict[str, Any]:
+        return {"norms": ops["LayerNormalization"] + _rms_norms(model), "gelu": ops["Erf"] + ops["Tanh"]}
+
+    def after(_: onnx.ModelProto, done: Counter[str]) -> dict[str, Any]:
+        return {
+            "attention_after": sum(done[o] for o in ATTENTION_OPS),
+            "attention_ops": {o: done[o] for o in ATTENTION_OPS if done[o]},
+            "rotary_after": done["RotaryEmbedding"],
+            "norms_after": sum(done[o] for o in NORM_OPS),
+            "session_norms": [_session_norms(src), _session_norms(dst)],
+        }
+
+    return _heldout.structure(src, dst, before, after)
 
 
 def probe(name: str, exporter: str, out: Path, reuse: bool) -> dict[str, Any]:
-    record = out / f"{name}_{exporter}.json"
-    if reuse and record.exists():
-        row = json.loads(record.read_text())
-        if row.get("builder_version") == BUILDER_VERSION:
-            return row
-    row = build(name, exporter, out)
-    if row.get("ok"):
-        with tempfile.TemporaryDirectory(prefix=f"heldout_{name}_{exporter}_") as tmp:
-            job = run_job(Path(row["path"]), Path(tmp), benchmark_seconds=1, timeout=900)
-            returned = Path(job["path"]) if job.get("ok") else None
-            row["structure"] = _structure(Path(row["path"]), returned)
-            if returned is not None:
-                kept = out / f"{name}_{exporter}.fast.onnx"
-                kept.write_bytes(returned.read_bytes())
-                job["path"] = str(kept)
-        row["job"] = job
-    record.write_text(json.dumps(row, indent=1, sort_keys=True) + "\n")
-    return row
+    return _heldout.probe(name, exporter, out, reuse, version=BUILDER_VERSION, build=build, counts=_structure)
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -411,14 +368,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
     if not job.get("ok"):
         return [name, exporter, "**failed**", "", "", "", "", "", job["error"][:240]]
     spec = SPECS[name]
-    notes = []
-    ft = job["fuse_transformer"]
-    if ft.get("missing"):
-        notes.append(f"missing: {ft['missing']}")
-    if ft.get("status") and ft["status"] != "applied":
-        notes.append(f"fuse_transformer {ft['status']}: {(ft.get('reason') or '')[:120]}")
-    if job["failed_passes"]:
-        notes.append("failed: " + "; ".join(f[:160] for f in job["failed_passes"]))
+    notes = _heldout.job_notes(job, 160)
     if st.get("attention_ops"):
         notes.append("/".join(st["attention_ops"]))
     speed = job.get("gate_speedup")
@@ -436,11 +386,11 @@ def _cells(row: dict[str, Any]) -> list[str]:
     ]
 
 
+HEAD = ["model", "exporter", "job", "exact (max abs)", "attention", "rotary", "norms", "GELU", "speedup; notes"]
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["model", "exporter", "job", "exact (max abs)", "attention", "rotary", "norms", "GELU", "speedup; notes"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return _heldout.table(HEAD, map(_cells, rows))
 
 
 def gelu_ab(shape: tuple[int, int, int] = (4, 128, 4096), blocks: int = 30) -> dict[str, dict[str, float]]:
@@ -486,24 +436,18 @@ def gelu_ab(shape: tuple[int, int, int] = (4, 128, 4096), blocks: int = 30) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", nargs="*", default=list(SPECS), choices=list(SPECS))
-    ap.add_argument("--exporters", nargs="*", default=list(EXPORTERS), choices=list(EXPORTERS))
+    ap = _heldout.arguments("python -m bench.heldout_dec_nocache", __doc__, SPECS, EXPORTERS, nargs="*")
     ap.add_argument("--reuse", action="store_true", help="keep each row already recorded by this builder version")
     ap.add_argument("--gelu-ab", action="store_true", help="time the tanh-GELU forms unfused vs FastGelu, only")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.gelu_ab:
         for form, ms in gelu_ab().items():
             print(f"{form}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
         return 0
-    OUT.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.only:
-        for exporter in args.exporters:
-            row = probe(name, exporter, OUT, args.reuse)
-            print("| " + " | ".join(_cells(row)) + " |", flush=True)
-            rows.append(row)
-    results = OUT / "results.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = _heldout.run_all(args.only, args.exporters, lambda n, e: probe(n, e, args.out, args.reuse), _cells)
+    results = args.out / "results.json"
     merged = json.loads(results.read_text()) if results.exists() else {}
     merged.update({f"{r['model']}/{r['exporter']}": r for r in rows})
     results.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")

@@ -25,14 +25,12 @@ the decision and its reason.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from bench import _heldout
 from tests.models import build_decoders as bd
 from tests.models.corpus import _cause
 
@@ -277,8 +276,8 @@ def verify(mod: Any, probe: Probe, path: Path) -> float:
     return worst
 
 
-def build(probe: Probe, exporter: str, reuse: bool) -> dict[str, Any]:
-    path = OUT / f"{probe.name}_past_{exporter}.onnx"
+def build(probe: Probe, exporter: str, reuse: bool, out: Path = OUT) -> dict[str, Any]:
+    path = out / f"{probe.name}_past_{exporter}.onnx"
     side = path.with_suffix(".build.json")
     if reuse and side.exists():
         info = json.loads(side.read_text())
@@ -327,16 +326,7 @@ def optimize(path: Path, preset: str) -> dict[str, Any]:
 
 def _ort_fused_norms(path: Path | str) -> int:
     """Norms in the graph ORT's session builds at its default level (what a user runs)."""
-    import tempfile
-
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    with tempfile.TemporaryDirectory() as tmp:
-        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
-        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        ops = Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
-    return sum(v for k, v in ops.items() if "LayerNormalization" in k)
+    return sum(v for k, v in _heldout.session_ops(path).items() if "LayerNormalization" in k)
 
 
 def generation_diff(original: Path, artifact: Path, probe: Probe) -> float:
@@ -414,59 +404,66 @@ def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.1e}" if isinstance(x, float) else str(x)
 
 
+HEAD = [
+    "model",
+    "exporter",
+    "preset",
+    "job",
+    "exact (report / generation)",
+    "attention fused/expected",
+    "rotary fused/expected",
+    "norms (ORT, upload -> artifact)",
+    "speedup",
+    "notes",
+]
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    probe = PROBES[row["family"]]
+    if row.get("job") == "failed" and "report" not in row and row.get("decision") is None:
+        return [row["family"], row["exporter"], row["preset"], "failed", *["-"] * 5, (row.get("error") or "")[:160]]
+    exact = f"{_fmt(row.get('verified'))} {_fmt(row.get('max_abs'))} / {_fmt(row.get('gen_max_abs'))}"
+    if row.get("gen_error"):
+        exact += f" (generation: {row['gen_error'][:80]})"
+    att = f"{row['attention']}/{LAYERS} {row['attention_ops'] or ''} softmax {row['softmax']}"
+    rot = f"{row['rotary']}/{2 * LAYERS if probe.rotary else 0}" + (f" trig {row['trig']}" if row["trig"] else "")
+    norms = "{} -> {}".format(*row["norms"]) if row.get("norms") else "-"
+    notes = []
+    if row["decision"] != "optimized":
+        notes.append(f"{row['decision']}: {(row.get('reason') or '')[:140]}")
+    if row.get("int4"):
+        notes.append(f"quantize_int4 {row['int4']}")
+    for name, why in {**row.get("failed_passes", {}), **row.get("rolled_back", {})}.items():
+        if name != "quantize_int4":
+            notes.append(f"{name}: {(why or '')[:120]}")
+    for name, why in row.get("why_not", {}).items():
+        notes.append(f"{name}: {'; '.join(w or '' for w in why)[:160]}")
+    cells = [row["family"], row["exporter"], row["preset"], row["job"], exact, att, rot, norms]
+    return [*cells, f"{row['speedup']:.2f}x" if row.get("speedup") else "-", " / ".join(notes)]
+
+
 def table(rows: list[dict[str, Any]], builds: list[dict[str, Any]]) -> str:
-    lines = [
-        "| model | exporter | preset | job | exact (report / generation) | attention fused/expected | "
-        "rotary fused/expected | norms (ORT, upload -> artifact) | speedup | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    failed = [
+        [b["family"], b["exporter"], "-", "export failed", *["-"] * 5, b["error"][:160]]
+        for b in builds
+        if not b.get("ok")
     ]
-    for b in builds:
-        if not b.get("ok"):
-            cells = [b["family"], b["exporter"], "-", "export failed", *["-"] * 5, b["error"][:160]]
-            lines.append(f"| {' | '.join(cells)} |")
-    for row in rows:
-        probe = PROBES[row["family"]]
-        if row.get("job") == "failed" and "report" not in row and row.get("decision") is None:
-            lines.append(
-                f"| {row['family']} | {row['exporter']} | {row['preset']} | failed | - | - | - | - | - | "
-                f"{(row.get('error') or '')[:160]} |"
-            )
-            continue
-        exact = f"{_fmt(row.get('verified'))} {_fmt(row.get('max_abs'))} / {_fmt(row.get('gen_max_abs'))}"
-        if row.get("gen_error"):
-            exact += f" (generation: {row['gen_error'][:80]})"
-        att = f"{row['attention']}/{LAYERS} {row['attention_ops'] or ''} softmax {row['softmax']}"
-        rot = f"{row['rotary']}/{2 * LAYERS if probe.rotary else 0}" + (f" trig {row['trig']}" if row["trig"] else "")
-        norms = "{} -> {}".format(*row["norms"]) if row.get("norms") else "-"
-        notes = []
-        if row["decision"] != "optimized":
-            notes.append(f"{row['decision']}: {(row.get('reason') or '')[:140]}")
-        if row.get("int4"):
-            notes.append(f"quantize_int4 {row['int4']}")
-        for name, why in {**row.get("failed_passes", {}), **row.get("rolled_back", {})}.items():
-            if name != "quantize_int4":
-                notes.append(f"{name}: {(why or '')[:120]}")
-        for name, why in row.get("why_not", {}).items():
-            notes.append(f"{name}: {'; '.join(w or '' for w in why)[:160]}")
-        cells = [row["family"], row["exporter"], row["preset"], row["job"], exact, att, rot, norms]
-        cells += [f"{row['speedup']:.2f}x" if row.get("speedup") else "-", " / ".join(notes).replace("|", "/")]
-        lines.append(f"| {' | '.join(cells)} |")
-    return "\n".join(lines)
+    return _heldout.table(HEAD, [*failed, *map(_cells, rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.heldout_dec_past", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(PROBES), default=None)
-    parser.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=list(bd.EXPORTERS))
+    parser = _heldout.arguments("python -m bench.heldout_dec_past", __doc__, PROBES, EXPORTERS)
+    parser.set_defaults(exporters=list(bd.EXPORTERS))  # ts_sdpa only on request
     parser.add_argument("--presets", nargs="*", default=["fast", "int4"])
     parser.add_argument("--reuse", action="store_true", help="keep earlier exports (their build sidecars)")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    OUT.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     builds, rows = [], []
-    for name in args.only or list(PROBES):
+    for name in args.only:
         probe = PROBES[name]
         for exporter in args.exporters:
-            info = build(probe, exporter, args.reuse)
+            info = build(probe, exporter, args.reuse, args.out)
             builds.append(info)
             print(f"{name} {exporter}: export {'ok' if info['ok'] else info['error'][:200]}", flush=True)
             if not info["ok"]:
@@ -481,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"({res['seconds']}s)",
                     flush=True,
                 )
-    (OUT / "rows.json").write_text(json.dumps({"builds": builds, "rows": rows}, indent=1, default=str) + "\n")
+    (args.out / "rows.json").write_text(json.dumps({"builds": builds, "rows": rows}, indent=1, default=str) + "\n")
     print(table(rows, builds))
     return 0
 

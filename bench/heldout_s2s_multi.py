@@ -19,12 +19,7 @@ Each export then goes through ``onnxforge optimize MODEL --preset fast`` in a ch
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
-import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +33,9 @@ if str(REPO) not in sys.path:
 
 import onnx  # noqa: E402
 
-from bench.coverage import run_job  # noqa: E402
-from bench.heldout_text import _cells, _structure  # noqa: E402
-from tests.models.corpus import _cause, _strip  # noqa: E402
+from bench import _heldout  # noqa: E402
+from bench.heldout_text import HEAD, _cells, _structure  # noqa: E402
+from tests.models.corpus import _cause  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "heldout" / "s2s_multi"
 EXPORTERS = ("ts_eager", "ts_sdpa", "dynamo")
@@ -385,8 +380,7 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
     spec = SPECS[name]
     path = out / f"{name}_{exporter}.onnx"
     info: dict[str, Any] = {"model": name, "exporter": exporter, "builder_version": BUILDER_VERSION}
-    started = time.perf_counter()
-    try:
+    with _heldout.build_record(info, path) as tmp:
         attention = "eager" if exporter == "ts_eager" else "sdpa"
         try:
             model = _model(spec, attention)
@@ -397,7 +391,6 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
         info["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
         wrapper = _wrapper(spec, model)
         example = feeds(spec, *EXAMPLE)
-        tmp = path.with_suffix(".onnx.tmp")
         try:
             proto = _export(wrapper, spec, exporter, example, tmp)
         except Exception as exc:
@@ -410,23 +403,15 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
             info["attn_implementation"] = "eager"
             wrapper = _wrapper(spec, model)
             proto = _export(wrapper, spec, exporter, example, tmp)
-        proto = _strip(proto, {"onnxforge.builder": f"bench.heldout_s2s_multi --only {name} --exporters {exporter}"})
-        onnx.checker.check_model(proto, full_check=True)
-        onnx.save(proto, tmp)
-        tmp.replace(path)
-        try:
-            info["max_abs_vs_torch"], info["padded_max_abs_vs_torch"] = _verify(wrapper, spec, path)
-        except BaseException as exc:
-            info["verify_error"] = _cause(exc)[:300]
-            raise
-        info.update(ok=True, nodes=len(proto.graph.node), path=str(path))
-    except Exception as exc:
-        path.with_suffix(".onnx.tmp").unlink(missing_ok=True)
-        last = traceback.extract_tb(exc.__traceback__)[-1]
-        info.update(ok=False, error=f"{type(exc).__name__}: {_cause(exc)} ({Path(last.filename).name}:{last.lineno})")
-        if "verify_error" not in info:
-            path.unlink(missing_ok=True)
-    info["build_s"] = round(time.perf_counter() - started, 1)
+        _heldout.finish_build(
+            info,
+            proto,
+            tmp,
+            path,
+            builder=f"bench.heldout_s2s_multi --only {name} --exporters {exporter}",
+            verify=lambda: _verify(wrapper, spec, path),
+            keys=("max_abs_vs_torch", "padded_max_abs_vs_torch"),
+        )
     return info
 
 
@@ -434,24 +419,7 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
 
 
 def probe(name: str, exporter: str, out: Path, reuse: bool) -> dict[str, Any]:
-    record = out / f"{name}_{exporter}.json"
-    if reuse and record.exists():
-        row = json.loads(record.read_text())
-        if row.get("builder_version") == BUILDER_VERSION:
-            return row
-    row = build(name, exporter, out)
-    if row.get("ok"):
-        with tempfile.TemporaryDirectory(prefix=f"heldout_{name}_{exporter}_") as tmp:
-            job = run_job(Path(row["path"]), Path(tmp), benchmark_seconds=1, timeout=900)
-            returned = Path(job["path"]) if job.get("ok") else None
-            row["structure"] = _structure(Path(row["path"]), returned)
-            if returned is not None:
-                kept = out / f"{name}_{exporter}.fast.onnx"
-                kept.write_bytes(returned.read_bytes())
-                job["path"] = str(kept)
-        row["job"] = job
-    record.write_text(json.dumps(row, indent=1, sort_keys=True) + "\n")
-    return row
+    return _heldout.probe(name, exporter, out, reuse, version=BUILDER_VERSION, build=build, counts=_structure)
 
 
 def _row(row: dict[str, Any]) -> list[str]:
@@ -462,25 +430,18 @@ def _row(row: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.heldout_s2s_multi", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(SPECS), default=list(SPECS))
-    parser.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=list(EXPORTERS))
-    parser.add_argument("--reuse", action="store_true", help="keep the rows already in bench/out/heldout/s2s_multi")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.only:
-        for exporter in args.exporters:
-            row = probe(name, exporter, args.out, args.reuse)
-            print("|", " | ".join(_row(row)), "|", flush=True)
-            rows.append(row)
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
-    print()
-    head = ["model", "exporter", "job", "exact (max abs)", "attention", "skip-norm", "GELU", "speedup; notes"]
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    print("\n".join("| " + " | ".join(c.replace("|", "/") for c in _row(r)) + " |" for r in rows))
-    return 0
+    return _heldout.encoder_main(
+        argv,
+        prog="python -m bench.heldout_s2s_multi",
+        doc=__doc__,
+        specs=SPECS,
+        exporters=EXPORTERS,
+        out=OUT,
+        one=probe,
+        cells=_row,
+        head=HEAD,
+        results=True,
+    )
 
 
 if __name__ == "__main__":

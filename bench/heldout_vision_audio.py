@@ -21,14 +21,8 @@ its LayerNormalization count, GELUs fused, and the gate's speedup. Files and one
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
-import time
-import traceback
 import warnings
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +35,8 @@ if str(REPO) not in sys.path:
 
 import onnx  # noqa: E402
 
-from bench.coverage import fusion_counts, run_job  # noqa: E402
-from tests.models.corpus import _cause, _strip  # noqa: E402
+from bench import _heldout  # noqa: E402
+from tests.models.corpus import _cause  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "heldout" / "vision_audio"
 EXPORTERS = ("ts_eager", "ts_sdpa", "dynamo")
@@ -363,9 +357,7 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
     spec = SPECS[name]
     path = out / f"{name}_{exporter}.onnx"
     info: dict[str, Any] = {"model": name, "exporter": exporter, "builder_version": BUILDER_VERSION}
-    started = time.perf_counter()
-    tmp = path.with_suffix(".onnx.tmp")
-    try:
+    with _heldout.build_record(info, path) as tmp:
         example = feeds(spec, 2, 16)
         attention = "eager" if exporter == "ts_eager" else "sdpa"
         try:
@@ -387,23 +379,14 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
             wrapper = _wrapper(spec, _model(spec, attention))
             proto = _export(wrapper, spec, exporter, example, tmp)
         info["attn_implementation"] = getattr(wrapper.model.config, "_attn_implementation", attention)
-        proto = _strip(proto, {"onnxforge.builder": f"bench.heldout_vision_audio --only {name} --exporters {exporter}"})
-        onnx.checker.check_model(proto, full_check=True)
-        onnx.save(proto, tmp)
-        tmp.replace(path)
-        try:
-            info["max_abs_vs_torch"] = _verify(wrapper, spec, path)
-        except BaseException as exc:
-            info["verify_error"] = _cause(exc)[:300]
-            raise
-        info.update(ok=True, nodes=len(proto.graph.node), path=str(path))
-    except Exception as exc:
-        tmp.unlink(missing_ok=True)
-        last = traceback.extract_tb(exc.__traceback__)[-1]
-        info.update(ok=False, error=f"{type(exc).__name__}: {_cause(exc)} ({Path(last.filename).name}:{last.lineno})")
-        if "verify_error" not in info:
-            path.unlink(missing_ok=True)
-    info["build_s"] = round(time.perf_counter() - started, 1)
+        _heldout.finish_build(
+            info,
+            proto,
+            tmp,
+            path,
+            builder=f"bench.heldout_vision_audio --only {name} --exporters {exporter}",
+            verify=lambda: _verify(wrapper, spec, path),
+        )
     return info
 
 
@@ -411,97 +394,43 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
 
 
 def _structure(src: Path, dst: Path | None) -> dict[str, Any]:
-    before = onnx.load(str(src), load_external_data=False)
-    ops = Counter(n.op_type for n in before.graph.node)
-    out: dict[str, Any] = {"softmax": ops["Softmax"], "conv": ops["Conv"]}
-    if dst is not None and dst.exists():
-        after = onnx.load(str(dst), load_external_data=False)
-        done = Counter(n.op_type for n in after.graph.node)
-        out["fusions"] = fusion_counts(before, after)
-        out["softmax_after"] = done["Softmax"]
-        out["nodes"] = [len(before.graph.node), len(after.graph.node)]
-    return out
+    return _heldout.structure(src, dst, lambda _, ops: {"conv": ops["Conv"]})
 
 
 def probe(name: str, exporter: str, out: Path, reuse: bool) -> dict[str, Any]:
-    record = out / f"{name}_{exporter}.json"
-    if reuse and record.exists():
-        row = json.loads(record.read_text())
-        if row.get("builder_version") == BUILDER_VERSION:
-            return row
-    row = build(name, exporter, out)
-    if row.get("ok"):
-        with tempfile.TemporaryDirectory(prefix=f"heldout_{name}_{exporter}_") as tmp:
-            job = run_job(Path(row["path"]), Path(tmp), benchmark_seconds=1, timeout=900)
-            returned = Path(job["path"]) if job.get("ok") else None
-            row["structure"] = _structure(Path(row["path"]), returned)
-            if returned is not None:
-                kept = out / f"{name}_{exporter}.fast.onnx"
-                kept.write_bytes(returned.read_bytes())
-                job["path"] = str(kept)
-        row["job"] = job
-    record.write_text(json.dumps(row, indent=1, sort_keys=True) + "\n")
-    return row
+    return _heldout.probe(name, exporter, out, reuse, version=BUILDER_VERSION, build=build, counts=_structure)
+
+
+def _notes(row: dict[str, Any]) -> list[str]:
+    notes = []
+    if row["exporter"] == "dynamo" and row.get("attn_implementation") == "eager" and "sdpa_export_error" in row:
+        notes.append("SDPA not exportable by dynamo: eager")
+    return notes + _heldout.job_notes(row["job"])
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
-    name, exporter = row["model"], row["exporter"]
-    if not row.get("ok"):
-        if "does not support an attention implementation" in row["error"]:
-            return [name, exporter, "n/a", "", "", "", "", "transformers has no SDPA attention for it"]
-        return [name, exporter, "export failed", "", "", "", "", row["error"][:160]]
-    job = row["job"]
-    if not job.get("ok"):
-        return [name, exporter, "**failed**", "", "", "", "", job["error"][:200]]
-    fus = row["structure"].get("fusions", {})
-    att, norm, gelu = fus.get("attention", {}), fus.get("skip_norm", {}), fus.get("gelu", {})
-    notes = []
-    if exporter == "dynamo" and row.get("attn_implementation") == "eager" and "sdpa_export_error" in row:
-        notes.append("SDPA not exportable by dynamo: eager")
-    ft = job["fuse_transformer"]
-    if ft.get("missing"):
-        notes.append(f"missing: {ft['missing']}")
-    if ft.get("status") and ft["status"] != "applied":
-        notes.append(f"fuse_transformer {ft['status']}: {(ft.get('reason') or '')[:120]}")
-    if job["failed_passes"]:
-        notes.append("failed: " + "; ".join(f[:120] for f in job["failed_passes"]))
-    speed = job.get("gate_speedup")
-    return [
-        name,
-        exporter,
-        f"ok ({job['decision']})",
-        f"yes ({job['max_abs']:.1e})" if job["exact"] else f"**no** ({job['max_abs']:.1e})",
-        f"{att.get('found', 0)}/{att.get('expected', 0)}",
-        f"{norm.get('found', 0)}/{norm.get('expected', 0)}",
-        f"{gelu.get('found', 0)}/{gelu.get('expected', 0)}",
-        (f"x{speed:.2f}; " if speed else "") + "; ".join(notes),
-    ]
+    return _heldout.fusion_cells(row, _notes)
+
+
+HEAD = ["model", "exporter", "job", "exact (max abs)", "attention", "norms", "GELU", "speedup; notes"]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["model", "exporter", "job", "exact (max abs)", "attention", "norms", "GELU", "speedup; notes"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return _heldout.table(HEAD, map(_cells, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.heldout_vision_audio", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(SPECS), default=list(SPECS))
-    parser.add_argument("--exporters", nargs="+", choices=EXPORTERS, default=list(EXPORTERS))
-    parser.add_argument("--reuse", action="store_true", help="keep the rows already in --out")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.only:
-        for exporter in args.exporters:
-            row = probe(name, exporter, args.out, args.reuse)
-            print("|", " | ".join(_cells(row)), "|", flush=True)
-            rows.append(row)
-    print()
-    print(table(rows))
-    return 0
+    return _heldout.encoder_main(
+        argv,
+        prog="python -m bench.heldout_vision_audio",
+        doc=__doc__,
+        specs=SPECS,
+        exporters=EXPORTERS,
+        out=OUT,
+        one=probe,
+        cells=_cells,
+        head=HEAD,
+    )
 
 
 if __name__ == "__main__":
