@@ -158,6 +158,9 @@ def test_filesystem_queue_delivers_per_queue_once_when_consumed_from_another_pro
         dispatcher.ping()
         dispatcher.enqueue("11111111-1111-4111-8111-111111111111", "cpu")
         dispatcher.enqueue("22222222-2222-4222-8222-222222222222", "gpu")
+        # kombu's filesystem transport names a message by the millisecond it was put, then a random uuid, and
+        # reads them in name order: FIFO holds between milliseconds, not within one (CI once read 3333 first)
+        time.sleep(0.005)
         dispatcher.enqueue("33333333-3333-4333-8333-333333333333", "cpu")
 
     def consume() -> dict[str, list[str]]:
