@@ -51,7 +51,7 @@ def _dims(value: ir.Value | None) -> list | None:
     return None if value is None or value.shape is None else list(value.shape)
 
 
-def _same(a: object, b: object) -> bool:
+def same_dim(a: object, b: object) -> bool:
     if isinstance(a, int) or isinstance(b, int):
         return a == b
     return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and a == b
@@ -66,7 +66,7 @@ def _unfolded(value: ir.Value | None) -> ir.Value | None:
     dims = _dims(source)
     if dims is None or folded is None or len(dims) != 4 or len(folded) != 3:
         return None
-    return source if _same(dims[2], folded[1]) and _same(dims[3], folded[2]) else None
+    return source if same_dim(dims[2], folded[1]) and same_dim(dims[3], folded[2]) else None
 
 
 def _scalar(value: ir.Value | None) -> bool:
@@ -129,16 +129,16 @@ def _reshape_readers(graph: ir.Graph, folded: ir.Value, product: ir.Node, before
 
 def _same_shape(a: ir.Value | None, b: ir.Value | None) -> bool:
     da, db = _dims(a), _dims(b)
-    return da is not None and db is not None and len(da) == len(db) and all(map(_same, da, db))
+    return da is not None and db is not None and len(da) == len(db) and all(map(same_dim, da, db))
 
 
 def _broadcasts_within_heads(term: ir.Value | None, total: ir.Value | None) -> bool:
     """A 3-D term whose leading ``B*h`` dim is the sum's and whose other dims are the sum's or 1 (BLOOM's ALiBi,
     ``[B*h, 1, T]``, broadcast over the queries): unfolding its leading dim alone keeps every element's head."""
     dims, full = _dims(term), _dims(total)
-    if dims is None or full is None or len(dims) != 3 or len(full) != 3 or not _same(dims[0], full[0]):
+    if dims is None or full is None or len(dims) != 3 or len(full) != 3 or not same_dim(dims[0], full[0]):
         return False
-    return all(d == 1 or _same(d, f) for d, f in zip(dims[1:], full[1:], strict=True))
+    return all(d == 1 or same_dim(d, f) for d, f in zip(dims[1:], full[1:], strict=True))
 
 
 def _unfold_like(term: ir.Value, unfolded: ir.Value, prefix: str) -> tuple[list[ir.Node], ir.Value]:
@@ -177,7 +177,7 @@ def distribute_unfolds(model: ir.Model) -> int:
             folded = _dims(total)
             if target is None or folded is None or len(target) != 4 or len(folded) != 3:
                 continue
-            if not (_same(target[2], folded[1]) and _same(target[3], folded[2])):
+            if not (same_dim(target[2], folded[1]) and same_dim(target[3], folded[2])):
                 continue
             x, y = add.inputs
             if not _same_shape(x, total):
@@ -279,8 +279,8 @@ def unfold_batched_heads(model: ir.Model) -> int:
         other = _dims(rhs[0])
         if target is None or folded is None or len(target) != 4 or len(folded) != 3 or other is None:
             continue
-        lead_ok = all(_same(target[i], source[i]) and _same(other[i], source[i]) for i in (0, 1))
-        if lead_ok and _same(target[2], folded[1]) and _same(target[3], folded[2]):
+        lead_ok = all(same_dim(target[i], source[i]) and same_dim(other[i], source[i]) for i in (0, 1))
+        if lead_ok and same_dim(target[2], folded[1]) and same_dim(target[3], folded[2]):
             sites.append((matmul, after, unfold, lhs, rhs))
     for index, (matmul, after, unfold, lhs, (source, transposed, scalars)) in enumerate(sites):
         prefix = matmul.name or f"bmm_{index}"  # ORT refuses two nodes of one name

@@ -330,14 +330,14 @@ def _norm_kind(graph: ir.Graph) -> str | None:
             uses = [u.node.op_type for u in node.outputs[0].uses()]
             exponent = const(node.inputs[1])
             if "ReduceMean" in uses and exponent is not None and exponent.size == 1 and float(exponent) == 2.0:
-                centred = _through_casts(node.inputs[0]).producer()
+                centred = through_casts(node.inputs[0]).producer()
                 kinds.add("layernorm" if centred is not None and centred.op_type == "Sub" else "rms")
     if not kinds:
         return None
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def _through_casts(value: ir.Value) -> ir.Value:
+def through_casts(value: ir.Value) -> ir.Value:
     """``value`` before the Casts T5 writes around a norm's statistics (``x.to(float32)``)."""
     for _ in range(4):
         node = value.producer()

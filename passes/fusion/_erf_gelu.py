@@ -22,29 +22,14 @@ import math
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-
-def _scalar(value: ir.Value | None) -> float | None:
-    tensor = value.const_value if value is not None else None
-    if tensor is None or tensor.size != 1:
-        return None
-    return float(tensor.numpy().reshape(-1)[0])
+from passes.fusion._tanh_gelu import check_gelu
 
 
 class _HalfFirstErfGelu(pattern.RewriteRuleClassBase):
-    scale_op: str  # how x / sqrt(2) is written: Div by sqrt(2), or Mul by its inverse
     expected: dict[str, float]
 
     def check(self, context, h: ir.Value, **constants) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        if h.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-            return result.fail(f"input of type {h.dtype}: Gelu takes float or float16", h)
-        for name, want in self.expected.items():
-            got = _scalar(constants[name])
-            if got is None:
-                return result.fail(f"{name} is not a constant scalar (expected {want:g})", constants[name])
-            if not math.isclose(got, want, rel_tol=1e-4):
-                return result.fail(f"{name} is {got:g}, expected {want:g}: not the erf GELU", constants[name])
-        return result
+        return check_gelu(h, constants, self.expected, kernel="Gelu", form="the erf GELU")
 
     def rewrite(self, op, h, **_):
         return op.Gelu(h, _domain="com.microsoft")

@@ -57,7 +57,7 @@ import numpy as np
 import onnx_ir as ir
 
 from core.inputs import InputSynthesis
-from passes.fusion._decoder_structure import attention_counts
+from passes.fusion._decoder_structure import attention_counts, through_casts
 
 Family = Literal[
     "bert", "roberta", "distilbert", "gpt2", "llama", "t5", "bart", "vit", "whisper", "wav2vec2", "encoder", "unknown"
@@ -171,7 +171,7 @@ def fusable_sites(model: ir.Model) -> dict[str, int]:
         elif (normalized := _norm_input(node)) is not None:
             norms += 1
             if is_residual(normalized):
-                sums.add(_through_casts(normalized).producer())
+                sums.add(through_casts(normalized).producer())
     return {"norms": norms, "residual_norms": skips + len(sums), "gelus": gelus}
 
 
@@ -186,18 +186,9 @@ def _norm_input(node: ir.Node) -> ir.Value | None:
     squared = _is_const(square.inputs[1], 2) if square.op_type == "Pow" else square.op_type == "Mul"
     if base is None or not squared or (square.op_type == "Mul" and square.inputs[1] is not base):
         return None
-    centred = _through_casts(base).producer()
+    centred = through_casts(base).producer()
     # LayerNorm written out: the squares are of x - mean(x), the norm's input is x
     return centred.inputs[0] if centred is not None and centred.op_type == "Sub" else base
-
-
-def _through_casts(value: ir.Value) -> ir.Value:
-    for _ in range(4):
-        node = value.producer()
-        if node is None or node.op_type != "Cast" or node.inputs[0] is None:
-            break
-        value = node.inputs[0]
-    return value
 
 
 def is_residual(value: ir.Value | None) -> bool:
@@ -208,7 +199,7 @@ def is_residual(value: ir.Value | None) -> bool:
     take neither as their skip input, and no rule fuses them."""
     if value is None:
         return False
-    producer = _through_casts(value).producer()
+    producer = through_casts(value).producer()
     if producer is None or producer.op_type != "Add" or producer.domain not in ("", "ai.onnx"):
         return False
     operands = producer.inputs

@@ -21,13 +21,9 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from passes.fusion._batched_heads import same_dim
+
 _ONNX = ("", "ai.onnx")
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and a == b
 
 
 def _heads_first(value: ir.Value | None, heads: int) -> ir.Value | None:
@@ -44,9 +40,9 @@ def _heads_first(value: ir.Value | None, heads: int) -> ir.Value | None:
     if source is None or source.shape is None or value.shape is None:
         return None
     src, out = list(source.shape), list(value.shape)
-    if len(src) != 4 or len(out) != 3 or not (isinstance(src[3], int) and _same(src[1], heads)):
+    if len(src) != 4 or len(out) != 3 or not (isinstance(src[3], int) and same_dim(src[1], heads)):
         return None
-    if not (_same(out[0], src[0]) and _same(out[1], src[2]) and _same(out[2], heads * src[3])):
+    if not (same_dim(out[0], src[0]) and same_dim(out[1], src[2]) and same_dim(out[2], heads * src[3])):
         return None
     return source
 

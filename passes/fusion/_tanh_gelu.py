@@ -43,6 +43,23 @@ def _scalar(value: ir.Value | None) -> float | None:
     return float(tensor.numpy().reshape(-1)[0])
 
 
+def check_gelu(
+    h: ir.Value, constants: dict[str, ir.Value], expected: dict[str, float], *, kernel: str, form: str
+) -> pattern.MatchResult:
+    """A GELU rule's check: ``h`` of a type ``kernel`` takes, each named constant a scalar within 1e-4 of its
+    expected value; a failure names the constant and the value found."""
+    result = pattern.MatchResult()
+    if h.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+        return result.fail(f"input of type {h.dtype}: {kernel} takes float or float16", h)
+    for name, want in expected.items():
+        got = _scalar(constants[name])
+        if got is None:
+            return result.fail(f"{name} is not a constant scalar (expected {want:g})", constants[name])
+        if not math.isclose(got, want, rel_tol=1e-4):
+            return result.fail(f"{name} is {got:g}, expected {want:g}: not {form}", constants[name])
+    return result
+
+
 def _bias_split(h: ir.Value) -> tuple[ir.Value, ir.Value] | None:
     """(input, bias) when ``h = Add(y, b)`` with ``b`` a constant vector matching ``y``'s last axis."""
     producer = h.producer()
@@ -67,17 +84,8 @@ class TanhGelu(pattern.RewriteRuleClassBase):
         return op.Mul(op.Mul(h, half), op.Add(op.Tanh(op.Mul(inner, sqrt_2_over_pi)), one))
 
     def check(self, context, h: ir.Value, **constants) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        if h.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-            return result.fail(f"input of type {h.dtype}: FastGelu takes float or float16", h)
-        for name in self.constants:
-            want = _EXPECTED[name]
-            got = _scalar(constants[name])
-            if got is None:
-                return result.fail(f"{name} is not a constant scalar (expected {want:g})", constants[name])
-            if not math.isclose(got, want, rel_tol=1e-4):
-                return result.fail(f"{name} is {got:g}, expected {want:g}: not the tanh GELU", constants[name])
-        return result
+        expected = {name: _EXPECTED[name] for name in self.constants}
+        return check_gelu(h, constants, expected, kernel="FastGelu", form="the tanh GELU")
 
     def rewrite(self, op, h, **_):
         split = _bias_split(h)
