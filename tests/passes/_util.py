@@ -52,12 +52,14 @@ def checked(model: ir.Model) -> onnx.ModelProto:
     return proto
 
 
-def session(model: ir.Model | str) -> ort.InferenceSession:
-    """A CPU session with every graph optimization off: the reference every rewrite is compared with."""
+def session(model: ir.Model | str | Path, optimized: bool = False) -> ort.InferenceSession:
+    """A CPU session with every graph optimization off: the reference every rewrite is compared with; with
+    ``optimized``, at ORT's default level (a fused candidate as a user's session runs it)."""
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
-    source = model if isinstance(model, str) else ir.serde.serialize_model(model).SerializeToString()
+    source = str(model) if isinstance(model, str | Path) else ir.serde.serialize_model(model).SerializeToString()
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 

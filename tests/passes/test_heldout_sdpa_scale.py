@@ -16,24 +16,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from passes import registry
 from passes._infra import PassContext, op_histogram
 from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
+from tests.passes._util import session
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "heldout" / "falcon_past_ts_sdpa.onnx"
 LAYERS = 2
-
-
-def session(model: ir.Model | Path, optimized: bool = False) -> ort.InferenceSession:
-    data = str(model) if isinstance(model, Path) else ir.serde.serialize_model(model).SerializeToString()
-    options = ort.SessionOptions()
-    if not optimized:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
 
 @pytest.fixture(scope="module")
