@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.errors import InvalidConfigError
@@ -33,6 +34,27 @@ class Tolerance(_Strict):
     max_mismatch_ratio: float = Field(
         0.0, ge=0, le=1, description="Share of elements allowed outside atol/rtol (0: none)."
     )
+    half_precision_floor: bool = Field(
+        True,
+        description="A float16 or bfloat16 output is compared with atol and rtol of at least 4 units in the last "
+        "place of its type (float16 3.9e-3, bfloat16 3.1e-2): a fused kernel sums in another order, and a bound "
+        "finer than the type resolves refuses every fusion of a half-precision model. False: atol/rtol as given.",
+    )
+
+    def bounds(self, dtype: Any) -> tuple[float, float]:
+        """(atol, rtol) for an output of ``dtype`` (a numpy dtype or its name)."""
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:  # a name numpy does not know (bfloat16 without ml_dtypes)
+            name = str(dtype)
+        floor = HALF_PRECISION_FLOOR.get(name) if self.half_precision_floor else None
+        if floor is None:
+            return self.atol, self.rtol
+        return max(self.atol, floor), max(self.rtol, floor)
+
+
+# 4 units in the last place (machine epsilon) of each half-precision type: float16 2**-10, bfloat16 2**-7.
+HALF_PRECISION_FLOOR = {"float16": 4 * 2.0**-10, "bfloat16": 4 * 2.0**-7}
 
 
 class DecoderBenchmark(_Strict):

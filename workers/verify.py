@@ -109,11 +109,13 @@ def compare_output(input_set: str, name: str, ref: np.ndarray, got: np.ndarray, 
     if ref.shape != got.shape:
         stats.ok, stats.reason = False, f"shape {list(got.shape)} instead of {list(ref.shape)}"
         return stats
+    atol, rtol = tolerance.atol, tolerance.rtol
     if ref.dtype.kind in "fc":
         r64, g64 = ref.astype(np.float64), got.astype(np.float64)
         stats.nan_ref, stats.nan_got = int(np.isnan(r64).sum()), int(np.isnan(g64).sum())
         stats.inf_ref, stats.inf_got = int(np.isinf(r64).sum()), int(np.isinf(g64).sum())
-        close = np.isclose(g64, r64, atol=tolerance.atol, rtol=tolerance.rtol, equal_nan=True)
+        atol, rtol = tolerance.bounds(ref.dtype)
+        close = np.isclose(g64, r64, atol=atol, rtol=rtol, equal_nan=True)
         both = np.isfinite(r64) & np.isfinite(g64)
         if both.any():
             diff = np.abs(g64[both] - r64[both])
@@ -138,8 +140,7 @@ def compare_output(input_set: str, name: str, ref: np.ndarray, got: np.ndarray, 
     problems = []
     if stats.mismatch_ratio > tolerance.max_mismatch_ratio:
         problems.append(
-            f"{stats.mismatches}/{ref.size} elements outside atol={tolerance.atol:g} rtol={tolerance.rtol:g}"
-            f" (max abs {stats.max_abs:.3g})"
+            f"{stats.mismatches}/{ref.size} elements outside atol={atol:g} rtol={rtol:g} (max abs {stats.max_abs:.3g})"
             if stats.max_abs is not None
             else f"{stats.mismatches}/{ref.size} elements differ"
         )

@@ -82,6 +82,7 @@ import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 from pydantic import Field
 
+from core.config import Tolerance
 from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._subgraphs import in_branches
@@ -135,8 +136,15 @@ class FuseTransformerOptions(PassOptions):
         description="Merge constant-weight MatMuls (and their bias Adds) that read the same activation, i.e. the "
         "Q/K/V projections, into one MatMul + Add + Split: one wider GEMM, one activation quantization in int8.",
     )
-    atol: float = Field(1e-4, gt=0, description="Absolute tolerance of the verification against the original.")
-    rtol: float = Field(1e-4, ge=0, description="Relative tolerance of the verification against the original.")
+    atol: float = Field(
+        1e-4,
+        gt=0,
+        description="Absolute tolerance of the verification against the original; a float16/bfloat16 output is "
+        "compared with at least 4 units in the last place of its type (the job tolerance's half_precision_floor).",
+    )
+    rtol: float = Field(
+        1e-4, ge=0, description="Relative tolerance of the verification against the original (the same floor)."
+    )
 
 
 class FuseTransformer(Pass):
@@ -440,7 +448,8 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
     for sample, expected in zip(feeds, ref_outputs, strict=True):
         got = session.run(None, {k: sample[k] for k in _names(session)})
         for name, ref, out in zip(wanted, expected, got, strict=True):
-            if ref.shape != out.shape or not np.allclose(out, ref, rtol=opts.rtol, atol=opts.atol, equal_nan=True):
+            atol, rtol = Tolerance(atol=opts.atol, rtol=opts.rtol).bounds(ref.dtype)
+            if ref.shape != out.shape or not np.allclose(out, ref, rtol=rtol, atol=atol, equal_nan=True):
                 diff = np.abs(out - ref).max() if ref.shape == out.shape else "shape"
                 raise ValueError(
                     f"output {name!r} differs: max |diff| {diff}, input shapes "
