@@ -408,7 +408,7 @@ def detect(model: ir.Model, matches: Sequence[RotaryMatch] = ()) -> dict[str, An
             "theta": rope_theta(first.cos.values) if first.cos.kind == "inv_freq" else None,
             "attention_scaling": first.cos.scale,
             "partial_rotary_factor": round(dims[0] / head_size, 4) if head_size and len(dims) == 1 else None,
-            "interleaved": False,
+            "interleaved": first.interleaved,
         }
     return {
         "layers": layers,

@@ -68,6 +68,8 @@ class RotaryMatch:
     cos: CosSin
     sin: CosSin
     nodes: tuple[ir.Node, ...]  # every matched node, for cleaning up the dead ones
+    interleaved: bool = False  # pairs (2i, 2i+1) rotate together (GPT-J's rotate_every_two), not (i, i + r/2)
+    bsnd: bool = False  # x is [batch, sequence, heads, head_size] (GPT-J rotates before its head transpose)
 
 
 def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:

@@ -12,7 +12,11 @@ full and Phi-3 partial rotary, angles computed or the exporter's folded table), 
     x --Slice-----/                                                    cos_cache, sin_cache)-->
     position_ids--Unsqueeze--Cast--Mul(inv_freq)--Concat--Cos/Sin--[Mul(scaling)]--Unsqueeze
 
-with the caches computed once per distinct frequency set (``_rotary_cache``). The consumers of the rotated
+with the caches computed once per distinct frequency set (``_rotary_cache``). The interleaved form (GPT-J,
+Cohere, RoFormer: ``rotate_every_two``, channel pairs (2i, 2i+1)) becomes ``RotaryEmbedding(interleaved=1)``
+(``_rotary_interleaved``: its caches are what the graph's own cos/sin compute, run once and then checked at
+other shapes, ``_rotary_interleaved_probe``); a rotation of [B, S, N, D] (GPT-J, before its head transpose)
+goes in flat, [B, S, N*D] with ``num_heads``, and comes back to its four dims. The consumers of the rotated
 q and k are unchanged (an attention fusion after this one sees opaque values). Nodes left without a
 consumer are removed; the trigonometry disappears with the last layer's use of it. A rotated key that is a
 graph output itself (the present of a decoder without a past: Optimum's no-cache branch) is rotated on its
@@ -39,7 +43,9 @@ from passes._subgraphs import in_branches
 from passes.fusion import _decoder_structure
 from passes.fusion._decoder_norm import divide_rms_norms
 from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_positions, rows
-from passes.fusion._rotary_match import Declined, RotaryMatch, layer_of, looks_rotary, match
+from passes.fusion._rotary_interleaved import Candidate, NotInterleaved, candidate, looks_interleaved
+from passes.fusion._rotary_interleaved_probe import verify
+from passes.fusion._rotary_match import CosSin, Declined, RotaryMatch, layer_of, looks_rotary, match
 
 _MS = "com.microsoft"
 
@@ -57,8 +63,9 @@ class FuseRotaryOptions(PassOptions):
 class FuseRotary(Pass[FuseRotaryOptions]):
     name = "fuse_rotary"
     summary = (
-        "Decoder rotary position embeddings (rotate_half: q*cos + rotate_half(q)*sin, full or partial) -> "
-        "com.microsoft::RotaryEmbedding with a constant cos/sin cache; reports the decoder's structure."
+        "Decoder rotary position embeddings (rotate_half: q*cos + rotate_half(q)*sin, or interleaved "
+        "rotate_every_two; full or partial) -> com.microsoft::RotaryEmbedding with a constant cos/sin cache; "
+        "reports the decoder's structure."
     )
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
@@ -76,6 +83,8 @@ class FuseRotary(Pass[FuseRotaryOptions]):
                 matches.append(match(node, outputs))
             except Declined as reason:
                 declined.append(_non_match(node, str(reason)))
+        max_positions = self.options.max_positions or metadata_max_positions(model) or DEFAULT_MAX_POSITIONS
+        matches += _interleaved(model, outputs, max_positions, declined)
         trig = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
         structure = _decoder_structure.detect(model, matches)
         norms = divide_rms_norms(graph)
@@ -85,7 +94,6 @@ class FuseRotary(Pass[FuseRotaryOptions]):
             declined += [] if declined else _unexplained_trig(graph)
             return PassResult(model, bool(norms), counts, declined, notes={"decoder": structure})
         layers = sorted({layer for m in matches if (layer := layer_of(m.anchor)) is not None})
-        max_positions = self.options.max_positions or metadata_max_positions(model) or DEFAULT_MAX_POSITIONS
         caches: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
         for found in matches:
             _rewrite(graph, found, outputs, _caches(graph, found, max_positions, caches))
@@ -104,6 +112,7 @@ class FuseRotary(Pass[FuseRotaryOptions]):
         counts = {
             "rotary_embeddings": len(matches),
             "partial_rotary": sum(m.partial for m in matches),
+            "interleaved_rotary": sum(m.interleaved for m in matches),
             "cos_sin_caches": len(caches),
             "nodes_removed": removed,
             "trig_left": left,
@@ -112,11 +121,50 @@ class FuseRotary(Pass[FuseRotaryOptions]):
         return PassResult(model, True, counts=counts, non_matches=declined, notes=notes)
 
 
+def _interleaved(
+    model: ir.Model, outputs: set[ir.Value], max_positions: int, declined: list[NonMatch]
+) -> list[RotaryMatch]:
+    """The interleaved rotations (``_rotary_interleaved``), proven on their own values; the others declined."""
+    graph = model.graph
+    candidates: list[Candidate] = []
+    for node in graph:
+        if looks_interleaved(node):
+            try:
+                candidates.append(candidate(node, graph, outputs))
+            except NotInterleaved as reason:
+                declined.append(_non_match(node, str(reason)))
+    if not candidates:
+        return []
+    proven, refused = verify(model, candidates, max_positions)
+    declined += [_non_match(found.anchor, f"interleaved rotary: {reason}") for found, reason in refused]
+    matches = []
+    for found, proof in proven:
+        shared = found.positions not in graph.inputs  # the model's own arange(S): one row for the whole batch
+        cos = CosSin("table", found.positions, proof.cos, 1.0, (), shared)
+        sin = CosSin("table", found.positions, proof.sin, 1.0, (), shared)
+        partial = found.q is not found.x
+        matches.append(
+            RotaryMatch(
+                found.anchor,
+                found.q,
+                proof.rotary_dim,
+                partial,
+                proof.num_heads,
+                cos,
+                sin,
+                found.nodes,
+                interleaved=True,
+                bsnd=proof.bsnd,
+            )
+        )
+    return matches
+
+
 def _unexplained_trig(graph: ir.Graph) -> list[NonMatch]:
-    """Sin/Cos no rotate-half candidate explained: a rotary form this pass does not match (GPT-J's interleaved
-    ``rotate_every_two``, a scaled rope choosing inv_freq at run time), named so the report says what blocked it."""
+    """Sin/Cos no rotate-half candidate explained: a rotary form this pass does not match (a scaled rope choosing
+    inv_freq at run time), named so the report says what blocked it."""
     return [
-        _non_match(n, f"{n.op_type} feeds no q*cos + rotate_half(q)*sin this pass matches (interleaved or other form)")
+        _non_match(n, f"{n.op_type} feeds no q*cos + rotate_half(q)*sin this pass matches (another form)")
         for n in graph
         if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx")
     ]
@@ -149,9 +197,11 @@ def _caches(
 
 
 def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches: tuple[ir.Value, ir.Value]) -> None:
-    attributes: dict[str, Any] = {"interleaved": 0}
+    attributes: dict[str, Any] = {"interleaved": int(found.interleaved)}
     if found.partial:  # ORT requires num_heads with rotary_embedding_dim, though a 4-D input carries the heads
         attributes |= {"rotary_embedding_dim": found.rotary_dim, "num_heads": found.num_heads}
+    if found.bsnd:  # a 4-D input is [B, N, S, D] to the kernel: [B, S, N, D] goes in flat, with its heads
+        attributes["num_heads"] = found.num_heads
     anchor = found.anchor
     old = anchor.outputs[0]
     positions = found.cos.positions
@@ -176,7 +226,15 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         expand = ir.node("Expand", [feeds[1], target.outputs[0]], name=f"{name}_expand")
         graph.insert_before(anchor, [batch, one, target, expand])
         feeds[1] = expand.outputs[0]
-    heads_first = _transposed_heads(found.x) if old in outputs and not found.partial else None
+    if found.bsnd:
+        flat_shape = _int64(f"{anchor.name}/rotary_bsh", [0, 0, -1])
+        flat = ir.node("Reshape", [found.x, flat_shape.outputs[0]], name=f"{anchor.name}/rotary_bsh")
+        graph.insert_before(anchor, [flat_shape, flat])
+        if found.x.dtype is not None:
+            flat.outputs[0].dtype = found.x.dtype
+        feeds[0] = flat.outputs[0]
+    bnsh = old in outputs and not found.partial and not found.bsnd
+    heads_first = _transposed_heads(found.x) if bnsh else None
     if heads_first is not None:  # a present read after attention fusion too: rotate it where fuse_gqa will
         flat_shape = _int64(f"{anchor.name}/rotary_flat", [0, 0, -1])
         flat = ir.node("Reshape", [heads_first, flat_shape.outputs[0]], name=f"{anchor.name}/rotary_flat")
@@ -196,6 +254,15 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         for value in (flat.outputs[0], new, split.outputs[0]):
             value.dtype = old.dtype or found.x.dtype
         new = back.outputs[0]
+        new.name = f"{anchor.name}/RotaryEmbedding_output_0"
+    if found.bsnd:
+        heads_shape = _int64(f"{anchor.name}/rotary_bsnd", [0, 0, int(found.num_heads or 0), -1])
+        split = ir.node("Reshape", [new, heads_shape.outputs[0]], name=f"{anchor.name}/rotary_bsnd")
+        graph.insert_before(anchor, [heads_shape, split])
+        new.name = f"{anchor.name}/RotaryEmbedding_bsh"
+        if (dtype := old.dtype or found.x.dtype) is not None:
+            new.dtype = dtype
+        new = split.outputs[0]
         new.name = f"{anchor.name}/RotaryEmbedding_output_0"
     if (dtype := old.dtype or found.x.dtype) is not None:
         new.dtype = dtype
