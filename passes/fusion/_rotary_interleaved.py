@@ -48,7 +48,7 @@ class Candidate:
     rotated: ir.Value  # rotate_every_two(x) as the graph computes it
     cos: ir.Value
     sin: ir.Value
-    positions: ir.Value  # an integer input [B, S] or a Range output [S] the factors are computed from
+    positions: ir.Value | None  # an integer input [B, S], a Range output [S]; None: rows 0..S-1 (Slice of a table)
     table_rows: int | None  # rows of a constant table the factors gather from (positions beyond it fail)
     nodes: tuple[ir.Node, ...]  # the rotation's and the factors' nodes, candidates for removal
 
@@ -152,7 +152,7 @@ def _table_rows(cone: list[ir.Node]) -> int | None:
     factors can be computed for."""
     rows = []
     for node in cone:
-        if node.op_type not in ("Gather", "GatherElements") or node.domain not in _ONNX:
+        if node.op_type not in ("Gather", "GatherElements", "Slice") or node.domain not in _ONNX:
             continue
         data = node.inputs[0]
         while (layout := _producer(data, *_TABLE_LAYOUT)) is not None:
@@ -163,9 +163,11 @@ def _table_rows(cone: list[ir.Node]) -> int | None:
     return min(rows) if rows else None
 
 
-def _positions(cone: list[ir.Node], graph_inputs: list[ir.Value]) -> ir.Value:
+def _positions(cone: list[ir.Node], graph_inputs: list[ir.Value]) -> ir.Value | None:
     """The integer values the factors are a function of: a graph input read as data (position_ids), else the
-    model's one ``Range`` (arange(past, past + S), shared by the batch)."""
+    model's one ``Range`` (arange(past, past + S), shared by the batch), else None where neither is there: the
+    factors then depend on the sequence length alone (``range_gather_to_slice`` made ``Gather(table,
+    arange(S))`` a ``Slice(table, 0, S)``), rows 0..S-1 as the probe checks."""
     read = {v for n in cone if n.op_type not in _SHAPE_ONLY for v in n.inputs if v is not None}
     inputs = [v for v in graph_inputs if v in read and v.dtype in (ir.DataType.INT64, ir.DataType.INT32)]
     if len(inputs) == 1:
@@ -173,9 +175,9 @@ def _positions(cone: list[ir.Node], graph_inputs: list[ir.Value]) -> ir.Value:
     if len(inputs) > 1:
         raise NotInterleaved(f"cos/sin read several integer inputs ({', '.join(str(v.name) for v in inputs)})")
     ranges = [n for n in cone if n.op_type == "Range" and n.domain in _ONNX]
-    if len(ranges) != 1:
+    if len(ranges) > 1:
         raise NotInterleaved(f"cos/sin come from {len(ranges)} Range nodes and no position_ids input, not one")
-    return ranges[0].outputs[0]
+    return ranges[0].outputs[0] if ranges else None
 
 
 def _slice_args(node: ir.Node) -> tuple[int | None, ...]:

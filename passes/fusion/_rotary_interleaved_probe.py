@@ -98,8 +98,13 @@ def _run(
     return dict(zip(names, got, strict=True)) | {str(v.name): fed[str(v.name)] for v in inputs}
 
 
+def _positions(found: Candidate, got: dict[str, np.ndarray], seq: int) -> np.ndarray:
+    """The positions the factors were computed for: as fed or computed, else 0..seq-1 (the claim to check)."""
+    return np.arange(seq) if found.positions is None else got[str(found.positions.name)]
+
+
 def _rows(found: Candidate, got: dict[str, np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray]:
-    positions = got[str(found.positions.name)]
+    positions = _positions(found, got, rows)
     if positions.size != rows or not np.array_equal(positions.reshape(-1), np.arange(rows)):
         raise NotInterleaved(f"the positions of a {rows}-token prompt are not 0..{rows - 1}")
     tables = []
@@ -121,7 +126,7 @@ def _check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarra
         raise NotInterleaved(f"the rotated channels are {list(x.shape)} of {list(q.shape)}, not one 4-D head layout")
     if not np.array_equal(got[str(found.rotated.name)], rotate_every_two(x)):
         raise NotInterleaved("the rotated value is not stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)")
-    positions = got[str(found.positions.name)].astype(np.int64)
+    positions = _positions(found, got, seq).astype(np.int64)
     positions = positions.reshape(1, -1) if positions.ndim == 1 else positions
     rows = tables[0].shape[0]
     if positions.ndim != 2 or positions.shape[1] != seq or positions.min() < 0 or positions.max() >= rows:
@@ -167,7 +172,8 @@ def verify(
         by_rows.setdefault(min(max_positions, found.table_rows or max_positions), []).append(found)
     for rows, group in by_rows.items():
         try:
-            got = _run(model, [v for c in group for v in (c.positions, c.cos, c.sin)], feeds, (1, rows, 0, 0))
+            values = [v for c in group for v in (c.positions, c.cos, c.sin) if v is not None]
+            got = _run(model, values, feeds, (1, rows, 0, 0))
         except Exception as exc:  # the factors do not compute at this length: nothing to build a cache from
             declined += [(c, f"cos/sin did not compute at {rows} positions: {str(exc)[:200]}") for c in group]
             continue
@@ -182,7 +188,7 @@ def verify(
         pending = [c for c in candidates if id(c) in tables and id(c) not in {id(d) for d, _ in declined}]
         if not pending:
             break
-        values = [v for c in pending for v in (c.positions, c.cos, c.sin, c.x, c.q, c.rotated)]
+        values = [v for c in pending for v in (c.positions, c.cos, c.sin, c.x, c.q, c.rotated) if v is not None]
         try:
             got = _run(model, values, feeds, (batch, seq, past, 2))
         except Exception as exc:

@@ -138,10 +138,20 @@ def _interleaved(
     proven, refused = verify(model, candidates, max_positions)
     declined += [_non_match(found.anchor, f"interleaved rotary: {reason}") for found, reason in refused]
     matches = []
+    start: ir.Value | None = None
     for found, proof in proven:
-        shared = found.positions not in graph.inputs  # the model's own arange(S): one row for the whole batch
-        cos = CosSin("table", found.positions, proof.cos, 1.0, (), shared)
-        sin = CosSin("table", found.positions, proof.sin, 1.0, (), shared)
+        positions = found.positions
+        if positions is None:  # rows 0..S-1 for every sequence: the kernel's one-element form, a start of 0
+            if start is None:
+                start = ir.Value(
+                    name="rotary_emb.position_start", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64)
+                )
+                start.const_value = ir.tensor(np.array([0], np.int64), name=start.name)
+                graph.register_initializer(start)
+            positions = start
+        shared = positions not in graph.inputs and positions is not start  # the model's own arange(S), [S]
+        cos = CosSin("table", positions, proof.cos, 1.0, (), shared)
+        sin = CosSin("table", positions, proof.sin, 1.0, (), shared)
         partial = found.q is not found.x
         matches.append(
             RotaryMatch(
@@ -216,7 +226,8 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         row = ir.node("Unsqueeze", [feeds[1], axis.outputs[0]], name=f"{anchor.name}/rotary_positions_2d")
         graph.insert_before(anchor, [axis, row])
         feeds[1] = row.outputs[0]
-    if found.cos.shared or not _batched(positions, graph):
+    start = positions.name == "rotary_emb.position_start"  # one element: every row starts at 0
+    if not start and (found.cos.shared or not _batched(positions, graph)):
         # Positions a model computes itself (arange(S)[None]) broadcast over the batch in the original; the
         # kernel wants one row per batch entry.
         name = f"{anchor.name}/rotary_positions"
