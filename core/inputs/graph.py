@@ -616,19 +616,29 @@ def _cross_attention(graph: ir.Graph, roles: dict[str, InputRole], inputs: list[
     return True
 
 
-def _direct(value: ir.Value, accept: Callable[[ir.Node, int], bool], depth: int = 3) -> bool:
+def _direct(value: ir.Value, accept: Callable[[ir.Node, int], bool], depth: int = 5) -> bool:
     """Whether ``value``'s data (not its shape) reaches a use ``accept`` takes (node, input slot) through casts,
-    reshapes and transposes."""
+    reshapes, transposes and scaling by a constant. Dynamo's decomposed SDPA reads a cached key as
+    ``Mul(Reshape(Transpose(Reshape(k))), sqrt(scale))`` before the scores' MatMul: five steps."""
     if depth < 0:
         return False
     for use in value.uses():
         node = use.node
-        passes = (node.op_type in _ALIAS_OPS and use.idx == 0) or _onto_empty(node, value)
+        passes = (node.op_type in _ALIAS_OPS and use.idx == 0) or _onto_empty(node, value) or _scaled(node, value)
         if passes and any(_direct(o, accept, depth - 1) for o in node.outputs):
             return True
         if accept(node, use.idx) and not passes:
             return True
     return False
+
+
+def _scaled(node: ir.Node, value: ir.Value) -> bool:
+    """``value`` times (or divided by) a one-element constant: the same tensor, scaled."""
+    if node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
+        return False
+    other = node.inputs[1] if node.inputs[0] is value else node.inputs[0] if node.op_type == "Mul" else None
+    array = const_array(other) if other is not None and other is not value else None
+    return array is not None and array.size == 1
 
 
 def _onto_empty(node: ir.Node, value: ir.Value) -> bool:
