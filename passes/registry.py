@@ -28,6 +28,7 @@ from passes.fusion.fuse_rotary import FuseRotary
 from passes.fusion.fuse_transformer import FuseTransformer
 from passes.fusion.pack_matmuls import PackMatmuls
 from passes.fusion.unfuse_skip_layernorm import UnfuseSkipLayerNorm
+from passes.fusion.upgrade_opset import UpgradeOpset
 from passes.precision.float16 import Float16
 from passes.precision.mixed_precision import MixedPrecision
 from passes.precision.quantize_dynamic import QuantizeDynamic
@@ -51,6 +52,7 @@ PASSES: tuple[type[Pass], ...] = (
     UpstreamReshape,
     UpstreamSlice,
     RangeGatherToSlice,
+    UpgradeOpset,
     FuseRotary,
     FuseGqa,
     FuseTransformer,
@@ -134,6 +136,8 @@ _SAFE = [*_CLEANUP, *_COMPUTE_ORDER, *_AFTER]
 _FAST_FUSION = PassSpec(name="fuse_transformer", options={"pack_qkv": True})
 _FAST = [
     *_CLEANUP,
+    # an export below opset 17 wrote every LayerNorm out; the passes after it read opset-17 graphs
+    "upgrade_opset",
     *_COMPUTE_ORDER,
     "padding_elimination",
     *_AFTER[:-1],
