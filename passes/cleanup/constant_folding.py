@@ -130,6 +130,7 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
         initializers_before = set(_initializers(model))
         # Objects, not ids: a folded node is freed and its id may be reused by a node the folder adds.
         read_before = {n for g in all_graphs(model) for n in g if any(o.uses() for o in n.outputs)}
+        existed = {n for g in all_graphs(model) for n in g}
 
         static_dims = _fold_static_dims(model)
         result = onnxscript.optimizer.fold_constants(
@@ -140,7 +141,7 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
             output_size_limit=max(max_bytes, 1),
             should_fold=guard,
         )
-        orphans = _remove_orphans(model, read_before)
+        orphans = _remove_orphans(model, read_before, existed)
 
         removed = ops_before - op_histogram(model)
         added = op_histogram(model) - ops_before
@@ -246,14 +247,18 @@ def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
     return attr.as_tensor() if attr is not None else None
 
 
-def _remove_orphans(model: ir.Model, read_before: set[ir.Node]) -> int:
+def _remove_orphans(model: ir.Model, read_before: set[ir.Node], existed: set[ir.Node]) -> int:
     """Remove nodes that had readers before folding and have none now (feeder Constants, bypassed
-    Identities). Nodes that were already dead are left for dead_node_elimination to report."""
+    Identities), and the unread nodes the folder itself added: it rewrites a no-op (a Cast to its input's type,
+    a one-input Concat) to an Identity and then bypasses that Identity, which stayed behind reading the value.
+    A rewrite rule that requires its matched values to have no other reader (onnxscript's SDPA, on scores
+    that TorchScript casts to float before the Softmax: XLM) then refused the match. Nodes that were already
+    dead are left for dead_node_elimination to report."""
     removed = 0
     for graph in list(all_graphs(model)):
         # Reverse order: removing a node can orphan its producers, which come earlier.
         for node in reversed(list(graph)):
-            if node not in read_before:
+            if node not in read_before and node in existed:
                 continue
             if any(o.uses() or o.is_graph_output() for o in node.outputs):
                 continue

@@ -14,6 +14,14 @@ wherever the scores are below 1e29 in magnitude, which they are by many orders i
 Softmax gives every masked position an exact 0 (a fully masked row is uniform, or NaN for -inf, in both
 forms). ``s`` must come from a ``MatMul`` (possibly scaled), i.e. be attention scores. Built with
 onnxscript's exported pattern API (``RewriteRuleClassBase``, ``MatchResult.fail``).
+
+A mask first broadcast to the scores' shape (``mask.expand_as(scores)``: XLM, FlauBERT) reads the scores
+twice, through ``Expand(cond, Shape(s))``; the SDPA rule then sees the scores used outside its pattern and
+matches nothing. ``Where`` broadcasts its inputs itself, and ``Expand`` broadcasts both ways, so
+``Where(Expand(cond, Shape(s)), a, b)`` with ``s`` one of ``a, b`` has the shape and the values of
+``Where(cond, a, b)``: the Expand is dropped with the rest of the rewrite::
+
+    Softmax(Where(Expand(masked, Shape(s)), fill, s))   ==>   Softmax(Add(s, Where(masked, fill, 0)))
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ def _fill(value: ir.Value) -> float | None:
 
 class _WhereMask(pattern.RewriteRuleClassBase):
     fill_first: bool  # Where(cond, fill, scores) when True, Where(cond, scores, fill) otherwise
+    expanded = False  # the condition is Expand(cond, Shape(scores))
+
+    def _condition(self, op, cond, scores):
+        return op.Expand(cond, op.Shape(scores)) if self.expanded else cond
 
     def check(self, context, scores: ir.Value, fill: ir.Value, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
@@ -57,7 +69,8 @@ class WhereFillFirst(_WhereMask):
     fill_first = True
 
     def pattern(self, op, cond, fill, scores):
-        return op.Softmax(op.Where(cond, fill, scores), _allow_other_attributes=True, _outputs=["probs"])
+        where = op.Where(self._condition(op, cond, scores), fill, scores)
+        return op.Softmax(where, _allow_other_attributes=True, _outputs=["probs"])
 
     def rewrite(self, op, cond, fill, scores, probs, **_):
         axis = probs.producer().attributes.get_int("axis", -1)
@@ -68,11 +81,23 @@ class WhereFillSecond(_WhereMask):
     fill_first = False
 
     def pattern(self, op, cond, scores, fill):
-        return op.Softmax(op.Where(cond, scores, fill), _allow_other_attributes=True, _outputs=["probs"])
+        where = op.Where(self._condition(op, cond, scores), scores, fill)
+        return op.Softmax(where, _allow_other_attributes=True, _outputs=["probs"])
 
     def rewrite(self, op, cond, scores, fill, probs, **_):
         axis = probs.producer().attributes.get_int("axis", -1)
         return op.Softmax(op.Add(scores, self._bias(op, cond, fill)), axis=axis)
 
 
-rules = pattern.RewriteRuleSet([WhereFillFirst.rule(), WhereFillSecond.rule()])
+class ExpandedFillFirst(WhereFillFirst):
+    expanded = True
+
+
+class ExpandedFillSecond(WhereFillSecond):
+    expanded = True
+
+
+# the expanded forms first: the plain ones would take the Expand as the condition and keep the second read
+rules = pattern.RewriteRuleSet(
+    [ExpandedFillFirst.rule(), ExpandedFillSecond.rule(), WhereFillFirst.rule(), WhereFillSecond.rule()]
+)
