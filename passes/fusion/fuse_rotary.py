@@ -244,7 +244,10 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         if found.x.dtype is not None:
             flat.outputs[0].dtype = found.x.dtype
         feeds[0] = flat.outputs[0]
-    bnsh = old in outputs and not found.partial and not found.bsnd
+    # An interleaved rotation goes flat too: onnxscript 0.7.2's MultiHeadAttention rule re-creates the
+    # RotaryEmbedding it finds on heads-first q/k without its attributes (interleaved lost: wrong outputs,
+    # rejected by fuse_transformer's check, attention left unfused); on the flat form it reads opaque q/k.
+    bnsh = (old in outputs or found.interleaved) and not found.partial and not found.bsnd
     heads_first = _transposed_heads(found.x) if bnsh else None
     if heads_first is not None:  # a present read after attention fusion too: rotate it where fuse_gqa will
         flat_shape = _int64(f"{anchor.name}/rotary_flat", [0, 0, -1])
@@ -263,7 +266,8 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         graph.insert_before(anchor, [split_shape, split, back])
         new.name = f"{anchor.name}/RotaryEmbedding_bsh"
         for value in (flat.outputs[0], new, split.outputs[0]):
-            value.dtype = old.dtype or found.x.dtype
+            if (dtype := old.dtype or found.x.dtype) is not None:  # TorchScript leaves intermediates untyped
+                value.dtype = dtype
         new = back.outputs[0]
         new.name = f"{anchor.name}/RotaryEmbedding_output_0"
     if found.bsnd:

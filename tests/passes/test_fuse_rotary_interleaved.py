@@ -4,9 +4,10 @@ GPT-J, Cohere and RoFormer rotate channel pairs (2i, 2i+1); their exports kept t
 Slices, Neg, a stack and a Reshape per q and k, and cos/sin from a gathered sin|cos table or repeat-interleaved
 angles. Exports (tiny, random weights; how to rebuild each: ``tests/models/build_heldout_interleaved.py``):
 GPT-J partial rotary (4 of 8 channels, [B,S,N,D] layout) from dynamo without a cache and from TorchScript with
-one (``position_ids`` an input), Cohere from dynamo, RoFormer (an encoder) from TorchScript. Each must become
-``com.microsoft::RotaryEmbedding(interleaved=1)`` with the arithmetic gone and compute what the export does
-under ORT (optimizations off for the reference) at shapes other than the export's. Hand-built graphs check
+one (``position_ids`` an input), Cohere from dynamo, RoFormer (an encoder) from TorchScript, and from dynamo
+where the attention fusion after it is checked too (``bench.heldout_text --only roformer --exporters dynamo``).
+Each must become ``com.microsoft::RotaryEmbedding(interleaved=1)`` with the arithmetic gone and compute what the
+export does under ORT (optimizations off for the reference) at shapes other than the export's. Hand-built graphs check
 that the match refuses a rotation that is not exactly the interleaved one.
 """
 
@@ -238,3 +239,30 @@ def test_a_rotation_that_is_not_exactly_interleaved_is_left_as_it_is(variant: di
     assert op_histogram(result.model)["Neg"] == 1
     if reason is not None:
         assert any(reason in m.reason for m in result.non_matches), result.non_matches
+
+
+def test_attention_still_fuses_after_an_interleaved_rotary_embedding() -> None:
+    """onnxscript 0.7.2's MultiHeadAttention rule re-creates a heads-first RotaryEmbedding without its attributes
+    (interleaved lost); fuse_rotary rotates the flat [B, S, N*D] q/k instead, so the attention fuses around it."""
+    # setup
+    path = MODELS / "heldout_roformer_dynamo.onnx"
+    specs = registry.PRESETS["fast"].specs
+    upto = [
+        s for s in specs[: [s.name for s in specs].index("fuse_transformer") + 1] if s.name != "padding_elimination"
+    ]
+    model = ir.load(path)
+    # execute
+    for p in registry.build_passes(upto):
+        model = p(model, PassContext()).model
+    # assert
+    ops = op_histogram(model)
+    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS and "Softmax" not in ops and ops["Neg"] == 0
+    assert all(n.attributes["interleaved"].as_int() == 1 for n in _rotary_nodes(model))
+    assert len(_rotary_nodes(model)) == 2 * LAYERS
+    reference, fused = reference_session(path), reference_session(model)
+    rng = np.random.default_rng(2)
+    for batch, seq in SHAPES:
+        feeds = _feeds(path, batch, seq, rng)
+        want, got = run_named(reference, feeds), run_named(fused, feeds)
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5, err_msg=f"{key} at {batch}x{seq}")
