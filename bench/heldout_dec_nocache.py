@@ -288,8 +288,10 @@ def _verify(wrapper: Any, path: Path) -> float:
     return worst
 
 
-def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
-    spec = SPECS[name]
+def build(
+    name: str, exporter: str, out: Path, specs: dict[str, Spec] = SPECS, script: str = "bench.heldout_dec_nocache"
+) -> dict[str, Any]:
+    spec = specs[name]
     path = out / f"{name}_{exporter}.onnx"
     info: dict[str, Any] = {"model": name, "exporter": exporter, "builder_version": BUILDER_VERSION}
     import transformers as tf
@@ -314,7 +316,7 @@ def build(name: str, exporter: str, out: Path) -> dict[str, Any]:
             proto,
             tmp,
             path,
-            builder=f"bench.heldout_dec_nocache --only {name} --exporters {exporter}",
+            builder=f"{script} --only {name} --exporters {exporter}",
             verify=lambda: _verify(wrapper, path),
         )
     return info
@@ -350,7 +352,7 @@ def probe(name: str, exporter: str, out: Path, reuse: bool) -> dict[str, Any]:
     return _heldout.probe(name, exporter, out, reuse, version=BUILDER_VERSION, build=build, counts=_structure)
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
+def _cells(row: dict[str, Any], specs: dict[str, Spec] = SPECS) -> list[str]:
     name, exporter = row["model"], row["exporter"]
     if not row.get("ok"):
         return [
@@ -367,7 +369,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
     job, st = row["job"], row["structure"]
     if not job.get("ok"):
         return [name, exporter, "**failed**", "", "", "", "", "", job["error"][:240]]
-    spec = SPECS[name]
+    spec = specs[name]
     notes = _heldout.job_notes(job, 160)
     if st.get("attention_ops"):
         notes.append("/".join(st["attention_ops"]))

@@ -61,6 +61,10 @@ class Probe:
     positions: bool = True  # takes position_ids (ALiBi models do not)
     extra: tuple[tuple[str, Any], ...] = ()
     note: str = ""
+    hidden: int = HIDDEN  # another probe round builds at other dims (bench/heldout_dec_round2.py)
+    intermediate: int = 64
+    vocab: int = VOCAB
+    cache_head_dim: int | None = None  # the cache's head size where it is not hidden / heads (MLA)
 
     def family(self) -> bd.Family:
         return bd.Family(
@@ -68,11 +72,11 @@ class Probe:
             self.config,
             self.model,
             layers=LAYERS,
-            hidden=HIDDEN,
+            hidden=self.hidden,
             heads=HEADS,
             kv_heads=self.kv_heads,
-            intermediate=64,
-            vocab=VOCAB,
+            intermediate=self.intermediate,
+            vocab=self.vocab,
             extra=self.extra,
         )
 
@@ -171,7 +175,9 @@ def names_in(probe: Probe) -> list[str]:
 
 
 def signature(probe: Probe) -> bd.Signature:
-    return bd.Signature(tuple(names_in(probe)), LAYERS, probe.kv_heads, HEAD_DIM, VOCAB)
+    family = probe.family()
+    head_dim = probe.cache_head_dim or family.head_dim
+    return bd.Signature(tuple(names_in(probe)), LAYERS, probe.kv_heads, head_dim, family.vocab)
 
 
 def module(probe: Probe, attention: str = "eager") -> Any:
@@ -208,7 +214,9 @@ def _args(probe: Probe, batch: int, seq: int, past: int, seed: int) -> tuple[Any
     return tuple(torch.from_numpy(feeds[k]) for k in names_in(probe))
 
 
-def export(mod: Any, probe: Probe, exporter: str, path: Path) -> onnx.ModelProto:
+def export(
+    mod: Any, probe: Probe, exporter: str, path: Path, script: str = "bench.heldout_dec_past"
+) -> onnx.ModelProto:
     """``build_decoders.export``'s axes and checks, for a signature with or without ``position_ids``."""
     import torch
 
@@ -253,7 +261,7 @@ def export(mod: Any, probe: Probe, exporter: str, path: Path) -> onnx.ModelProto
                 verbose=False,
             )
             proto = program.model_proto
-    meta = {"onnxforge.builder": f"bench.heldout_dec_past --only {probe.name} --exporters {exporter}"}
+    meta = {"onnxforge.builder": f"{script} --only {probe.name} --exporters {exporter}"}
     proto = _clean(proto, path.stem, meta)
     bd.check_plain_onnx(proto, ins, outs)
     return proto
@@ -276,7 +284,9 @@ def verify(mod: Any, probe: Probe, path: Path) -> float:
     return worst
 
 
-def build(probe: Probe, exporter: str, reuse: bool, out: Path = OUT) -> dict[str, Any]:
+def build(
+    probe: Probe, exporter: str, reuse: bool, out: Path = OUT, script: str = "bench.heldout_dec_past"
+) -> dict[str, Any]:
     path = out / f"{probe.name}_past_{exporter}.onnx"
     side = path.with_suffix(".build.json")
     if reuse and side.exists():
@@ -286,7 +296,7 @@ def build(probe: Probe, exporter: str, reuse: bool, out: Path = OUT) -> dict[str
     info: dict[str, Any] = {"file": str(path), "family": probe.name, "exporter": exporter}
     try:
         mod = module(probe, "sdpa" if exporter == "ts_sdpa" else "eager")
-        proto = export(mod, probe, exporter, path)
+        proto = export(mod, probe, exporter, path, script)
         bd.save(proto, path)
         info["max_abs_vs_torch"] = verify(mod, probe, path)
         info.update(ok=True, nodes=len(proto.graph.node))
@@ -418,8 +428,8 @@ HEAD = [
 ]
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
-    probe = PROBES[row["family"]]
+def _cells(row: dict[str, Any], probes: dict[str, Probe] = PROBES) -> list[str]:
+    probe = probes[row["family"]]
     if row.get("job") == "failed" and "report" not in row and row.get("decision") is None:
         return [row["family"], row["exporter"], row["preset"], "failed", *["-"] * 5, (row.get("error") or "")[:160]]
     exact = f"{_fmt(row.get('verified'))} {_fmt(row.get('max_abs'))} / {_fmt(row.get('gen_max_abs'))}"
@@ -442,13 +452,13 @@ def _cells(row: dict[str, Any]) -> list[str]:
     return [*cells, f"{row['speedup']:.2f}x" if row.get("speedup") else "-", " / ".join(notes)]
 
 
-def table(rows: list[dict[str, Any]], builds: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], builds: list[dict[str, Any]], probes: dict[str, Probe] = PROBES) -> str:
     failed = [
         [b["family"], b["exporter"], "-", "export failed", *["-"] * 5, b["error"][:160]]
         for b in builds
         if not b.get("ok")
     ]
-    return _heldout.table(HEAD, [*failed, *map(_cells, rows)])
+    return _heldout.table(HEAD, [*failed, *(_cells(r, probes) for r in rows)])
 
 
 def main(argv: list[str] | None = None) -> int:

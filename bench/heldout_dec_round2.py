@@ -1,0 +1,307 @@
+"""Held-out probe round 2 (issue 17/19): decoder families neither the corpus nor the first decoder probes
+(``bench/heldout_dec_nocache.py``, ``bench/heldout_dec_past.py``) have seen, sent as a new user sends them.
+
+Run ``python -m bench.heldout_dec_round2 [--only NAME ...] [--forms nocache past] [--exporters E ...]
+[--presets fast int4] [--reuse] [--table]``.
+
+Each model of ``MODELS`` comes from a transformers config object (nothing downloaded; 2 layers, hidden 64,
+4 heads of 16, 2 key/value heads where the family has GQA, experts cut to 4 of which 2 per token, vocabulary
+1024, every parameter perturbed by ``0.02 * randn``) and is built twice by the first round's builders:
+
+* ``nocache``: ``(input_ids, attention_mask) -> logits`` exported TorchScript eager, TorchScript SDPA and
+  dynamo, checked against torch on two other shapes with right padding (``heldout_dec_nocache.build``), then
+  ``onnxforge optimize --preset fast`` (``_heldout.probe``);
+* ``past``: Optimum's ``text-generation-with-past`` signature (``past_key_values.N.key/.value`` in,
+  ``present.N.*`` out) exported the same three ways, checked at a prefill and a decode step
+  (``heldout_dec_past.build``), then ``fast`` and ``int4``, each artifact replayed against the upload over a
+  prefill and 4 decode steps fed its own presents (``heldout_dec_past.summarize``).
+
+An export torch or transformers cannot make is a row with its reason. Rows go to
+``bench/out/heldout/dec_round2/<name>.rows.json`` (one file per model, so two subsets can run side by side);
+``--table`` prints both markdown tables from the rows recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import _heldout  # noqa: E402
+from bench import heldout_dec_nocache as nocache  # noqa: E402
+from bench import heldout_dec_past as past  # noqa: E402
+
+OUT = REPO / "bench" / "out" / "heldout" / "dec_round2"
+SCRIPT = "bench.heldout_dec_round2"
+EXPORTERS = ("ts_eager", "ts_sdpa", "dynamo")
+PAST_EXPORTERS = {"ts_eager": "ts", "ts_sdpa": "ts_sdpa", "dynamo": "dynamo"}  # heldout_dec_past's names
+HIDDEN, FFN, VOCAB, KV_HEADS = 64, 128, 1024, 2
+IDS = {"pad_token_id": nocache.PAD, "bos_token_id": nocache.BOS, "eos_token_id": nocache.EOS}
+_MOE = {"num_experts_per_tok": 2}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    config: str
+    model: str
+    kwargs: dict[str, Any] = field(default_factory=dict)  # over the standard names, both forms
+    kv_heads: int = KV_HEADS
+    rotary: bool = True
+    positions: bool = True  # the forward takes position_ids (ALiBi models do not)
+    cache_head_dim: int | None = None  # where the cache's head size is not hidden / heads (MLA)
+    note: str = ""
+
+    def spec(self) -> nocache.Spec:
+        kwargs = {
+            "vocab_size": VOCAB,
+            "hidden_size": HIDDEN,
+            "num_hidden_layers": nocache.LAYERS,
+            "num_attention_heads": nocache.HEADS,
+            "num_key_value_heads": self.kv_heads,
+            "intermediate_size": FFN,
+            "max_position_embeddings": nocache.POSITIONS,
+            "use_cache": False,
+            "tie_word_embeddings": False,
+            **IDS,
+            **self.kwargs,
+        }
+        return nocache.Spec(self.name, self.config, self.model, kwargs, rotary=self.rotary, note=self.note)
+
+    def probe(self, tiny: bool = False) -> past.Probe:
+        """``tiny``: heldout_dec_past's own dims (hidden 32, vocabulary 256), for a regression export of a
+        few hundred KB under tests/models/heldout/."""
+        extra = {"tie_word_embeddings": False, **IDS, **self.kwargs}
+        return past.Probe(
+            self.name,
+            self.config,
+            self.model,
+            kv_heads=self.kv_heads,
+            rotary=self.rotary,
+            positions=self.positions,
+            extra=tuple(extra.items()),
+            note=self.note,
+            hidden=past.HIDDEN if tiny else HIDDEN,
+            intermediate=64 if tiny else FFN,
+            vocab=past.VOCAB if tiny else VOCAB,
+            cache_head_dim=self.cache_head_dim,
+        )
+
+
+MODELS: dict[str, Model] = {
+    m.name: m
+    for m in (
+        Model("phi", "PhiConfig", "PhiForCausalLM", note="phi-2: partial rotary 0.5, parallel attention+MLP, biases"),
+        Model(
+            "gpt_neo",
+            "GPTNeoConfig",
+            "GPTNeoForCausalLM",
+            {"attention_types": [[["global", "local"], 1]], "window_size": 64},
+            kv_heads=4,
+            rotary=False,
+            note="learned positions, unscaled scores, local attention (window 64) on layer 2",
+        ),
+        Model(
+            "gpt_bigcode",
+            "GPTBigCodeConfig",
+            "GPTBigCodeForCausalLM",
+            {"n_inner": FFN, "multi_query": True},
+            kv_heads=1,
+            rotary=False,
+            note="multi-query (1 kv head), fused qkv, learned positions",
+        ),
+        Model(
+            "codegen",
+            "CodeGenConfig",
+            "CodeGenForCausalLM",
+            {"rotary_dim": 8, "n_inner": FFN, "n_ctx": nocache.POSITIONS},
+            kv_heads=4,
+            note="interleaved partial rotary (8 of 16), fused qkv in 4 model-parallel groups",
+        ),
+        Model(
+            "mpt",
+            "MptConfig",
+            "MptForCausalLM",
+            {"expansion_ratio": 2, "max_seq_len": nocache.POSITIONS},
+            kv_heads=4,
+            rotary=False,
+            positions=False,
+            note="ALiBi, no position_ids, bias-free LayerNorm",
+        ),
+        Model(
+            "xglm",
+            "XGLMConfig",
+            "XGLMForCausalLM",
+            {"ffn_dim": FFN},
+            kv_heads=4,
+            rotary=False,
+            note="sinusoidal positions, scaled embeddings",
+        ),
+        Model(
+            "persimmon", "PersimmonConfig", "PersimmonForCausalLM", kv_heads=4, note="q/k LayerNorm, rotary 0.5, relu2"
+        ),
+        Model("nemotron", "NemotronConfig", "NemotronForCausalLM", note="LayerNorm1P, partial rotary 0.5, relu2"),
+        Model(
+            "smollm3",
+            "SmolLM3Config",
+            "SmolLM3ForCausalLM",
+            {"no_rope_layers": [1, 0]},
+            note="NoPE on layer 2 (rotary expected 2 of 4)",
+        ),
+        Model("helium", "HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}, note="Llama-like, head_dim given"),
+        Model(
+            "glm", "GlmConfig", "GlmForCausalLM", {"head_dim": 16}, note="interleaved rotary on half the head, qkv bias"
+        ),
+        Model("glm4", "Glm4Config", "Glm4ForCausalLM", {"head_dim": 16}, note="as glm, plus post-attention/MLP norms"),
+        Model(
+            "exaone4",
+            "Exaone4Config",
+            "Exaone4ForCausalLM",
+            {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64},
+            note="q/k RMSNorm, post-norms, window 64 then global (NoPE on global)",
+        ),
+        Model("internlm", "LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}, note="Llama with q/k/v/o bias"),
+        Model(
+            "mixtral",
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            {"num_local_experts": 4, **_MOE},
+            note="sparse MoE, 4 experts top-2",
+        ),
+        Model(
+            "qwen2_moe",
+            "Qwen2MoeConfig",
+            "Qwen2MoeForCausalLM",
+            {"num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128, **_MOE},
+            note="MoE 4 experts top-2 + gated shared expert, qkv bias",
+        ),
+        Model(
+            "olmoe",
+            "OlmoeConfig",
+            "OlmoeForCausalLM",
+            {"num_experts": 4, **_MOE},
+            note="MoE 4 experts top-2, q/k RMSNorm",
+        ),
+        Model(
+            "deepseek_v3",
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            {
+                "q_lora_rank": 48,
+                "kv_lora_rank": 8,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 16,
+                "v_head_dim": 16,
+                "n_routed_experts": 4,
+                "n_shared_experts": 1,
+                "moe_intermediate_size": 64,
+                "first_k_dense_replace": 1,
+                "n_group": 1,
+                "topk_group": 1,
+                **_MOE,
+            },
+            kv_heads=1,
+            cache_head_dim=8,
+            note="MLA (q/kv LoRA, interleaved rope on 8 of 24), MoE on layer 2; the cache holds the 1-head latent "
+            "(kv_lora_rank) and rotated key (rope dim), both 8 so that one head size feeds them",
+        ),
+    )
+}
+# transformers' default experts kernel (grouped_mm) exports with no exporter; "eager" loops over the experts a
+# batch routes to (TorchScript bakes the example's routes in, dynamo stops at the data-dependent loop);
+# "batched_mm" gathers each token's experts' weights, which both export: the form a user falls back to.
+for _name in ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3"):
+    _m = MODELS[_name]
+    MODELS[f"{_name}_bmm"] = replace(
+        _m,
+        name=f"{_name}_bmm",
+        kwargs={**_m.kwargs, "experts_implementation": "batched_mm"},
+        note=f"{_m.note}; experts_implementation batched_mm",
+    )
+SPECS = {name: m.spec() for name, m in MODELS.items()}
+PROBES = {name: m.probe() for name, m in MODELS.items()}
+
+
+def nocache_row(name: str, exporter: str, out: Path, reuse: bool) -> dict[str, Any]:
+    def build(n: str, e: str, o: Path) -> dict[str, Any]:
+        return nocache.build(n, e, o, SPECS, SCRIPT)
+
+    return _heldout.probe(
+        name, exporter, out, reuse, version=nocache.BUILDER_VERSION, build=build, counts=nocache._structure
+    )
+
+
+def past_rows(
+    name: str, exporter: str, out: Path, reuse: bool, presets: list[str], *, tiny: bool = False
+) -> tuple[dict, list[dict]]:
+    probe = MODELS[name].probe(tiny)
+    info = past.build(probe, PAST_EXPORTERS[exporter], reuse, out, SCRIPT + (" --tiny" if tiny else ""))
+    rows = []
+    if info["ok"]:
+        for preset in presets:
+            rows.append(past.summarize(probe, info, preset, past.optimize(Path(info["file"]), preset)))
+    return info, rows
+
+
+def tables(out: Path) -> str:
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.rows.json"))]
+    records.sort(key=lambda r: list(MODELS).index(r["model"]) if r["model"] in MODELS else len(MODELS))
+    nc = [row for r in records for row in r["nocache"]]
+    builds = [b for r in records for b in r["past_builds"]]
+    rows = [row for r in records for row in r["past"]]
+    return (
+        "Without a cache (`fast`):\n\n"
+        + _heldout.table(nocache.HEAD, (nocache._cells(r, SPECS) for r in nc))
+        + "\n\nWith a cache (Optimum's signature):\n\n"
+        + past.table(rows, builds, PROBES)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _heldout.arguments(f"python -m {SCRIPT}", __doc__, MODELS, EXPORTERS)
+    parser.add_argument("--forms", nargs="+", choices=("nocache", "past"), default=["nocache", "past"])
+    parser.add_argument(
+        "--presets", nargs="*", default=["fast", "int4"], help="for the cached form (none: export only)"
+    )
+    parser.add_argument("--int4-exporters", nargs="*", default=["ts_eager", "dynamo"], help="int4's exports")
+    parser.add_argument("--reuse", action="store_true", help="keep exports and rows already recorded")
+    parser.add_argument("--table", action="store_true", help="only print the tables of the rows recorded")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--tiny", action="store_true", help="the cached form at hidden 32, vocabulary 256")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.table:
+        for name in args.only:
+            record = args.out / f"{name}.rows.json"
+            kept = json.loads(record.read_text()) if record.exists() else {}
+            result: dict[str, Any] = {"model": name, "nocache": [], "past_builds": [], "past": []}
+            for exporter in args.exporters:
+                if "nocache" in args.forms:
+                    row = nocache_row(name, exporter, args.out, args.reuse)
+                    print("| " + " | ".join(nocache._cells(row, SPECS)) + " |", flush=True)
+                    result["nocache"].append(row)
+                if "past" in args.forms:
+                    presets = [p for p in args.presets if p != "int4" or exporter in args.int4_exporters]
+                    info, rows = past_rows(name, exporter, args.out, args.reuse, presets, tiny=args.tiny)
+                    result["past_builds"].append(info)
+                    result["past"] += rows
+                    for row in rows:
+                        print("| " + " | ".join(past._cells(row, PROBES)) + " |", flush=True)
+                    if not info["ok"]:
+                        print(f"| {name} | {exporter} | past export failed: {info['error'][:200]} |", flush=True)
+            for key in ("nocache", "past_builds", "past"):  # a partial run keeps the other rows recorded
+                if not result[key]:
+                    result[key] = kept.get(key, [])
+            record.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
+    print(tables(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
