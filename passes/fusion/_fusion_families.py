@@ -428,7 +428,13 @@ def _reads_graph_input(node: ir.Node) -> bool:
     return index is not None and index.is_graph_input()
 
 
-_STEM = {4: ("vit", "patch-embedding"), 3: ("whisper", "spectrogram"), 2: ("wav2vec2", "raw-audio")}
+# rank 5: a video [B, frames, C, H, W] (VideoMAE, ViViT, TimeSformer) read by a tubelet Conv3d: ViT layers
+_STEM = {
+    5: ("vit", "tubelet-embedding"),
+    4: ("vit", "patch-embedding"),
+    3: ("whisper", "spectrogram"),
+    2: ("wav2vec2", "raw-audio"),
+}
 
 
 def _conv_stem(model: ir.Model) -> tuple[str, str] | None:
