@@ -86,6 +86,7 @@ from core.config import Tolerance
 from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._subgraphs import in_branches
+from passes.fusion import _fused_matmul as fused_matmul
 from passes.fusion import _fusion_families as fam
 from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
@@ -174,13 +175,16 @@ class FuseTransformer(Pass):
         """The pass; also the proto its result model was read from (what the cache keeps)."""
         opts: FuseTransformerOptions = self.options  # type: ignore[assignment]
         declared = io_signature.capture(model)
-        base = ir.serde.deserialize_model(proto)
+        work, unfolded = _unfold_fused_matmuls(proto)  # an ORT-saved model's scaled scores, as exported
+        base = ir.serde.deserialize_model(work)
         common_passes.ShapeInferencePass()(base)
         family, evidence = (opts.family, "given by the family option") if opts.family else fam.detect_family(base)
         heads, hidden = fam.detect_sizes(base)
         layers = fam.count_layers(base)
         cross = fam.count_cross_attention(base)
         notes: dict[str, Any] = {"family": family, "family_evidence": evidence, "layers": layers}
+        if unfolded:
+            notes["fused_matmuls_unfolded"] = unfolded
         if cross:
             notes["cross_attention"] = cross
         unchanged = ir.serde.deserialize_model(proto)
@@ -227,11 +231,11 @@ class FuseTransformer(Pass):
             candidates[engine] = report
             try:
                 if engine == "onnxscript":
-                    built[engine] = _onnxscript(proto, report, attention)
+                    built[engine] = _onnxscript(work, report, attention)
                 elif engine == "ort":
-                    built[engine] = _ort(proto, family, heads, hidden, ort_failures)
+                    built[engine] = _ort(work, family, heads, hidden, ort_failures)
                 else:
-                    first = outputs.get("onnxscript") or _onnxscript(proto, report, attention)
+                    first = outputs.get("onnxscript") or _onnxscript(work, report, attention)
                     report["gemm"] = candidates.get("onnxscript", report).get("gemm", 0)
                     built[engine] = _ort(first, family, heads, hidden, ort_failures)
                 fused = ir.serde.deserialize_model(built[engine])
@@ -291,7 +295,7 @@ class FuseTransformer(Pass):
                     candidates[engine] = {"verified": None, "skipped": f"{why} ({ceiling})"}
                     continue
             if engine == "ort" and any(e in built for e in candidates):
-                bound = _ort_bound(expected, proto, opts)
+                bound = _ort_bound(expected, work, opts)
                 ahead = first_verified(at_least=bound)
                 if ahead is not None:
                     # ORT's optimizer alone can at best tie a candidate that already has every expected fusion
@@ -458,6 +462,16 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
             if ref.size and np.issubdtype(ref.dtype, np.floating):
                 worst = max(worst, float(np.nanmax(np.abs(out.astype(np.float64) - ref))))
     return worst
+
+
+def _unfold_fused_matmuls(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """``proto`` with ORT's FusedMatMul nodes written back as MatMul and scale (``_fused_matmul``), and how many."""
+    if not any(n.op_type == "FusedMatMul" and n.domain == "com.microsoft" for n in proto.graph.node):
+        return proto, 0
+    model = ir.serde.deserialize_model(proto)
+    common_passes.ShapeInferencePass()(model)  # the ranks of the operands a transpose flag swaps
+    unfolded = fused_matmul.unfold(model)
+    return (ir.serde.serialize_model(model), unfolded) if unfolded else (proto, 0)
 
 
 def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode) -> onnx.ModelProto:
