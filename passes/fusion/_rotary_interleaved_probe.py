@@ -164,8 +164,8 @@ def verify(
     declined: list[tuple[Candidate, str]] = []
     try:
         feeds = _Feeds(model)
-    except NotInterleaved as reason:
-        return [], [(c, str(reason)) for c in candidates]
+    except Exception as exc:  # inputs the role reader cannot place: nothing proven, the graph left as it is
+        return [], [(c, f"the graph's inputs could not be read for the probe: {str(exc)[:200]}") for c in candidates]
     tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     by_rows: dict[int, list[Candidate]] = {}
     for found in candidates:  # one run per length: a table gathered by position has its own rows
