@@ -16,8 +16,10 @@ ours where onnxscript's rules miss an exporter's form: ``_rms_norm_opset17`` (th
 torch exporters write, whatever the opset), ``_merge_heads`` (keeps onnxscript's MHA rule from absorbing a
 flattening Reshape), ``_attention_bias`` (T5's relative position bias and mask as one ``attention_bias``),
 ``_concat_shape`` (a length read off a grown cache, ``Shape(Concat(past, new))``, read off its parts, so the
-with-past MHA rule can take the Concat without a cycle), ``_tanh_gelu`` (GPT-2's GELU with its bias) and
-``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step it feeds.
+with-past MHA rule can take the Concat without a cycle), ``_heads_3d`` (``torch.nn.MultiheadAttention``'s
+sequence-first folded heads, which no SDPA rule reads, straight to ``MultiHeadAttention``), ``_tanh_gelu``
+(GPT-2's GELU with its bias) and ``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step
+it feeds.
 After every onnxscript step, a constant its rewriter unregistered while nodes still read it is registered
 again (``passes/_dangling.py``; counted as ``constants_reattached``).
 """
@@ -40,6 +42,7 @@ from passes import _dangling as dangling
 from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _erf_gelu as erf_gelu
+from passes.fusion import _heads_3d as heads_3d
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _mha_kv_layout as mha_kv_layout
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
@@ -154,6 +157,9 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     # the with-past MHA rule (mha1) replaces that Concat with the attention's present output, which the Shape
     # would then read to compute the attention's own bias: a cycle, and the candidate refused (_concat_shape).
     counts["concat_shapes_split"] = 0 if "sdpa" in cut else concat_shape.split_concat_shapes(model)
+    # Ours: attention on heads folded into the batch, sequence first (F.multi_head_attention_forward's bmm), which
+    # the SDPA rule reads in 4-D only, straight to MultiHeadAttention (_heads_3d); constants are folded by now.
+    counts["folded_heads_mha"] = 0 if "sdpa" in cut else settled(heads_3d.fuse_folded_heads(model))
     fuse("sdpa", shape_inference=True)
     for step in ("gqa", "packed_qkv_for_gqa", "mha1", "mha2", "mha_scale"):
         fuse(step)

@@ -61,6 +61,7 @@ OURS = (
     "rms_norms_opset17",
     "attention_biases_grouped",
     "concat_shapes_split",
+    "folded_heads_mha",
     "tanh_gelu",
     "erf_gelu_half_first",
     "noop_bias_expands",
