@@ -30,7 +30,8 @@ more exporter forms are rewritten, exactly, into those onnxscript reads: a leadi
 heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); a boolean mask
 applied with ``Where`` becomes an additive one (``_where_mask``); and a Reshape to its own input's shape
 (TorchScript SDPA's attention output) is dropped, so that the MHA rule takes the merge of the heads too
-(``_identity_reshape``). A LayerNorm without a bias gets the zero one ONNX defines for it, which the skip-norm
+(``_identity_reshape``); a two-operand Einsum that is a batched matrix product (CvT's attention) becomes that
+MatMul (``_einsum_matmul``). A LayerNorm without a bias gets the zero one ONNX defines for it, which the skip-norm
 rules bind (``zero_norm_biases``). TorchScript SDPA's NaN guard, which onnxscript's SDPA rule absorbs, is put
 back on the fused op's output where the mask can hold -inf (``_nan_guard``): the fused kernels return NaN for a
 query whose every key is masked, where the export returns 0. Before any of them reads a shape, the lengths ORT's
@@ -96,6 +97,7 @@ from passes.fusion import _slice_dims as slice_dims
 from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion import _where_mask as where_mask
 from passes.fusion._batched_heads import fold_static_sizes, unfold_batched_heads
+from passes.fusion._einsum_matmul import einsum_to_matmul
 from passes.fusion._identity_reshape import drop_identity_reshapes
 from passes.fusion._qkv_packing import pack_qkv
 from passes.fusion._short_attention import short_biased_attention
@@ -482,6 +484,7 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["identity_reshapes"] = drop_identity_reshapes(model)
     if report["identity_reshapes"]:
         common_passes.RemoveUnusedNodesPass()(model)
+    report["einsum_matmuls"] = einsum_to_matmul(model)  # attention written with torch.einsum (CvT)
     report["norm_flattens_sunk"] = sink_flatten_below_norm(model)
     report["norm_biases_zeroed"] = zero_norm_biases(model)
     report["bmm_unfolded"] = unfold_batched_heads(model)
