@@ -11,29 +11,36 @@ whose shape keeps them) to one common value. A pair it cannot prove stays. With 
 ``[0, 0, ...]`` shape (leading dims copied) the proof is immediate. It removes, per layer and decode step, 8
 Reshapes and the shape arithmetic feeding them (Shape, Gather, Unsqueeze, Concat), a few microseconds
 each beside ~30 us int4 GEMVs. Dynamo exports take those dims from other inputs (the cache's batch, the
-ids' length): equal there by the signature's dim names, which the proof accepts (``_same_symbol``).
-Where values carry no shapes (a merged decoder's branches), their ranks are read through the ops from the
-graph's inputs (``_ranks``); a rotated key fuse_rotary flattened after the export's head split
+ids' length): equal there by the signature's dim names, which the proof accepts (``_same_symbol``) once
+the projection's dims are traced to a graph input. The trace goes on through the hidden state's own
+arithmetic (norms, RMSNorm's ``x * rsqrt(mean(x^2))``, residual Adds whose operands share one source, the
+embedding lookup) to the token ids, so it needs no dim name on any inner value. Where values carry no shapes
+(a merged decoder's branches), their ranks are read through the ops from the graph's inputs (``_ranks``)
+and the ids' and the cache's declared dims still meet (a dynamo merged decoder's 16 Reshapes per branch
+fold); a rotated key fuse_rotary flattened after the export's head split
 (``RotaryEmbedding(Reshape(Reshape(k, s), [0,0,-1]))``) is read straight from the projection too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
 
 _ONNX = ("", "ai.onnx")
 _LEADING = (0, 1)
-# Elementwise ops that keep their data input's shape when the other operand is a constant of rank <= 1.
-_BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+# Broadcast ops that keep their data input's dims 0 and 1 beside a constant of rank <= 1 (``_broadcast_source``).
+_BIAS_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Pow"})
 
 
 def fold_head_reshapes(graph: ir.Graph) -> int:
     """Bypass the provable no-op Reshape pairs around fuse_gqa's attention nodes; returns how many pairs."""
     folded = 0
     token = _RANKS.set(_ranks(graph))
+    roots = _ROOTS.set(_roots(graph))
     try:
         for node in list(graph):
             if node.op_type != "Reshape" or not (node.name or "").startswith("fuse_gqa/layer_"):
@@ -46,8 +53,22 @@ def fold_head_reshapes(graph: ir.Graph) -> int:
             if node.op_type == "GroupQueryAttention" and (node.name or "").startswith("fuse_gqa/layer_"):
                 folded += sum(_fold_before_rotary(v) for v in node.inputs[:3] if v is not None)
     finally:
+        _ROOTS.reset(roots)
         _RANKS.reset(token)
     return folded
+
+
+@contextlib.contextmanager
+def reading(graph: ir.Graph) -> Iterator[None]:
+    """Ranks and leading-dim roots of ``graph``'s values read once, for ``rank``, ``_root`` and ``_dim`` calls
+    made while the graph is being rewritten (values made later are read lazily)."""
+    ranks = _RANKS.set(_ranks(graph))
+    roots = _ROOTS.set(_roots(graph))
+    try:
+        yield
+    finally:
+        _ROOTS.reset(roots)
+        _RANKS.reset(ranks)
 
 
 def _fold_into_flat(flat: ir.Node) -> int:
@@ -179,7 +200,15 @@ def _shape_entries(shape: ir.Value) -> list | None:
         stop = end if "end" in node.attributes else len(data.shape)
         if stop < 0 or stop > len(data.shape):
             return None
-        return [(_root(data), i) for i in range(start, stop)]
+        return [_entry(data, i) for i in range(start, stop)]
+    if node.op_type == "Gather" and len(node.inputs) == 2 and not node.attributes.get_int("axis", 0):
+        indices = _constant(node.inputs[1])  # Shape(x)[[i, j]]: a 1-D pick of dims
+        shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if indices is None or indices.ndim != 1 or (indices < 0).any() or shape is None:
+            return None
+        if shape.op_type != "Shape" or shape.domain not in _ONNX or len(shape.attributes):
+            return None
+        return [_entry(shape.inputs[0], int(i)) for i in indices]
     if node.op_type == "Unsqueeze":
         given = _constant(node.inputs[1]) if len(node.inputs) > 1 else None
         axes = given.reshape(-1).tolist() if given is not None else list(node.attributes.get_ints("axes", []))
@@ -199,49 +228,88 @@ def _dim_of_shape(value: ir.Value | None) -> tuple | None:
         return None
     if shape is None or shape.op_type != "Shape" or shape.domain not in _ONNX or len(shape.attributes):
         return None
-    return (_root(shape.inputs[0]), int(index))
+    return _entry(shape.inputs[0], int(index))
+
+
+def _entry(value: ir.Value, index: int) -> tuple[ir.Value, int]:
+    """Dim ``index`` of ``value`` as a shape entry: a leading dim by its root, a later one as read (a root shares
+    only dims 0 and 1 with what it feeds)."""
+    return (_root(value), index) if index in _LEADING else (value, index)
 
 
 def _root(value: ir.Value) -> ir.Value:
-    """The earliest value whose dims 0 and 1 ``value`` provably shares."""
-    while True:
+    """The earliest value whose dims 0 and 1 ``value`` provably shares (read once per graph by ``_roots``)."""
+    known = _ROOTS.get() or {}
+    seen = 0
+    while seen < _MAX_STEPS:
+        if id(value) in known:
+            return known[id(value)]
         node = value.producer()
         source = _leading_source(node, value) if node is not None else None
         if source is None or source is value:
             return value
-        value = source
+        value, seen = source, seen + 1
+    return value
+
+
+def _roots(graph: ir.Graph) -> dict[int, ir.Value]:
+    """``_root`` of every node output, in graph order (by ``id``), so that a residual stream's root is read once
+    and not re-walked through every layer before it."""
+    roots: dict[int, ir.Value] = {}
+    token = _ROOTS.set(roots)
+    try:
+        for node in graph:
+            for output in node.outputs:
+                source = _leading_source(node, output)
+                roots[id(output)] = output if source is None or source is output else _root(source)
+    finally:
+        _ROOTS.reset(token)
+    return roots
 
 
 def _leading_source(node: ir.Node, output: ir.Value) -> ir.Value | None:
-    """The input whose dims 0 and 1 the node's ``output`` keeps, or None."""
+    """An input whose dims 0 and 1 the node's ``output`` provably keeps, or None.
+
+    Beyond the projection ops: elementwise ops of one input and norms over the last axis (their output is the
+    input's shape), a reduction with ``keepdims`` over axes >= 2, an embedding lookup (``Gather`` of a constant
+    table by [B, S] ids, whose dims 0 and 1 are the ids'), and a broadcast op whose inputs share one root at
+    one rank (a residual ``Add``, RMSNorm's ``x * rsqrt(mean(x^2))``): both operands have the root's dims 0
+    and 1 there, so the result has them too. Dynamo exports, and a merged decoder's branches, where no value
+    carries a dim name, name the batch and length by the token ids this reaches."""
     first = node.inputs[0] if node.inputs else None
     if first is None:
         return None
     rank_ = rank(first)
     if node.domain in _ONNX:
-        if node.op_type == "MatMul":
+        op = node.op_type
+        if op == "MatMul":
             weight = _constant(node.inputs[1])
             two_d = weight is not None and weight.ndim == 2
             return first if two_d and rank_ is not None and rank_ >= 3 else None
-        if node.op_type in _BIAS_OPS and len(node.inputs) == 2:  # either side for Add/Mul; Sub/Div data first
-            for data, other in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
-                bias = _constant(other)
-                data_rank = rank(data) if data is not None else None
-                if bias is not None and bias.ndim <= 1 and data_rank is not None and data_rank >= 2:
-                    return data
-                if node.op_type in ("Sub", "Div"):
-                    break
-            return None
-        if node.op_type == "Slice" and len(node.inputs) >= 4:  # slicing only axes >= 2
+        if op in _BIAS_OPS and len(node.inputs) == 2:
+            return _broadcast_source(node.inputs[0], node.inputs[1])
+        if op == "Slice" and len(node.inputs) >= 4:  # slicing only axes >= 2
             axes = _constant(node.inputs[3])
             if rank_ is None or axes is None or any(int(a) % rank_ < 2 for a in axes.reshape(-1)):
                 return None
             return first
-        if node.op_type == "Split":
+        if op == "Split":
             axis = node.attributes.get_int("axis", 0)
             return first if rank_ is not None and (axis >= 2 or (axis < 0 and axis + rank_ >= 2)) else None
-        if node.op_type == "Reshape" and _is_reshape(node):
+        if op == "Reshape" and _is_reshape(node):
             return first if _keeps_leading(node) else None
+        if op in _UNARY and output is node.outputs[0]:
+            return first
+        if op in ("LayerNormalization", "RMSNormalization") and output is node.outputs[0]:
+            return first  # Y has X's shape, whichever axes it normalizes over
+        if op in _REDUCE and node.attributes.get_int("keepdims", 1) and rank_ is not None and rank_ >= 2:
+            given = _constant(node.inputs[1]) if len(node.inputs) > 1 else None
+            axes = given.reshape(-1).tolist() if given is not None else list(node.attributes.get_ints("axes", []))
+            return first if axes and all(int(a) % rank_ >= 2 for a in axes) else None
+        if op == "Gather" and len(node.inputs) == 2 and node.attributes.get_int("axis", 0) == 0:
+            table, ids = node.inputs
+            ids_rank = rank(ids) if ids is not None else None
+            return ids if _constant(table) is not None and ids_rank is not None and ids_rank >= 2 else None
         return None
     if node.domain == "com.microsoft":
         if node.op_type == "MatMulNBits":
@@ -250,7 +318,27 @@ def _leading_source(node: ir.Node, output: ir.Value) -> ir.Value | None:
             return first
         if node.op_type == "GroupQueryAttention":  # output 0 is [B, S, N*D] of the (3-D) query's B and S
             return first if output is node.outputs[0] else None
+        if node.op_type in _MS_NORMS and output is node.outputs[0] and rank_ is not None and rank_ >= 3:
+            return first  # a bias or skip they add broadcasts over the last axis: dim 1 only at rank 2
     return None
+
+
+def _broadcast_source(a: ir.Value | None, b: ir.Value | None) -> ir.Value | None:
+    """The operand whose dims 0 and 1 a broadcast op of ``a`` and ``b`` keeps: the data side beside a constant of
+    rank <= 1 (a bias, a scale: it broadcasts over the last axis only), or either side where both have one
+    root at one rank >= 2."""
+    if a is None or b is None:
+        return None
+    rank_a, rank_b = rank(a), rank(b)
+    for data, other, data_rank in ((a, b, rank_a), (b, a, rank_b)):
+        bias = _constant(other)
+        if bias is None or bias.ndim > 1 or data_rank is None or data_rank < 2:
+            continue
+        if bias.size == 1 or data_rank >= 3:  # a [k] vector broadcasts over the last axis, dim 1 at rank 2
+            return data
+    if rank_a is None or rank_a < 2 or rank_a != rank_b or _constant(a) is not None or _constant(b) is not None:
+        return None
+    return a if _root(a) is _root(b) else None
 
 
 def rank(value: ir.Value) -> int | None:
@@ -272,6 +360,17 @@ _MS_SAME_RANK = frozenset({
     "RotaryEmbedding", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "SkipLayerNormalization",
     "MatMulNBits", "FastGelu", "QuickGelu", "Gelu", "BiasGelu",
 })  # fmt: skip
+# Elementwise ops of one data input (output 0 has its shape), and ORT's norms over the last axis.
+_UNARY = frozenset({
+    "Cast", "Identity", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Sigmoid", "Relu",
+    "Softplus", "Gelu", "HardSigmoid", "Dropout",
+})  # fmt: skip
+_MS_NORMS = frozenset({
+    "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "SkipLayerNormalization", "FastGelu",
+    "QuickGelu", "Gelu", "BiasGelu",
+})  # fmt: skip
+_MAX_STEPS = 10_000
+_ROOTS: contextvars.ContextVar[dict[int, ir.Value] | None] = contextvars.ContextVar("gqa_roots", default=None)
 _RANKS: contextvars.ContextVar[dict[int, int | None] | None] = contextvars.ContextVar("gqa_ranks", default=None)
 
 

@@ -19,6 +19,7 @@ from passes._match import take_graph_output
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion._gqa_match import Site
 from passes.fusion._gqa_probe import gqa_window_offset
+from passes.fusion._head_layout import transposed_source
 from passes.fusion._slice_dims import crop_source
 
 
@@ -62,22 +63,27 @@ def lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
 
 
 def flat_heads(
-    graph: ir.Graph, value: ir.Value, prefix: str, bsnd: bool, heads: int | None = None
+    graph: ir.Graph, value: ir.Value, prefix: str, bsnd: bool, *, heads: int | None = None, splits: dict | None = None
 ) -> tuple[ir.Value, list[ir.Node]]:
     """``value`` [B,N,S,D] (or [B,S,N,D] when ``bsnd``) as [B,S,N*D]: ``Reshape(x)`` when it is
-    ``Transpose(0,2,1,3)(x)``; a heads-first ``RotaryEmbedding`` of such a Transpose is redone on the flat
-    ``Reshape(x)`` (``num_heads`` set: the same rotation per head, no Transpose either side); anything else
-    goes through a Transpose."""
-    nodes = []
+    ``Transpose(0,2,1,3)(x)`` (read through a fused qkv's Slice/Split and identity Reshapes by
+    ``_head_layout``); a heads-first ``RotaryEmbedding`` of such a value is redone on the flat ``Reshape(x)``
+    (``num_heads`` set: the same rotation per head, no Transpose either side); anything else goes through a
+    Transpose. ``splits``: the Splits ``_head_layout`` made for this layer's other inputs, to share."""
+    nodes: list[ir.Node] = []
+    splits = {} if splits is None else splits
     producer = value.producer()
-    perm = _bnsd_perm(value)
     shape = const(graph, f"{prefix}/flat_shape", np.array([0, 0, -1], np.int64))
     if bsnd:
         source = value
-    elif perm:
-        source = producer.inputs[0]
-    elif heads and _heads_first_rotary(producer, heads):
-        flat = ir.node("Reshape", [producer.inputs[0].producer().inputs[0], shape], name=f"{prefix}/to_bsh")
+    elif (source := transposed_source(graph, value, prefix, nodes, splits)) is not None:
+        pass
+    elif (
+        heads
+        and _heads_first_rotary(producer, heads)
+        and (rotated := transposed_source(graph, producer.inputs[0], prefix, nodes, splits)) is not None
+    ):
+        flat = ir.node("Reshape", [rotated, shape], name=f"{prefix}/to_bsh")
         attributes = {a.name: a.value for a in producer.attributes.values()} | {"num_heads": heads}
         rotary = ir.node(
             "RotaryEmbedding",
@@ -86,7 +92,7 @@ def flat_heads(
             domain="com.microsoft",
             name=f"{prefix}/rotary_bsh",
         )
-        return rotary.outputs[0], [flat, rotary]
+        return rotary.outputs[0], [*nodes, flat, rotary]
     else:
         nodes.append(ir.node("Transpose", [value], {"perm": [0, 2, 1, 3]}, name=f"{prefix}/to_bsnh"))
         source = nodes[-1].outputs[0]
@@ -94,25 +100,17 @@ def flat_heads(
     return nodes[-1].outputs[0], nodes
 
 
-def _bnsd_perm(value: ir.Value | None) -> bool:
-    """Whether ``value`` is ``Transpose(0,2,1,3)`` of another value (ONNX domain)."""
-    producer = value.producer() if value is not None else None
-    if producer is None or producer.op_type != "Transpose" or producer.domain not in ("", "ai.onnx"):
-        return False
-    return list(producer.attributes.get_ints("perm", [])) == [0, 2, 1, 3]
-
-
 def _heads_first_rotary(node: ir.Node | None, heads: int) -> bool:
-    """A ``com.microsoft::RotaryEmbedding`` on a 4-D [B,N,S,D] input (``num_heads`` unset or ``heads``, as a
-    partial rotation sets it; no packed batching) that is ``Transpose(0,2,1,3)`` of a [B,S,N,D] value, with
-    its position ids and caches."""
+    """A ``com.microsoft::RotaryEmbedding`` (``num_heads`` unset or ``heads``, as a partial rotation sets it; no
+    packed batching) with its position ids and caches; ``flat_heads`` then asks whether its input is the
+    Transpose of a [B,S,N,D] value (so 4-D [B,N,S,D])."""
     if node is None or node.op_type != "RotaryEmbedding" or node.domain != "com.microsoft":
         return False
     if len(node.inputs) != 4 or any(v is None for v in node.inputs):
         return False
-    if node.attributes.get_int("num_heads", 0) not in (0, heads) or node.attributes.get_int("is_packed_batching", 0):
-        return False
-    return _bnsd_perm(node.inputs[0])
+    return node.attributes.get_int("num_heads", 0) in (0, heads) and not node.attributes.get_int(
+        "is_packed_batching", 0
+    )
 
 
 def rewrite_gqa(
@@ -139,8 +137,10 @@ def rewrite_gqa(
     prefix = f"fuse_gqa/layer_{site.layer}"
     nodes: list[ir.Node] = []
     flat = []
+    splits: dict = {}  # a fused qkv's Split, made once on [B,S,N,3D] for q, k and v (``_head_layout``)
     for role, value, count in (("q", site.q, heads), ("k", site.k_new, kv_heads), ("v", site.v_new, kv_heads)):
-        out, made = flat_heads(graph, value, f"{prefix}/{role}", bsnd=role == "k" and site.k_bsnd, heads=count)
+        bsnd = role == "k" and site.k_bsnd
+        out, made = flat_heads(graph, value, f"{prefix}/{role}", bsnd=bsnd, heads=count, splits=splits)
         flat.append(out)
         nodes += made
     attributes: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": float(site.scale)}

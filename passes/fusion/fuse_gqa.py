@@ -22,7 +22,9 @@ After::
         num_heads, kv_num_heads, scale) --> out --Reshape[0,0,H,D]--> (the layer's output projection)
                                         --> present.N.key, present.N.value (the graph's outputs, same names)
 
-A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] enters GQA as ``Reshape(x, [0,0,-1])`` (no copy); a
+A value that is ``Transpose(0,2,1,3)`` of [B,S,N,D] enters GQA as ``Reshape(x, [0,0,-1])`` (no copy; read
+through a fused qkv's Slice/Split after the head Transpose, which then slices the [B,S,N,3D] view itself, and
+through Reshapes to the value's own shape: ``_head_layout``, GPT-NeoX and Falcon); a
 heads-first ``RotaryEmbedding`` of such a value (fuse_rotary's) is redone on that flat value with
 ``num_heads`` set, so no Transpose is left on either side of it; any other value through
 ``Transpose(0,2,1,3)`` first. Without a cache GQA runs with an empty past, and a present the graph outputs
@@ -80,7 +82,7 @@ from passes._subgraphs import in_branches
 from passes.fusion import _gqa_rewrite as rewrite
 from passes.fusion._gqa_match import Site, match_sites
 from passes.fusion._gqa_probe import Feeder, MaskKind, ProbeError, measure_shapes, probe_mask
-from passes.fusion._gqa_reshapes import fold_head_reshapes
+from passes.fusion._gqa_reshapes import fold_head_reshapes, reading
 from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_positions
 
 LEFT_PADDING = (
@@ -182,11 +184,12 @@ class FuseGqa(Pass[FuseGqaOptions]):
             assert feeder.mask_name is not None  # probe_mask refused otherwise
             lengths = rewrite.lengths(model.graph, feeder.mask_name)
         crops_dropped = 0
-        for site, sizes, op, kind in plans:
-            if op == "gqa":
-                crops_dropped += rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
-            else:
-                rewrite.rewrite_mha(model.graph, site, sizes)
+        with reading(model.graph):  # ranks and dims where values carry no shapes (a merged decoder's branches)
+            for site, sizes, op, kind in plans:
+                if op == "gqa":
+                    crops_dropped += rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
+                else:
+                    rewrite.rewrite_mha(model.graph, site, sizes)
         folded = fold_head_reshapes(model.graph)
         common_passes.RemoveUnusedNodesPass()(model)
         model.graph.sort()
