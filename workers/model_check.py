@@ -9,6 +9,13 @@ model is checked here in full on a copy where those values carry an empty shape,
 asks for; without ``full_check`` the checker reads no ranks from it, so nothing else is waived. The model
 itself is never changed.
 
+The other waiver: ``SimplifiedLayerNormalization`` in the ONNX domain, the RMS norm ORT registers there (ONNX has
+no schema for it) and writes there itself: a Llama-style model saved by an ORT session
+(``optimized_model_filepath``) or by ORT's transformers optimizer holds it, ORT loads and runs it, and the checker
+refused the whole upload ("No Op registered for SimplifiedLayerNormalization"). The copy checked has each such
+norm written out in standard ops (``passes.fusion._rms_norm``, the form ORT's session fuses back); a norm that
+cannot be written out (another axis, its statistics read) stays, and the checker names it.
+
 Runs after ``workers/validate.py`` has vetted the upload (external-data locations and ranges included), so
 the copy's check, which cannot open external data beside the file, loses nothing that validation does not
 already enforce.
@@ -31,17 +38,35 @@ def shapeless_io(proto: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return found
 
 
+def ort_onnx_domain_norms(proto: onnx.ModelProto) -> int:
+    """Default-domain ``SimplifiedLayerNormalization`` nodes of the main graph (ORT's, no ONNX schema)."""
+    return sum(n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx") for n in proto.graph.node)
+
+
+def _norms_written_out(proto: onnx.ModelProto) -> onnx.ModelProto:
+    import onnx_ir as ir
+
+    from passes.fusion._rms_norm import expand_simplified_layer_norms
+
+    model = ir.serde.deserialize_model(proto)
+    expand_simplified_layer_norms(model)
+    return ir.serde.serialize_model(model)
+
+
 def check_model(path: Path) -> None:
     """``onnx.checker.check_model`` on the model at ``path``; a graph input or output with a type and no
-    shape is accepted. Raises ``onnx.checker.ValidationError`` for anything else the checker refuses."""
+    shape, and ORT's ONNX-domain ``SimplifiedLayerNormalization``, are accepted. Raises
+    ``onnx.checker.ValidationError`` for anything else the checker refuses."""
     try:
         onnx.checker.check_model(str(path))
         return
     except onnx.checker.ValidationError:
         proto = onnx.load(str(path), load_external_data=False)
         shapeless = shapeless_io(proto)
-        if not shapeless:
+        if not shapeless and not ort_onnx_domain_norms(proto):
             raise
     for value in shapeless:
         getattr(value.type, value.type.WhichOneof("value")).shape.SetInParent()
+    if ort_onnx_domain_norms(proto):
+        proto = _norms_written_out(proto)
     onnx.checker.check_model(proto)
