@@ -242,8 +242,9 @@ def _root(value: ir.Value) -> ir.Value:
     known = _ROOTS.get() or {}
     seen = 0
     while seen < _MAX_STEPS:
-        if id(value) in known:
-            return known[id(value)]
+        entry = known.get(id(value))
+        if entry is not None and entry[0] is value:  # the same object, not a later one at a freed id
+            return entry[1]
         node = value.producer()
         source = _leading_source(node, value) if node is not None else None
         if source is None or source is value:
@@ -252,16 +253,16 @@ def _root(value: ir.Value) -> ir.Value:
     return value
 
 
-def _roots(graph: ir.Graph) -> dict[int, ir.Value]:
+def _roots(graph: ir.Graph) -> dict[int, tuple[ir.Value, ir.Value]]:
     """``_root`` of every node output, in graph order (by ``id``), so that a residual stream's root is read once
     and not re-walked through every layer before it."""
-    roots: dict[int, ir.Value] = {}
+    roots: dict[int, tuple[ir.Value, ir.Value]] = {}
     token = _ROOTS.set(roots)
     try:
         for node in graph:
             for output in node.outputs:
                 source = _leading_source(node, output)
-                roots[id(output)] = output if source is None or source is output else _root(source)
+                roots[id(output)] = (output, output if source is None or source is output else _root(source))
     finally:
         _ROOTS.reset(token)
     return roots
@@ -370,7 +371,9 @@ _MS_NORMS = frozenset({
     "QuickGelu", "Gelu", "BiasGelu",
 })  # fmt: skip
 _MAX_STEPS = 10_000
-_ROOTS: contextvars.ContextVar[dict[int, ir.Value] | None] = contextvars.ContextVar("gqa_roots", default=None)
+_ROOTS: contextvars.ContextVar[dict[int, tuple[ir.Value, ir.Value]] | None] = contextvars.ContextVar(
+    "gqa_roots", default=None
+)
 _RANKS: contextvars.ContextVar[dict[int, int | None] | None] = contextvars.ContextVar("gqa_ranks", default=None)
 
 
