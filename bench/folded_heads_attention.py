@@ -2,9 +2,9 @@
 the CPU EP? (issue 17)
 
 Run ``python -m bench.folded_heads_attention [--model wavlm|mha] [--exporter dynamo|ts_eager] [--hidden 256]
-[--heads 4] [--layers 2] [--shapes 1x50 4x200] [--threads 1 2] [--seconds 15]`` (needs the dev extra; exports
-into ``bench/out/folded_heads/``, reused while the file is there). ``wavlm``: transformers' ``WavLMModel`` of that
-size (feature encoder 7 x 64 channels), raw audio, shapes ``BATCHxFRAMES`` (``FRAMES * 320 + 80`` samples).
+[--heads 4] [--layers 2] [--shapes 1x50 4x200] [--threads 1 2] [--seconds 15] [--save DIR]`` (needs the dev extra;
+exports into ``bench/out/folded_heads/``, reused while the file is there). ``wavlm``: transformers' ``WavLMModel``
+of that size (feature encoder 7 x 64 channels), raw audio, shapes ``BATCHxFRAMES`` (``FRAMES * 320 + 80`` samples).
 ``mha``: ``layers`` pre-norm blocks ``x + MHA(LN(x))``, ``x + FFN(LN(x))`` around ``torch.nn.MultiheadAttention``
 (batch first, ``need_weights`` left at its default True) with a key padding mask (the first row's last third
 padded), shapes ``BATCHxSEQ``; dynamo only (TorchScript writes its key length as a constant).
@@ -14,7 +14,8 @@ Graphs, each as the ``fast`` preset leaves it on CPU (``fuse_transformer``'s onn
 left to ORT's kernels, every other fusion made) and ``mha`` (``MultiHeadAttention``), plus ``mha_copy``, a
 second session of the ``mha`` graph (A/A control: its ratio to ``mha`` is the host's noise). Sessions at ORT's
 default level, timed interleaved in blocks whose order rotates; medians per graph and the median of the per-block
-ratio. Outputs are checked against the export (1e-4) first.
+ratio. Outputs are checked against the export (1e-4) first. ``--save DIR`` also writes the ``none`` and ``mha``
+graphs, which ``bench/folded_heads_time.py`` times with numpy and onnxruntime alone (a quiet host without torch).
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["1x50", "4x200"], help="BATCHxFRAMES (wavlm), BATCHxSEQ")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--seconds", type=float, default=15.0, help="timing budget per shape and thread count")
+    parser.add_argument("--save", type=Path, help="write the none/mha graphs here (bench/folded_heads_time.py)")
     args = parser.parse_args(argv)
     print(f"command: python -m bench.folded_heads_attention {shlex.join(argv if argv is not None else sys.argv[1:])}")
     if args.model == "wavlm":
@@ -146,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         path, family = export_mha(args.hidden, args.heads, args.layers), "vit"  # no embedding to name a family
     blobs, counts = graphs(path, family)
     print(f"<!-- fusions: {counts} -->")
+    if args.save:
+        args.save.mkdir(parents=True, exist_ok=True)
+        for mode in MODES:
+            (args.save / f"{args.model}_{args.exporter}_{mode}.onnx").write_bytes(blobs[mode])
     print("| shape | threads | export ms | none ms | mha ms | mha / none (paired) | A/A: copy / mha | blocks | load |")
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes:
