@@ -2,7 +2,7 @@
 ``com.microsoft::MultiHeadAttention``.
 
 ``torch.nn.MultiheadAttention`` (and every model that calls ``F.multi_head_attention_forward`` with
-``need_weights=True``: the module's default, WavLM, UniSpeech-SAT) projects a sequence-first ``[S, B, E]``
+``need_weights=True``: the module's default; WavLM) projects a sequence-first ``[S, B, E]``
 input, folds the heads into the batch and multiplies with ``bmm``::
 
     P[S,B,E] --Reshape[S,B*N,d]--Transpose(1,0,2)--> q3[B*N,S,d] (--Mul(c)-->)  MatMul --(+ bias)--> Softmax
