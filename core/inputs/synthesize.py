@@ -386,6 +386,13 @@ class InputSynthesis:
             return ids.astype(dtype)
         if dtype.kind == "f":
             return rng.standard_normal(size=shape).astype(dtype)
+        if dtype.name == "bfloat16":  # samples.npz cannot help: numpy has no bfloat16 to store them in
+            raise InvalidModelError(
+                f"input {spec.name!r} is bfloat16: ONNX Runtime's Python API takes no bfloat16 arrays and its CPU "
+                "kernels run few bfloat16 ops, so this service cannot run the model; export it with float16 or "
+                "float32 inputs and weights",
+                code="UNSUPPORTED_INPUT",
+            )
         raise InvalidModelError(
             f"input {spec.name!r} has dtype {dtype}, for which no inputs can be generated; upload samples.npz",
             code="UNSUPPORTED_INPUT",
