@@ -156,16 +156,25 @@ FP16_TOLERANCE = Tolerance(atol=1e-2, rtol=1e-2, min_cosine=0.999, max_mismatch_
 # it one DynamicQuantizeMatMul (one activation quantization, one wide GEMM) and the attention core stays fused.
 _INT8 = [
     *_CLEANUP,
+    "upgrade_opset",
     PassSpec(name="fuse_transformer", options={"attention": "mha", "pack_qkv": True}),
     "unfuse_skip_layernorm",
     "quantize_dynamic",
     "dead_node_elimination",
 ]
-_FP16 = [*_CLEANUP, "fuse_transformer", "mixed_precision", "dead_node_elimination"]
+_FP16 = [*_CLEANUP, "upgrade_opset", "fuse_transformer", "mixed_precision", "dead_node_elimination"]
 # Weight-only int4 moves a random-weight decoder's logits by ~0.1 relative L2 (cosine > 0.99 on the corpus
 # decoders, tests/models/decoders); the tensor tolerance is loose and quantize_int4 checks its own budget.
 INT4_TOLERANCE = Tolerance(atol=1e-1, rtol=1e-1, min_cosine=0.98, max_mismatch_ratio=0.1)
-_INT4 = [*_CLEANUP, "fuse_rotary", "fuse_gqa", "pack_matmuls", "quantize_int4", "dead_node_elimination"]
+_INT4 = [
+    *_CLEANUP,
+    "upgrade_opset",
+    "fuse_rotary",
+    "fuse_gqa",
+    "pack_matmuls",
+    "quantize_int4",
+    "dead_node_elimination",
+]
 
 PRESETS: dict[str, Preset] = {
     p.name: p

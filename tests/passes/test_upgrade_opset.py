@@ -145,3 +145,12 @@ def test_llama_opset_14_rotary_and_attention_fuse_into_a_valid_graph() -> None:
     assert ops["com.microsoft::RotaryEmbedding"] == 4
     assert ops["com.microsoft::GroupQueryAttention"] + ops["com.microsoft::MultiHeadAttention"] == 2
     _same(str(path), model, [feeds("llama", "tiny", b, s, seed=b, pad=True) for b, s in ((1, 7), (3, 23))])
+
+
+@pytest.mark.parametrize("preset", ["fast", "int8", "int4", "fp16"])
+def test_every_fusing_preset_upgrades_the_opset_before_its_fusions(preset) -> None:
+    from passes.registry import PRESETS
+
+    names = PRESETS[preset].passes
+    fusions = [i for i, n in enumerate(names) if n in ("fuse_transformer", "fuse_rotary", "fuse_gqa")]
+    assert fusions and names.index("upgrade_opset") < min(fusions)
