@@ -110,5 +110,6 @@ rules = pattern.RewriteRuleSet(
         for a in (False, True)
         for s in ("pow", "mul")
         for d in (True, False)
-    ]
+    ],
+    commute=True,  # Mul(weight, normed), Add(bias, .), Add(eps, var): other exporters write either order
 )

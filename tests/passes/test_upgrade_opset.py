@@ -29,7 +29,9 @@ HELDOUT = MODELS / "heldout"
 HIDDEN = 8
 
 
-def _norm_graph(*, square: str = "pow", axis: int = -1, weight_shape: tuple[int, ...] = (HIDDEN,)) -> onnx.ModelProto:
+def _norm_graph(
+    *, square: str = "pow", axis: int = -1, weight_shape: tuple[int, ...] = (HIDDEN,), commuted: bool = False
+) -> onnx.ModelProto:
     """``Relu(x)`` then a LayerNorm as TorchScript writes it at opset 14 (axes attribute, no keepdims), then
     ``Relu`` again: the norm is interior, its constants Constant nodes as the exporter emits them."""
     rng = np.random.default_rng(0)
@@ -49,8 +51,8 @@ def _norm_graph(*, square: str = "pow", axis: int = -1, weight_shape: tuple[int,
         oh.make_node("Add", ["var", "eps"], ["ve"]),
         oh.make_node("Sqrt", ["ve"], ["std"]),
         oh.make_node("Div", ["d", "std"], ["n"]),
-        oh.make_node("Mul", ["n", "w"], ["nw"]),
-        oh.make_node("Add", ["nw", "b"], ["y0"]),
+        oh.make_node("Mul", ["w", "n"] if commuted else ["n", "w"], ["nw"]),
+        oh.make_node("Add", ["b", "nw"] if commuted else ["nw", "b"], ["y0"]),
         oh.make_node("Relu", ["y0"], ["y"]),
     ]
     inits = [
@@ -92,9 +94,9 @@ def _xs() -> list[dict[str, np.ndarray]]:
     return [{"x": rng.standard_normal(s).astype(np.float32)} for s in ((1, 3, HIDDEN), (4, 11, HIDDEN))]
 
 
-@pytest.mark.parametrize("square", ["pow", "mul"])
-def test_written_out_layer_norm_fuses_at_opset_17(square) -> None:
-    proto = _norm_graph(square=square)
+@pytest.mark.parametrize(("square", "commuted"), [("pow", False), ("mul", False), ("pow", True)])
+def test_written_out_layer_norm_fuses_at_opset_17(square, commuted) -> None:
+    proto = _norm_graph(square=square, commuted=commuted)
     result = UpgradeOpset()(_ir(proto), PassContext())
     assert result.modified and result.counts["layer_norms_fused"] == 1
     assert result.model.opset_imports[""] == 17
