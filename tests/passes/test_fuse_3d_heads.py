@@ -157,3 +157,10 @@ def test_what_is_not_folded_heads_attention_stays(variant):
     model, fused = _run(_folded_graph(**variant))
     assert fused == 0
     assert op_histogram(model)["Softmax"] == 1
+
+
+def test_attention_option_none_leaves_folded_heads_attention_to_ort():
+    model, result = _fused(HELDOUT / "wavlm_3d_dynamo.onnx", {"attention": "none", "engines": ["onnxscript"]})
+    ops = op_histogram(model)
+    assert ops["Softmax"] == 2 and "com.microsoft::MultiHeadAttention" not in ops
+    assert result.notes["candidates"]["onnxscript"]["onnxscript_counts"].get("folded_heads_mha", 0) == 0
