@@ -80,6 +80,7 @@ from pydantic import Field
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._subgraphs import in_branches
 from passes.fusion import _gqa_rewrite as rewrite
+from passes.fusion import _score_mask_order as score_mask_order
 from passes.fusion._gqa_match import Site, match_sites
 from passes.fusion._gqa_probe import Feeder, MaskKind, ProbeError, measure_shapes, probe_mask
 from passes.fusion._gqa_reshapes import fold_head_reshapes, reading
@@ -128,6 +129,10 @@ class FuseGqa(Pass[FuseGqaOptions]):
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: fuse inside its If
             return branches
+        # Scores masked before their scale or through a causal Where (CodeGen, GPT-Neo) are first put in the
+        # order the match reads; an edit that stands even where nothing fuses, so the result says it changed.
+        reordered = 0 if ctx.target == "tensorrt" else score_mask_order.rules.apply_to_model(model)
+        unfused = {"scores_reordered": reordered} if reordered else {}
         sites, declined = match_sites(model.graph)
         notes: dict[str, Any] = {"attention_layers": len(sites) + len(declined), "padding": LEFT_PADDING}
         if ctx.target == "tensorrt":
@@ -135,10 +140,10 @@ class FuseGqa(Pass[FuseGqaOptions]):
             return PassResult(model, False, {}, [NonMatch(reason)], notes)
         sites = [site for site in sites if not _declined_without_causal_structure(site, declined)]
         if not sites:
-            return PassResult(model, False, {}, declined, notes)
+            return PassResult(model, bool(reordered), unfused, declined, notes)
         feeder = Feeder(model)
         if (why := feeder.unfeedable()) is not None:
-            return PassResult(model, False, {}, [*declined, NonMatch(f"shape probe: {why}")], notes)
+            return PassResult(model, bool(reordered), unfused, [*declined, NonMatch(f"shape probe: {why}")], notes)
         masks: dict[int, MaskKind | str] = {}  # by mask value: layers share one
         if not self._any_causal(model, feeder, sites, masks):
             # No layer's mask is causal (an encoder-decoder's padding and cross masks, a decoder fed no mask of
@@ -148,12 +153,12 @@ class FuseGqa(Pass[FuseGqaOptions]):
                 why = masks.get(id(site.mask), "not causal self-attention")
                 declined.append(NonMatch(f"{head}: {why}", node=site.softmax.name, op_type="Softmax"))
             notes["masks"] = []
-            return PassResult(model, False, {}, declined, notes)
+            return PassResult(model, bool(reordered), unfused, declined, notes)
         try:
             probed = [v for site in sites for v in site.probed()]
             shapes = measure_shapes(model, feeder, probed + [s.mask for s in sites if s.mask is not None])
         except ProbeError as exc:
-            return PassResult(model, False, {}, [*declined, NonMatch(f"shape probe: {exc}")], notes)
+            return PassResult(model, bool(reordered), unfused, [*declined, NonMatch(f"shape probe: {exc}")], notes)
         unfit = _samples_unfit(ctx.samples, feeder)
         plans: list[tuple[Site, tuple[int, int, int], str, MaskKind]] = []
         for site in sites:
@@ -179,7 +184,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             {"window": k.window, "proven_up_to": k.proven} for k in masks.values() if not isinstance(k, str)
         ]
         if not plans:
-            return PassResult(model, False, {}, declined, notes)
+            return PassResult(model, bool(reordered), unfused, declined, notes)
         if any(op == "gqa" for _, _, op, _ in plans):
             assert feeder.mask_name is not None  # probe_mask refused otherwise
             lengths = rewrite.lengths(model.graph, feeder.mask_name)
@@ -207,6 +212,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             "windowed": sum(k.window is not None and op == "gqa" for _, _, op, k in plans),
             "head_reshapes_folded": folded,
             "past_crops_dropped": crops_dropped,
+            "scores_reordered": reordered,
         }
         return PassResult(model, True, counts, declined, notes, verify_inputs=edge)
 
