@@ -262,13 +262,45 @@ def achieved_fusions(model: ir.Model) -> dict[str, int]:
 
 
 def count_layers(model: ir.Model) -> int:
-    """Attention blocks: each ``Softmax`` left, plus each attention an earlier pass (``fuse_gqa``) fused."""
+    """Attention blocks: each ``Softmax`` left, plus each attention an earlier pass (``fuse_gqa``) fused. A
+    Softmax over a product with a weight is no attention: a mixture of experts' router (Mixtral, Qwen2-MoE,
+    OLMoE: ``softmax(x @ W_gate)`` per layer) counted as one doubled the attention (and residual norm) expected."""
     return sum(
         1
         for node in model.graph
-        if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx"))
+        if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx") and not _router(node))
         or (node.domain == "com.microsoft" and node.op_type in GROUPS["attention"])
     )
+
+
+def _router(softmax: ir.Node) -> bool:
+    """Logits of weight products only: each MatMul/Gemm the scores come from (through score steps) multiplies
+    by a constant. DeBERTa's scores add a product with a folded position table to q @ k^T: attention still."""
+    products = _score_products(softmax.inputs[0], 4)
+    return bool(products) and all(any(_weight(v) for v in node.inputs[:2]) for node in products)
+
+
+def _weight(value: ir.Value | None) -> bool:
+    if value is None:
+        return False
+    producer = value.producer()
+    return (
+        value.const_value is not None
+        or value.is_initializer()
+        or (producer is not None and producer.op_type == "Constant")
+    )
+
+
+def _score_products(value: ir.Value | None, depth: int) -> list[ir.Node]:
+    """The MatMul/Gemm nodes ``value`` is computed from through at most ``depth`` score steps."""
+    node = value.producer() if value is not None else None
+    if node is None or depth < 0:
+        return []
+    if node.op_type in ("MatMul", "Gemm"):
+        return [node]
+    if node.op_type not in _SCORE_STEPS:
+        return []
+    return [found for v in node.inputs for found in _score_products(v, depth - 1)]
 
 
 def count_cross_attention(model: ir.Model) -> int:

@@ -1,0 +1,49 @@
+"""_fusion_families.count_layers counts attention Softmaxes, not a mixture of experts' router (held-out probe
+round 2: Mixtral, Qwen2-MoE and OLMoE with ``experts_implementation="batched_mm"`` were reported 2 of 4
+attentions fused, their one router ``softmax(x @ W_gate)`` per layer read as a second attention)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from passes.fusion import _fusion_families as fam
+from tests.passes._util import parse
+
+# One layer: attention whose scores are q @ k^T plus a product with a constant position table (DeBERTa's
+# relative positions, folded), then a router's Softmax over x @ W_gate (through a Cast, as transformers
+# computes it in float32).
+LAYER = """
+<ir_version: 10, opset_import: ["" : 18]>
+g (float[B,4,S,8] q, float[B,4,8,S] kt, float[B,4,S,8] v, float[B,S,32] x) => (float[B,4,S,8] ctx, float[B,S,4] gate) {
+    table = Constant <value = float[8,1] {1,2,3,4,5,6,7,8}> ()
+    scores = MatMul (q, kt)
+    rel = MatMul (q, table)
+    biased = Add (scores, rel)
+    probs = Softmax <axis = -1> (biased)
+    ctx = MatMul (probs, v)
+    w_gate = Constant <value = float[32,4] {
+        1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1, 1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1,
+        1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1, 1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1,
+        1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1, 1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1,
+        1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1, 1,0,0,0, 0,1,0,0, 0,0,1,0, 0,0,0,1} > ()
+    logits = MatMul (x, w_gate)
+    logits32 = Cast <to = 1> (logits)
+    gate = Softmax <axis = -1> (logits32)
+}
+"""
+
+
+def test_a_router_softmax_is_no_attention_layer() -> None:
+    model = ir.serde.deserialize_model(parse(LAYER))
+    assert fam.count_layers(model) == 1
+
+
+def test_every_attention_softmax_still_counts() -> None:
+    text = LAYER.replace("logits = MatMul (x, w_gate)", "logits = MatMul (x, x_t)").replace(
+        "(float[B,4,S,8] q,", "(float[B,S,32] x_t_in, float[B,4,S,8] q,"
+    )
+    text = text.replace(
+        "logits = MatMul (x, x_t)", "x_t = Transpose <perm = [0, 2, 1]> (x_t_in)\n    logits = MatMul (x, x_t)"
+    )
+    model = ir.serde.deserialize_model(parse(text, check=False))
+    assert fam.count_layers(model) == 2  # a Softmax over a product of two activations is attention
