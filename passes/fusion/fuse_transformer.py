@@ -248,10 +248,12 @@ class FuseTransformer(Pass):
                 _import_contrib_domain(fused)
                 if opts.pack_qkv:
                     report["packed_qkv"] = pack_qkv(fused)
-                # Inference inside the engines may have resolved a declared symbol to a number: the candidate
-                # declares the signature its input model did (and is refused if it changed it otherwise).
-                report["io_declarations_restored"] = io_signature.restore(fused, declared)
                 report["inferred_shapes_redone"] = redo_inferred_shapes(fused)
+                # Inference inside the engines, and ONNX's just now, may have resolved a declared symbol to a
+                # number (Whisper's TorchScript presents declare their head and head-size axes with TorchScript's
+                # placeholder names): the candidate declares the signature its input model did (and is refused if
+                # it changed it otherwise), so this comes after every inference.
+                report["io_declarations_restored"] = io_signature.restore(fused, declared)
                 built[engine] = ir.serde.serialize_model(fused)
                 report["achieved"] = fam.achieved_fusions(fused)
                 report["nodes"] = len(fused.graph)
