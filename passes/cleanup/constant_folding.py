@@ -32,6 +32,7 @@ import onnx_ir as ir
 import onnxscript.optimizer
 from pydantic import Field
 
+from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult, op_histogram
 from passes._match import all_graphs, node_label
 
@@ -54,6 +55,15 @@ class ConstantFoldingOptions(PassOptions):
         description="Run ONNX shape inference node by node while folding. Slower; useful when "
         "shape_inference did not run first.",
     )
+
+
+def _restore_signature(model: ir.Model, declared: io_signature.Signature) -> int:
+    """``io_signature.restore``, except where folding replaced a graph output (a constant output is kept as the
+    folder left it; the ledger judges the result)."""
+    try:
+        return io_signature.restore(model, declared)
+    except io_signature.SignatureChanged:
+        return 0
 
 
 def _type_proto(tensor: ir.TensorProtocol) -> onnx.TypeProto:
@@ -132,6 +142,7 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
         read_before = {n for g in all_graphs(model) for n in g if any(o.uses() for o in n.outputs)}
         existed = {n for g in all_graphs(model) for n in g}
 
+        declared = io_signature.capture(model)
         static_dims = _fold_static_dims(model)
         result = onnxscript.optimizer.fold_constants(
             model,
@@ -142,6 +153,11 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
             should_fold=guard,
         )
         orphans = _remove_orphans(model, read_before, existed)
+        # The folder's shape propagation writes what it found onto the graph's outputs: TorchScript's placeholder
+        # names for a head count and head size (Whisper's decoder presents, Concatpresent.0.decoder.key_dim_1)
+        # became 4 and 8, and the job rolled the pass back for making declared axes static. Users' code and the
+        # ledger read the declared signature, so it is kept (a changed name or type still raises).
+        restored = _restore_signature(model, declared)
 
         removed = ops_before - op_histogram(model)
         added = op_histogram(model) - ops_before
@@ -154,6 +170,8 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
         }
         if static_dims:
             counts["static_dims_folded"] = static_dims
+        if restored:
+            counts["io_declarations_restored"] = restored
         if added:
             counts["nodes_added"] = sum(added.values())  # an inlined If branch
         notes = {"removed_by_op": dict(sorted(removed.items()))} if removed else {}
