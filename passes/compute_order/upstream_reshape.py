@@ -20,6 +20,8 @@ Rules (input ``x`` of P, output ``O = [B,S,H]``):
   ``[1, d]`` broadcasts the same way against ``[B*S,H]`` and is left alone; anything else refuses.
   Its last dim must equal H or be 1.
 * LayerNormalization, Softmax, LogSoftmax: axis 2 (or -1) only, which becomes 1; only ``X`` is reshaped.
+* ReduceMean over axis -1 alone with keepdims (an RMS norm's statistic): only ``X`` is reshaped, the axis
+  stays -1, so a flatten crosses a whole RMS norm instead of splitting it.
 * MatMul: lhs rank 3 and rhs rank 2; only lhs is reshaped.
 
 Fixes over ORT: a rank-2 ``[1,H]`` or ``[B,S,1]`` input is accepted (ORT refuses every broadcast but the
@@ -112,12 +114,27 @@ def _plan(p: ir.Node, out: list[Dim]) -> dict[int, Dim] | str:
         if axis % 3 != 2:
             return f"{p.op_type} axis {axis} is not the last of 3"
         return {0: None}
+    if domain == "" and p.op_type == "ReduceMean":
+        # An RMS norm's statistic, mean(x^2) over the last axis: the flatten goes through it like through a
+        # LayerNorm. Stopping here left the norm split, its Div/Mul 2-D and its statistic 3-D, which neither
+        # onnxscript nor ORT's session fuses (a MoE block's hidden.view(-1, H) after the norm, dynamo).
+        if not p.attributes.get_int("keepdims", 1) or _reduce_axes(p) != [-1]:
+            return "ReduceMean not over the last axis alone (-1) with keepdims"
+        return {0: None}
     if domain == "" and p.op_type == "MatMul":
         lhs, rhs = _dims(p.inputs[0]), _dims(p.inputs[1])
         if lhs is None or rhs is None or len(lhs) != 3 or len(rhs) != 2:
             return "MatMul needs a rank-3 lhs and a rank-2 rhs"
         return {0: None}
     return f"{p.op_type} is not in the allow-list"
+
+
+def _reduce_axes(node: ir.Node) -> list[int] | None:
+    """ReduceMean's axes, from its constant second input (opset 18) or its attribute."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        tensor = ir.convenience.get_const_tensor(node.inputs[1])  # an initializer or a Constant node's
+        return None if tensor is None else [int(a) for a in tensor.numpy().reshape(-1)]
+    return node.attributes.get_ints("axes", None)
 
 
 def _opset(node: ir.Node) -> int:
