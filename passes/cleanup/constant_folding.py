@@ -156,7 +156,7 @@ class ConstantFolding(Pass[ConstantFoldingOptions]):
         # The folder's shape propagation writes what it found onto the graph's outputs: TorchScript's placeholder
         # names for a head count and head size (Whisper's decoder presents, Concatpresent.0.decoder.key_dim_1)
         # became 4 and 8, and the job rolled the pass back for making declared axes static. Users' code and the
-        # ledger read the declared signature, so it is kept (a changed name or type still raises).
+        # ledger read the declared signature, so it is kept (where an output's name or type changed, nothing is).
         restored = _restore_signature(model, declared)
 
         removed = ops_before - op_histogram(model)
