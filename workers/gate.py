@@ -27,6 +27,9 @@ When the ledger left its last group to the gate (``Ledger.left_to_gate``: a grou
 the same two models as the gate) and the gate finds the artifact slower, ``decide_or_retry`` runs the passes
 again on a fresh ledger pass by pass, as the ledger does with any slower group, and decides on that one.
 
+An artifact that fails to run in the benchmark (which runs it at ORT's default level, as users do, where the
+verification ran it with optimizations off) is refused like one out of tolerance (``decision.gate.benchmark_error``).
+
 The decision is the report's ``decision`` section; ``failure`` turns a failed one into the error the job
 raises (VerificationError or RegressionError, carrying the report's path).
 """
@@ -37,6 +40,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from core.config import JobConfig
 from core.errors import OnnxforgeError, RegressionError, VerificationError
@@ -53,6 +58,13 @@ from workers.same_program import same_program
 # so do jobs that opted out of timing-based choices (rollback_slower off) or of the full benchmark (whose quick
 # gate of 5 blocks is too short to call a tie on).
 TIE_RETURNS_UPLOAD = frozenset({"fast"})
+
+# What an ORT session raises when a model it loaded fails to run (a kernel refusing its inputs, say).
+_ORT_RUN_ERRORS = tuple(
+    getattr(ort_errors, name)
+    for name in ("Fail", "InvalidArgument", "RuntimeException", "InvalidGraph", "NotImplemented", "EPFail")
+    if hasattr(ort_errors, name)
+)
 
 
 @dataclasses.dataclass
@@ -137,15 +149,32 @@ def decide(
     params = dataclasses.replace(full if config.benchmark else quick, pooled_stop=True)
     if config.preset in TIE_RETURNS_UPLOAD and config.benchmark and ledger.setup.rollback_slower:
         params = dataclasses.replace(params, tie_stop=True)  # on a tie the upload comes back: never slower
-    comparison = compare(
-        reference,
-        outcome.artifact,
-        ledger.input_sets,
-        params,
-        mode="full" if config.benchmark else "quick",
-        recipe_b=recipe_b,
-        pool=ledger.setup.pool,  # the reference's warm session, built for the baseline (or the input change)
-    )
+    try:
+        comparison = compare(
+            reference,
+            outcome.artifact,
+            ledger.input_sets,
+            params,
+            mode="full" if config.benchmark else "quick",
+            recipe_b=recipe_b,
+            pool=ledger.setup.pool,  # the reference's warm session, built for the baseline (or the input change)
+        )
+    except _ORT_RUN_ERRORS as exc:
+        # The verification runs the artifact with ORT's optimizations off; the timing runs it as users do, at
+        # ORT's default level, which trusts the graph's shapes: a wrong one there (an assumption of a shape
+        # inference, written as a fact) makes a kernel refuse its inputs. The artifact is no model to hand back.
+        decision["gate"]["benchmark_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        decision.update(
+            result="original",
+            used_original=True,
+            reason="the optimized model verified with ORT's optimizations off but failed to run as users run it "
+            f"(ORT's default level, in the benchmark): {type(exc).__name__}: {str(exc)[:200]}; the uploaded model "
+            "is returned",
+        )
+        if config.fail_on_regression:
+            decision.update(result="failed", used_original=False, failed_pass=ledger.kept[-1][1].name)
+            return GateResult(None, decision)
+        return GateResult(None, decision, _fall_back(ledger, decision))
     progress("benchmarking", 1.0)
     decision["gate"].update(slower=comparison.slower, benchmark_mode=comparison.mode, speedup=comparison.speedup)
     benchmark = comparison.to_dict() if config.benchmark else None
