@@ -193,6 +193,7 @@ MODELS: dict[str, Model] = {
             "DeepseekV3Config",
             "DeepseekV3ForCausalLM",
             {
+                "num_key_value_heads": 4,  # MLA expands its latent to every head (the cache holds 1)
                 "q_lora_rank": 48,
                 "kv_lora_rank": 8,
                 "qk_rope_head_dim": 8,
@@ -249,6 +250,15 @@ def past_rows(
     return info, rows
 
 
+def _exporter(row: dict[str, Any]) -> str:
+    name = row["exporter"]
+    return next((k for k, v in PAST_EXPORTERS.items() if v == name), name)
+
+
+def _row_key(row: dict[str, Any]) -> tuple[str, str]:
+    return _exporter(row), row.get("preset", "")
+
+
 def tables(out: Path) -> str:
     records = [json.loads(p.read_text()) for p in sorted(out.glob("*.rows.json"))]
     records.sort(key=lambda r: list(MODELS).index(r["model"]) if r["model"] in MODELS else len(MODELS))
@@ -263,6 +273,82 @@ def tables(out: Path) -> str:
     )
 
 
+COMPACT_HEAD = [
+    "model",
+    "exporter",
+    "no cache: job, exact",
+    "attention",
+    "rotary",
+    "norms (ORT)",
+    "cache, fast: job, exact (report / generation)",
+    "attention",
+    "rotary",
+    "int4",
+]
+
+
+def _nocache_cells(row: dict[str, Any] | None) -> list[str]:
+    if row is None:
+        return ["-", "", "", ""]
+    if not row.get("ok"):
+        return [("skipped: " if row.get("skipped") else "export failed: ") + row["error"][:90], "", "", ""]
+    job, st = row["job"], row["structure"]
+    if not job.get("ok"):
+        return [f"**failed**: {job['error'][:90]}", "", "", ""]
+    spec = SPECS[row["model"]]
+    failed = "".join(f"; {f.split(':')[0]} failed" for f in job["failed_passes"])
+    return [
+        f"{job['decision']}, {job['max_abs']:.0e}" + ("" if job["exact"] else " **not exact**") + failed,
+        f"{st.get('attention_after', 0)}/{st['softmax']}",
+        f"{st.get('rotary_after', 0)}/{2 * nocache.LAYERS}" if spec.rotary else "-",
+        "{}->{}".format(*st.get("session_norms", ("?", "?"))),
+    ]
+
+
+def _past_cells(build: dict[str, Any] | None, fast: dict[str, Any] | None, int4: dict[str, Any] | None) -> list[str]:
+    if build is None:
+        return ["-", "", "", ""]
+    if not build.get("ok"):
+        return [f"export failed: {build['error'][:90]}", "", "", ""]
+    cells = ["-", "", ""]
+    if fast is not None:
+        exact = f"{past._fmt(fast.get('max_abs'))} / {past._fmt(fast.get('gen_max_abs'))}"
+        if fast.get("gen_error"):
+            exact += f" (generation: {fast['gen_error'][:60]})"
+        rotary = f"{fast['rotary']}/{2 * past.LAYERS}" if PROBES[fast["family"]].rotary else "-"
+        ops = "/".join(k.replace("Attention", "A").replace("GroupQuery", "GQ").replace("MultiHead", "MH")
+                       for k in fast["attention_ops"])  # fmt: skip
+        cells = [f"{fast['job']}, {fast['decision']}, {exact}", f"{fast['attention']}/{past.LAYERS} {ops}", rotary]
+    quant = "-"
+    if int4 is not None:
+        status = (int4.get("int4") or "").split(":")[0]
+        why = next((short for phrase, short in _INT4_WHY if phrase in (int4.get("int4") or "")), "")
+        quant = f"{int4['decision']}, {past._fmt(int4.get('gen_max_abs'))}; {status}{why}"
+    return [*cells, quant]
+
+
+_INT4_WHY = (
+    ("no MatMul could stay int4", " (no MatMul stays int4 in the budget)"),
+    ("budget missed even with all", " (budget missed even all-int8)"),
+    ("slower beyond noise", " (slower)"),
+    ("verified within tolerance", " (within budget)"),
+)
+
+
+def compact(out: Path) -> str:
+    """One row per model and exporter: the no-cache job beside the cached one's fast and int4 jobs."""
+    lines = []
+    for path in sorted(out.glob("*.rows.json"), key=lambda p: list(MODELS).index(p.name.split(".")[0])):
+        record = json.loads(path.read_text())
+        for exporter in EXPORTERS:
+            nc = next((r for r in record["nocache"] if _exporter(r) == exporter), None)
+            build = next((b for b in record["past_builds"] if _exporter(b) == exporter), None)
+            rows = {r["preset"]: r for r in record["past"] if _exporter(r) == exporter}
+            cells = _past_cells(build, rows.get("fast"), rows.get("int4"))
+            lines.append([record["model"], exporter, *_nocache_cells(nc), *cells])
+    return _heldout.table(COMPACT_HEAD, lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _heldout.arguments(f"python -m {SCRIPT}", __doc__, MODELS, EXPORTERS)
     parser.add_argument("--forms", nargs="+", choices=("nocache", "past"), default=["nocache", "past"])
@@ -272,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int4-exporters", nargs="*", default=["ts_eager", "dynamo"], help="int4's exports")
     parser.add_argument("--reuse", action="store_true", help="keep exports and rows already recorded")
     parser.add_argument("--table", action="store_true", help="only print the tables of the rows recorded")
+    parser.add_argument("--compact", action="store_true", help="with --table: one row per model and exporter")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--tiny", action="store_true", help="the cached form at hidden 32, vocabulary 256")
     args = parser.parse_args(argv)
@@ -296,10 +383,11 @@ def main(argv: list[str] | None = None) -> int:
                     if not info["ok"]:
                         print(f"| {name} | {exporter} | past export failed: {info['error'][:200]} |", flush=True)
             for key in ("nocache", "past_builds", "past"):  # a partial run keeps the other rows recorded
-                if not result[key]:
-                    result[key] = kept.get(key, [])
+                fresh = {_row_key(r) for r in result[key]}
+                result[key] = [r for r in kept.get(key, []) if _row_key(r) not in fresh] + result[key]
+                result[key].sort(key=lambda r: EXPORTERS.index(_exporter(r)))
             record.write_text(json.dumps(result, indent=1, sort_keys=True, default=str) + "\n")
-    print(tables(args.out))
+    print(compact(args.out) if args.compact else tables(args.out))
     return 0
 
 
