@@ -149,10 +149,11 @@ def _depends_on(values: list[ir.Value], target: ir.Value) -> bool:
 
 def _table_rows(cone: list[ir.Node]) -> int | None:
     """Rows of the constant tables the cone gathers from (positions axis second-last): the most positions the
-    factors can be computed for."""
+    factors can be computed for, and so the cache's rows (a position past them fails in the original too).
+    Dynamo writes CodeGen's ``embed_positions[position_ids]`` as a ``GatherND``."""
     rows = []
     for node in cone:
-        if node.op_type not in ("Gather", "GatherElements", "Slice") or node.domain not in _ONNX:
+        if node.op_type not in ("Gather", "GatherElements", "GatherND", "Slice") or node.domain not in _ONNX:
             continue
         data = node.inputs[0]
         while (layout := _producer(data, *_TABLE_LAYOUT)) is not None:

@@ -22,6 +22,12 @@ from passes.fusion._gqa_probe import _session, _weights_apart, _with_outputs
 from passes.fusion._rotary_interleaved import Candidate, NotInterleaved, rotate_every_two
 
 ATOL = 1e-6
+# Positions the factors' subgraph is run for at once: its pruned graph can hold [1, rows, hidden] activations
+# (the Shape of the hidden states sizes an Expand), GBs at a 131072-token context. Factors of a position_ids
+# input are computed in parts of CHUNK_ROWS, each fed its own positions; others (positions from the graph's own
+# Range) at once up to AT_ONCE_ROWS, past which the candidate is declined with the max_positions that would fuse.
+CHUNK_ROWS = 4096
+AT_ONCE_ROWS = 16384
 _CHECKS = ((2, 5, 0), (3, 3, 4))  # (batch, new tokens, past); the second only where the model has a cache
 
 
@@ -43,7 +49,9 @@ class _Feeds:
         self.roles = analyze(model).roles
         self.has_past = any(r.role == "past_key_values" for r in self.roles.values())
 
-    def __call__(self, batch: int, seq: int, past: int, offset: int, wanted: set[str]) -> dict[str, np.ndarray]:
+    def __call__(
+        self, batch: int, seq: int, past: int, offset: int, wanted: set[str], *, first: int = 0
+    ) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(0)
         past = past if self.has_past else 0
         out = {}
@@ -54,7 +62,7 @@ class _Feeds:
             if role.role == "attention_mask":
                 array = np.ones((batch, past + seq))
             elif role.role == "position_ids":
-                array = past + np.arange(seq)[None, :] + offset * np.arange(batch)[:, None]
+                array = first + past + np.arange(seq)[None, :] + offset * np.arange(batch)[:, None]
             elif role.role in ("token_ids", "int"):
                 array = rng.integers(0, role.high or 2, size=(batch, seq))
             elif role.role == "token_type_ids":
@@ -80,6 +88,13 @@ def _run(
     model: ir.Model, values: list[ir.Value], feeds: _Feeds, shape: tuple[int, int, int, int]
 ) -> dict[str, np.ndarray]:
     """``values`` computed at (batch, new tokens, past, offset of each row's positions), the graph pruned to them."""
+    return _runs(model, values, feeds, [(shape, 0)])[0]
+
+
+def _runs(
+    model: ir.Model, values: list[ir.Value], feeds: _Feeds, shapes: list[tuple[tuple[int, int, int, int], int]]
+) -> list[dict[str, np.ndarray]]:
+    """``_run`` at each (shape, first position fed as position_ids), one pruned session for all of them."""
     inputs = [v for v in values if v in model.graph.inputs]  # position_ids: returned as fed
     values = [v for v in values if v not in model.graph.inputs]
     for index, value in enumerate(values):
@@ -93,9 +108,13 @@ def _run(
                 output.ClearField("type")
         session = _session(proto, folder)
     names = list(dict.fromkeys(str(v.name) for v in values))
-    fed = feeds(*shape, {i.name for i in session.get_inputs()} | {str(v.name) for v in inputs})
-    got = session.run(names, {i.name: fed[i.name] for i in session.get_inputs()})
-    return dict(zip(names, got, strict=True)) | {str(v.name): fed[str(v.name)] for v in inputs}
+    wanted = {i.name for i in session.get_inputs()} | {str(v.name) for v in inputs}
+    results = []
+    for shape, first in shapes:
+        fed = feeds(*shape, wanted, first=first)
+        got = session.run(names, {i.name: fed[i.name] for i in session.get_inputs()})
+        results.append(dict(zip(names, got, strict=True)) | {str(v.name): fed[str(v.name)] for v in inputs})
+    return results
 
 
 def _positions(found: Candidate, got: dict[str, np.ndarray], seq: int) -> np.ndarray:
@@ -103,10 +122,10 @@ def _positions(found: Candidate, got: dict[str, np.ndarray], seq: int) -> np.nda
     return np.arange(seq) if found.positions is None else got[str(found.positions.name)]
 
 
-def _rows(found: Candidate, got: dict[str, np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _rows(found: Candidate, got: dict[str, np.ndarray], rows: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
     positions = _positions(found, got, rows)
-    if positions.size != rows or not np.array_equal(positions.reshape(-1), np.arange(rows)):
-        raise NotInterleaved(f"the positions of a {rows}-token prompt are not 0..{rows - 1}")
+    if positions.size != rows or not np.array_equal(positions.reshape(-1), np.arange(first, first + rows)):
+        raise NotInterleaved(f"the positions of a {rows}-token prompt are not {first}..{first + rows - 1}")
     tables = []
     for op, value in (("cos", found.cos), ("sin", found.sin)):
         factor = got[str(value.name)]
@@ -157,6 +176,13 @@ def _check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarra
     return Verified(tables[0], tables[1], int(x.shape[-1]), int(q.shape[-1]), heads, bsnd)
 
 
+def _fed_positions(found: Candidate, feeds: _Feeds) -> bool:
+    """Whether the factors' positions are the position_ids input, which ``_Feeds`` can start anywhere."""
+    positions = found.positions
+    role = feeds.roles.get(str(positions.name)) if positions is not None else None
+    return positions in feeds.inputs and role is not None and role.role == "position_ids"
+
+
 def verify(
     model: ir.Model, candidates: list[Candidate], max_positions: int
 ) -> tuple[list[tuple[Candidate, Verified]], list[tuple[Candidate, str]]]:
@@ -170,16 +196,33 @@ def verify(
     by_rows: dict[int, list[Candidate]] = {}
     for found in candidates:  # one run per length: a table gathered by position has its own rows
         by_rows.setdefault(min(max_positions, found.table_rows or max_positions), []).append(found)
-    for rows, group in by_rows.items():
+    for rows, asked in by_rows.items():
+        group = asked
+        parts = [(first, min(CHUNK_ROWS, rows - first)) for first in range(0, rows, CHUNK_ROWS)]
+        if len(parts) > 1:
+            fed = [c for c in asked if _fed_positions(c, feeds)]
+            if len(fed) < len(asked) and rows > AT_ONCE_ROWS:
+                reason = (
+                    f"max_positions {rows} is over the {AT_ONCE_ROWS} rows the probe computes at once, and cos/sin "
+                    "are not a function of a position_ids input that the rows could be computed in parts from; "
+                    f"pass fuse_rotary max_positions <= {AT_ONCE_ROWS} to fuse with that context"
+                )
+                declined += [(c, reason) for c in asked if c not in fed]
+                group = fed
+            elif len(fed) < len(asked):
+                parts = [(0, rows)]
+        if not group:
+            continue
         try:
             values = [v for c in group for v in (c.positions, c.cos, c.sin) if v is not None]
-            got = _run(model, values, feeds, (1, rows, 0, 0))
+            gots = _runs(model, values, feeds, [((1, n, 0, 0), first) for first, n in parts])
         except Exception as exc:  # the factors do not compute at this length: nothing to build a cache from
             declined += [(c, f"cos/sin did not compute at {rows} positions: {str(exc)[:200]}") for c in group]
             continue
         for found in group:
             try:
-                tables[id(found)] = _rows(found, got, rows)
+                pieces = [_rows(found, got, n, first) for got, (first, n) in zip(gots, parts, strict=True)]
+                tables[id(found)] = (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]))
             except NotInterleaved as reason:
                 declined.append((found, str(reason)))
     proven: dict[int, Verified] = {}
