@@ -18,8 +18,9 @@ and the ``Transpose``, its target computed from the product's own ``Shape``: loo
 the probe proving it keeps every dim. Without a cache, ``k_all`` is ``k_new`` itself; with as many kv heads as
 heads (GPT-2), ``k_rep`` is ``k_all``.
 The scale may also sit on q and k^T (one Mul each). Soft-capped scores (Gemma 2: ``cap * tanh(scores /
-cap)`` before the mask) are read as the scores and the cap (``Site.softcap``). Casts to the same element
-type and single-input Concat/Identity copies are looked through. q, k_new and v_new are opaque values, so
+cap)`` before the mask) are read as the scores and the cap (``Site.softcap``). Casts between float types
+around the Softmax (a float16 export's softmax in float32) and single-input Concat/Identity copies are
+looked through. q, k_new and v_new are opaque values, so
 rotary embedding, fused (``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads,
 kv heads, head size) are not read here: ``_gqa_probe`` measures them, and also what the mask computes.
 """
@@ -111,7 +112,7 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     out_t = _single_use(reshaped or context.outputs[0], "Transpose", "MatMul(probs, v)")
     if list(out_t.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
         raise Declined(f"found Transpose perm {list(out_t.attributes.get_ints('perm', []))} after MatMul(probs, v)")
-    scores, mask = _strip_mask(softmax.inputs[0])
+    scores, mask = _strip_mask(_under_float_cast(softmax.inputs[0]))
     scores, softcap = _strip_softcap(scores)
     q, kt, scale = _strip_scale(scores)
     k_rep, k_bsnd = _transposed_keys(kt)
@@ -162,19 +163,38 @@ def _live_uses(value: ir.Value) -> list:
     return [u for u in value.uses() if _live(u.node)]
 
 
+# Casts between these are read through around the Softmax: a half-precision export computes its softmax in
+# float32 (``Cast(to=float) -> Softmax -> Cast(to=float16)``), which is what GroupQueryAttention and
+# MultiHeadAttention do inside for float16 and bfloat16 inputs, so the fused op keeps that precision.
+_FLOATS = frozenset({ir.DataType.FLOAT.value, ir.DataType.FLOAT16.value, ir.DataType.BFLOAT16.value})
+
+
 def _through_casts(value: ir.Value) -> ir.Value:
-    """Follow single-use Identities and Casts to the value's own element type (TorchScript casts the
-    probabilities to float, twice)."""
+    """Follow single-use Identities and Casts from one float type to another (TorchScript casts the
+    probabilities to float, twice; a float16 export back to float16)."""
     while True:
         uses = _live_uses(value)
         if len(uses) != 1 or uses[0].node.op_type not in ("Cast", "Identity") or uses[0].node.domain not in _ONNX:
             return value
         node = uses[0].node
-        # An untyped value (TorchScript writes no value_info) is taken as float32, the exporters' default.
-        own = value.dtype.value if value.dtype is not None else ir.DataType.FLOAT.value
-        if node.op_type == "Cast" and node.attributes.get_int("to", 0) != own:
+        if node.op_type == "Cast" and not _float_cast(value, node):
             return value
         value = node.outputs[0]
+
+
+def _float_cast(value: ir.Value, cast: ir.Node) -> bool:
+    # An untyped value (TorchScript writes no value_info) is taken as float32, the exporters' default.
+    own = value.dtype.value if value.dtype is not None else ir.DataType.FLOAT.value
+    return own in _FLOATS and cast.attributes.get_int("to", 0) in _FLOATS
+
+
+def _under_float_cast(value: ir.Value) -> ir.Value:
+    """The scores under the ``Cast(to=float)`` a half-precision export puts before its Softmax (see _FLOATS),
+    else ``value``."""
+    cast = _producer(value, "Cast")
+    if cast is None or cast.inputs[0] is None or not _float_cast(cast.inputs[0], cast) or len(_live_uses(value)) != 1:
+        return value
+    return cast.inputs[0]
 
 
 def _through_nan_guard(probs: ir.Value) -> ir.Value:
