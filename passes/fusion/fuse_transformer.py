@@ -220,6 +220,7 @@ class FuseTransformer(Pass):
         outputs: dict[str, onnx.ModelProto] = {}  # each candidate as built, verified or not
         ort_failures: Counter[str] = Counter()
         traced: ir.Model | None = None  # the onnxscript candidate, verified or not: where each layer is explained
+        as_built: dict[str, Any] = {}  # each candidate before redo_inferred_shapes: where an applied one is explained
 
         def score(engine: str) -> tuple[int, int]:
             got = candidates[engine]["achieved"]
@@ -248,6 +249,10 @@ class FuseTransformer(Pass):
                 _import_contrib_domain(fused)
                 if opts.pack_qkv:
                     report["packed_qkv"] = pack_qkv(fused)
+                # The per-layer reasons replay the rules on the engine's own shapes, which ONNX's inference
+                # would turn into unnamed symbols the rules stop at ("does not have expected size (unk__19)")
+                # before the check that really failed.
+                as_built[engine] = built[engine]
                 report["inferred_shapes_redone"] = redo_inferred_shapes(fused)
                 # Inference inside the engines, and ONNX's just now, may have resolved a declared symbol to a
                 # number (Whisper's TorchScript presents declare their head and head-size axes with TorchScript's
@@ -337,7 +342,8 @@ class FuseTransformer(Pass):
         achieved = fam.achieved_fusions(result)
         missing = _missing(expected, achieved, result, ort_failures, symbolic)
         non_matches += [NonMatch(f"{group}: {reason}") for group, reason in missing.items()]
-        non_matches += _per_layer(result, base, family, missing)
+        explained = ir.serde.deserialize_model(as_built[best]) if best in as_built and missing else result
+        non_matches += _per_layer(explained, base, family, missing)
         if windows:  # after the per-layer reasons: no pattern blocked these, the measured kernel cost did
             missing["attention"] = windows
             non_matches.append(NonMatch(f"attention: {windows}"))
