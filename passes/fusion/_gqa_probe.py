@@ -102,6 +102,38 @@ class Feeder:
         self.mask_name = masks[0] if len(masks) == 1 else None
         self.has_past = any(r.role == "past_key_values" for r in self.roles.values())
         self.sequence_inputs = [r.name for r in self.roles.values() if r.role in ("token_ids", "position_ids")]
+        self.fixed = self._fixed_dims()
+
+    def _fixed_dims(self) -> dict[str, int]:
+        """The call dims the export fixed (no dynamic axis): ``batch``, ``seq`` (new tokens) and ``past``, each
+        read by value off the inputs' static dims wherever it shows (ids, positions, mask, cache)."""
+        fixed: dict[str, int] = {}
+        mask_total = None
+        for value in self.inputs:
+            role, dims = self.roles[value.name or ""], list(value.shape or ())
+            if dims and isinstance(dims[0], int) and role.role in _FED:
+                fixed["batch"] = dims[0]
+            if role.role in ("token_ids", "position_ids") and len(dims) > 1 and isinstance(dims[1], int):
+                fixed["seq"] = dims[1]
+            elif role.role == "attention_mask" and len(dims) > 1 and isinstance(dims[1], int):
+                mask_total = dims[1]
+            elif role.role == "past_key_values" and (past := _static(dims, role.past_axis)) is not None:
+                fixed["past"] = past
+        if mask_total is not None and self.has_past and "seq" in fixed and "past" not in fixed:
+            fixed["past"] = mask_total - fixed["seq"]
+        if mask_total is not None and not self.has_past:
+            fixed["seq"] = mask_total
+        return fixed
+
+    def fit(self, batch: int, seq: int, past: int) -> tuple[int, int, int]:
+        """(batch, seq, past) with each dim the export fixed at its own value: a static graph runs at no other."""
+        past = past if self.has_past else 0
+        return self.fixed.get("batch", batch), self.fixed.get("seq", seq), self.fixed.get("past", past)
+
+    @property
+    def probe_shape(self) -> tuple[int, int, int]:
+        """(batch, new tokens, past) at which ``measure_shapes`` runs the model."""
+        return self.fit(1, 3, 2)
 
     def unfeedable(self) -> str | None:
         """Why the probe cannot feed this graph (an input a decoder LLM does not take), checked before any
@@ -147,6 +179,11 @@ class Feeder:
         return tuple(shape)
 
 
+def _static(dims: list, axis: int | None) -> int | None:
+    dim = dims[axis] if axis is not None and axis < len(dims) else None
+    return dim if isinstance(dim, int) else None
+
+
 def _with_outputs(model: ir.Model, values: list[ir.Value], prune: bool) -> onnx.ModelProto:
     """A serialized copy of ``model`` whose outputs are ``values`` (plus the originals unless ``prune``), with
     the nodes and inputs the outputs do not need removed when ``prune``."""
@@ -171,7 +208,8 @@ def _with_outputs(model: ir.Model, values: list[ir.Value], prune: bool) -> onnx.
 
 
 def measure_shapes(model: ir.Model, feeder: Feeder, values: list[ir.Value]) -> dict[str, tuple[int, ...]]:
-    """Run-time shapes of ``values`` at 1 sequence of 3 new tokens after a cache of 2."""
+    """Run-time shapes of ``values`` at ``feeder.probe_shape``: 1 sequence of 3 new tokens after a cache of 2,
+    or the dims the export fixed."""
     for index, value in enumerate(values):
         if not value.name:
             value.name = f"fuse_gqa/probe_{index}"
@@ -179,11 +217,15 @@ def measure_shapes(model: ir.Model, feeder: Feeder, values: list[ir.Value]) -> d
         with _weights_apart(model) as (light, folder):
             session = _session(_with_outputs(light, values, prune=False), folder)
         names = list(dict.fromkeys(v.name for v in values))
-        got = session.run(names, {i.name: feeder.feeds(1, 3, 2)[i.name] for i in session.get_inputs()})
+        feeds = feeder.feeds(*feeder.probe_shape)
+        got = session.run(names, {i.name: feeds[i.name] for i in session.get_inputs()})
     except ProbeError:
         raise
     except Exception as exc:  # the model itself fails at these shapes: nothing to fuse safely
-        raise ProbeError(f"the model did not run at batch 1, 3 new tokens after 2: {str(exc)[:200]}") from exc
+        batch, seq, past = feeder.probe_shape
+        raise ProbeError(
+            f"the model did not run at batch {batch}, {seq} new tokens after {past}: {str(exc)[:200]}"
+        ) from exc
     return {name: tuple(array.shape) for name, array in zip(names, got, strict=True)}
 
 
@@ -195,8 +237,9 @@ def probe_mask(model: ir.Model, feeder: Feeder, mask: ir.Value, max_length: int)
     with _weights_apart(model) as (light, folder):
         session = _session(_with_outputs(light, [mask], prune=True), folder)
     wanted = [i.name for i in session.get_inputs()]
-    cases = [(b, s, p, _holes(b, p + s)) for b, s, p in _SMALL]
-    checks = [(b, s, p, m) for b, s, p, m in cases if feeder.has_past or p == 0]
+    # A dim the export fixed is probed at its own value only (duplicates dropped): the graph runs at no other.
+    small = dict.fromkeys(feeder.fit(*shape) for shape in _SMALL if feeder.has_past or shape[2] == 0)
+    checks = [(b, s, p, _holes(b, p + s)) for b, s, p in small]
     longest = 0
     rows: list[tuple[np.ndarray, np.ndarray, int, int]] = []
     for batch, seq, past, padding in checks:  # a failure here is a finding: the mask is not the pattern
@@ -206,8 +249,10 @@ def probe_mask(model: ir.Model, feeder: Feeder, mask: ir.Value, max_length: int)
     ladders = [[(1, n, 0) for n in (64, 128, 256, 1024) if n <= max_length]]
     if feeder.has_past:
         ladders.append([(1, 1, n) for n in (64, 256, 1024, 4096, 16384) if n < max_length])
+    if feeder.fixed.keys() & {"seq", "past"}:
+        ladders = []  # no longer row fits the graph: the mask is proven at the lengths it takes
     for ladder in ladders:
-        for batch, seq, past in ladder:
+        for batch, seq, past in (feeder.fit(*shape) for shape in ladder):
             try:
                 got = _run(session, wanted, feeder, batch, seq, past, None)
             except ProbeError:

@@ -159,12 +159,12 @@ class FuseGqa(Pass[FuseGqaOptions]):
             shapes = measure_shapes(model, feeder, probed + [s.mask for s in sites if s.mask is not None])
         except ProbeError as exc:
             return PassResult(model, bool(reordered), unfused, [*declined, NonMatch(f"shape probe: {exc}")], notes)
-        unfit = _samples_unfit(ctx.samples, feeder)
+        unfit = _samples_unfit(ctx.samples, feeder) or _static_unfit(feeder)
         plans: list[tuple[Site, tuple[int, int, int], str, MaskKind]] = []
         for site in sites:
             head = f"attention layer {site.layer} (node {site.softmax.name})"
             try:  # a layer that is not causal self-attention (an encoder's) is fuse_transformer's to fuse
-                sizes = _sizes(site, shapes, feeder.has_past)
+                sizes = _sizes(site, shapes, feeder.probe_shape)
                 kind = self._causal(model, feeder, site, masks)
             except ProbeError as exc:
                 declined.append(NonMatch(f"{head}: {exc}", node=site.softmax.name, op_type="Softmax"))
@@ -173,7 +173,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             if why_not is None:
                 plans.append((site, sizes, "gqa", kind))
                 continue
-            mha = "attention='gqa'" if self.options.attention == "gqa" else _mha_unfit(site, shapes, sizes)
+            mha = "attention='gqa'" if self.options.attention == "gqa" else _mha_unfit(site, shapes, sizes, feeder)
             if mha is None:
                 plans.append((site, sizes, "mha", kind))
                 reason = f"{head}: fused as MultiHeadAttention, not GroupQueryAttention: {why_not}"
@@ -227,6 +227,8 @@ class FuseGqa(Pass[FuseGqaOptions]):
         bounds them by its own rows)."""
         if window is None:
             return {}, None
+        if feeder.fixed.keys() & {"seq", "past"}:
+            return {}, f"the window of {window} keys: not verified at its edge: the export fixes its lengths"
         positions = min(self.options.window_edge_up_to, metadata_max_positions(model) or DEFAULT_MAX_POSITIONS)
         for node in model.graph:  # a rotary table already in the graph (fuse_rotary ran first) bounds them too
             if node.op_type == "RotaryEmbedding" and len(node.inputs) > 2 and node.inputs[2] is not None:
@@ -347,24 +349,40 @@ def _samples_unfit(samples: list[dict[str, np.ndarray]], feeder: Feeder) -> str 
     return None
 
 
-def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], has_past: bool) -> tuple[int, int, int]:
-    """(heads, kv heads, head size) measured at 1 x 3 new tokens after a cache of 2; ProbeError when a value
-    is not the shape the pattern gives it."""
+def _static_unfit(feeder: Feeder) -> str | None:
+    """Why GroupQueryAttention cannot compute the calls an export with fixed lengths takes, or None: several
+    new tokens after a cache, in a batch the graph fixes above 1 or leaves dynamic (ORT's GQA refuses a batch
+    of prompts after a past, and such a graph runs at no other lengths)."""
+    fixed = feeder.fixed
+    seq, past, batch = fixed.get("seq", 0), fixed.get("past", 0), fixed.get("batch")
+    if seq > 1 and past > 0 and (batch is None or batch > 1):
+        rows = "a dynamic batch" if batch is None else f"batch {batch}"
+        return (
+            f"the export fixes {seq} new tokens after a cache of {past} with {rows}: ORT's GroupQueryAttention "
+            "refuses several rows of new tokens after a cache"
+        )
+    return None
+
+
+def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], probe: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(heads, kv heads, head size) measured at ``probe`` = (batch, new tokens, past): 1 x 3 new tokens after
+    a cache of 2, or the dims the export fixed; ProbeError when a value is not the shape the pattern gives it."""
     q, k_all, v_all = shapes[site.q.name], shapes[site.k_all.name], shapes[site.v_all.name]
     if site.k_bsnd and len(k_all) == 4:  # [B,S,N,D] keys: compare them in the heads-first layout
         k_all = (k_all[0], k_all[2], k_all[1], k_all[3])
         shapes = {**shapes, site.k_rep.name: k_all}
-    total = 5 if has_past and site.k_past is not None else 3
-    if len(q) != 4 or q[0] != 1 or q[2] != 3:
-        raise ProbeError(f"q has shape {q} at 3 new tokens, not [1, heads, 3, head_size]")
+    batch, seq, past = probe
+    total = seq + past if site.k_past is not None else seq
+    if len(q) != 4 or q[0] != batch or q[2] != seq:
+        raise ProbeError(f"q has shape {q} at {seq} new tokens, not [{batch}, heads, {seq}, head_size]")
     heads, head_size = q[1], q[3]
-    if len(k_all) != 4 or k_all[2] != total or k_all[3] != head_size or v_all != k_all:
-        raise ProbeError(f"key/value have shapes {k_all}/{v_all}, not [1, kv_heads, {total}, {head_size}]")
+    if len(k_all) != 4 or k_all[0] != batch or k_all[2] != total or k_all[3] != head_size or v_all != k_all:
+        raise ProbeError(f"key/value have shapes {k_all}/{v_all}, not [{batch}, kv_heads, {total}, {head_size}]")
     kv_heads = k_all[1]
-    expanded = (1, heads, total, head_size)
+    expanded = (batch, heads, total, head_size)
     # Multi-query attention may leave its single key/value head unrepeated (Falcon-7B's eager attention):
     # MatMul broadcasts that axis over the query heads, which is what GroupQueryAttention's kv_num_heads=1 does.
-    broadcast = (1, 1, total, head_size)
+    broadcast = (batch, 1, total, head_size)
     if kv_heads == 1 and shapes[site.k_rep.name] == broadcast and shapes[site.v_rep.name] == broadcast:
         expanded = broadcast
     if shapes[site.k_rep.name] != expanded or shapes[site.v_rep.name] != expanded or heads % kv_heads:
@@ -373,12 +391,16 @@ def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], has_past: bool) -> tu
         raise ProbeError(
             f"MatMul(probs, v) {shapes[site.context.outputs[0].name]} is reshaped to {shapes[site.reshaped.name]}"
         )
-    if shapes[site.out.name] != (1, 3, heads, head_size):
-        raise ProbeError(f"the attention output has shape {shapes[site.out.name]}, not [1, 3, {heads}, {head_size}]")
+    if shapes[site.out.name] != (batch, seq, heads, head_size):
+        raise ProbeError(
+            f"the attention output has shape {shapes[site.out.name]}, not [{batch}, {seq}, {heads}, {head_size}]"
+        )
     return heads, kv_heads, head_size
 
 
-def _mha_unfit(site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int, int, int]) -> str | None:
+def _mha_unfit(
+    site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int, int, int], feeder: Feeder
+) -> str | None:
     """None where MultiHeadAttention takes the layer's keys and values as they are (one per query head) and its
     mask as attention_bias ([B|1, H|1, S, T]), else why not."""
     if site.softcap:
@@ -393,6 +415,10 @@ def _mha_unfit(site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int,
         return None
     mask = shapes[site.mask.name]
     total = shapes[site.k_rep.name][2] if not site.k_bsnd else shapes[site.k_rep.name][1]
-    if len(mask) != 4 or mask[0] != 1 or mask[1] not in (1, sizes[0]) or mask[2:] != (3, total):
-        return f"the mask has shape {mask} at 1 x 3 new tokens, not [1, 1 or {sizes[0]}, 3, {total}]"
+    batch, seq, _ = feeder.probe_shape
+    if len(mask) != 4 or mask[0] not in (1, batch) or mask[1] not in (1, sizes[0]) or mask[2:] != (seq, total):
+        return (
+            f"the mask has shape {mask} at {batch} x {seq} new tokens, not [1 or {batch}, 1 or {sizes[0]}, "
+            f"{seq}, {total}]"
+        )
     return None

@@ -115,3 +115,31 @@ def test_match_reads_through_a_float_cast_before_the_softmax_and_refuses_an_inte
     assert sites[0].mask is not None and sites[0].mask.name == "mask" and sites[0].scale == 0.5
     sites, declined = match_sites(graph(7))
     assert not sites and len(declined) == 1
+
+
+# Static shapes: ``--exporters ts_static`` (no dynamic_axes: batch 2, 3 new tokens after 4) and ``ts_batch``
+# (dynamic batch only). The probe fed 2 x 5 new tokens, which such a graph refuses: "not causal", 0 of 2
+# fused. The probe now runs at the dims the export fixed; several new tokens after a cache in a batch is a call
+# ORT's GroupQueryAttention refuses, so the layers become MultiHeadAttention, exact for any batch.
+STATIC = HELDOUT / "llama_past_ts_static.onnx"
+BATCH = HELDOUT / "llama_past_ts_batch.onnx"
+
+
+@pytest.mark.parametrize("path", [STATIC, BATCH], ids=["static", "batch_only"])
+def test_fixed_length_decoder_fuses_every_layer_and_computes_what_the_export_does(path) -> None:
+    model, counts = through_fuse_gqa(path)
+    ops = op_histogram(model)
+    assert counts.get("fused_mha") == LAYERS and not counts.get("fused_gqa")
+    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS and "Softmax" not in ops
+    signature = Signature.of(path)
+    reference, candidate = reference_session(path), reference_session(model)
+    batches = (2,) if path == STATIC else (2, 1, 3)  # the static graph runs at its own batch only
+    for batch in batches:
+        feeds = decoder_feeds(signature, batch, 3, 4, seed=batch)  # the lengths the export fixed
+        for step in range(3):  # the next call on the reference's own cache, cropped to the fixed past length
+            want, got = run_named(reference, feeds), run_named(candidate, feeds)
+            for name, expected in want.items():
+                np.testing.assert_allclose(got[name], expected, atol=1e-5, rtol=1e-4, err_msg=f"{name} {step}")
+            past = {k: v[:, :, -4:] for k, v in presents_as_past(want).items()}
+            tokens = want["logits"][:, -3:].argmax(-1).astype(np.int64)
+            feeds = decoder_feeds(signature, batch, 3, 4, tokens=tokens, past_values=past)
