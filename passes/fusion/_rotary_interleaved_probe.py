@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from core.inputs import analyze
+from passes.fusion import _rotary_split_pairs as split_pairs
 from passes.fusion._gqa_probe import _session, _weights_apart, _with_outputs
 from passes.fusion._rotary_interleaved import Candidate, NotInterleaved, rotate_every_two
 
@@ -122,10 +123,14 @@ def _positions(found: Candidate, got: dict[str, np.ndarray], seq: int) -> np.nda
     return np.arange(seq) if found.positions is None else got[str(found.positions.name)]
 
 
-def _rows(found: Candidate, got: dict[str, np.ndarray], rows: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _rows(
+    found: Candidate, got: dict[str, np.ndarray], rows: int, first: int = 0, *, split: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     positions = _positions(found, got, rows)
     if positions.size != rows or not np.array_equal(positions.reshape(-1), np.arange(first, first + rows)):
         raise NotInterleaved(f"the positions of a {rows}-token prompt are not {first}..{first + rows - 1}")
+    if split:  # one angle per pair already: the factors' rows are the cache
+        return split_pairs.rows(found, got, rows)
     tables = []
     for op, value in (("cos", found.cos), ("sin", found.sin)):
         factor = got[str(value.name)]
@@ -183,10 +188,18 @@ def _fed_positions(found: Candidate, feeds: _Feeds) -> bool:
     return positions in feeds.inputs and role is not None and role.role == "position_ids"
 
 
+def _check_split(
+    found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarray, np.ndarray], seq: int
+) -> Verified:
+    rotary_dim, heads = split_pairs.check(found, got, tables, seq, ATOL)
+    return Verified(tables[0], tables[1], rotary_dim, rotary_dim, heads, bsnd=False)
+
+
 def verify(
-    model: ir.Model, candidates: list[Candidate], max_positions: int
+    model: ir.Model, candidates: list[Candidate], max_positions: int, *, split: bool = False
 ) -> tuple[list[tuple[Candidate, Verified]], list[tuple[Candidate, str]]]:
-    """(the candidates proven, each with its cache; the others with the reason)."""
+    """(the candidates proven, each with its cache; the others with the reason). ``split``: the candidates are
+    ``_rotary_split_pairs``' (DeepSeek's halves-ordered pair rotation), checked by its rule."""
     declined: list[tuple[Candidate, str]] = []
     try:
         feeds = _Feeds(model)
@@ -221,7 +234,7 @@ def verify(
             continue
         for found in group:
             try:
-                pieces = [_rows(found, got, n, first) for got, (first, n) in zip(gots, parts, strict=True)]
+                pieces = [_rows(found, got, n, first, split=split) for got, (first, n) in zip(gots, parts, strict=True)]
                 tables[id(found)] = (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]))
             except NotInterleaved as reason:
                 declined.append((found, str(reason)))
@@ -241,7 +254,7 @@ def verify(
             break
         for found in pending:
             try:
-                proven[id(found)] = _check(found, got, tables[id(found)], seq)
+                proven[id(found)] = (_check_split if split else _check)(found, got, tables[id(found)], seq)
             except NotInterleaved as reason:
                 declined.append((found, f"{reason} (at batch {batch}, {seq} new tokens after {past})"))
     refused = {id(c) for c, _ in declined}

@@ -15,8 +15,11 @@ full and Phi-3 partial rotary, angles computed or the exporter's folded table), 
 with the caches computed once per distinct frequency set (``_rotary_cache``). The interleaved form (GPT-J,
 Cohere, RoFormer: ``rotate_every_two``, channel pairs (2i, 2i+1)) becomes ``RotaryEmbedding(interleaved=1)``
 (``_rotary_interleaved``: its caches are what the graph's own cos/sin compute, run once and then checked at
-other shapes, ``_rotary_interleaved_probe``); a rotation of [B, S, N, D] (GPT-J, before its head transpose)
-goes in flat, [B, S, N*D] with ``num_heads``, and comes back to its four dims. The consumers of the rotated
+other shapes, ``_rotary_interleaved_probe``). DeepSeek's MLA rotates pairs too but writes them evens first,
+``cat([x1*c - x2*s, x2*c + x1*s])`` (``_rotary_split_pairs``): ``RotaryEmbedding(interleaved=0)`` of
+``Concat(x[..., 0::2], x[..., 1::2])``, its caches read and proven the same way. A rotation of [B, S, N, D]
+(GPT-J, before its head transpose) goes in flat, [B, S, N*D] with ``num_heads``, and comes back to its four
+dims. The consumers of the rotated
 q and k are unchanged (an attention fusion after this one sees opaque values). Nodes left without a
 consumer are removed; the trigonometry disappears with the last layer's use of it. A rotated key that is a
 graph output itself (the present of a decoder without a past: Optimum's no-cache branch) is rotated on its
@@ -46,6 +49,8 @@ from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_posi
 from passes.fusion._rotary_interleaved import Candidate, NotInterleaved, candidate, looks_interleaved
 from passes.fusion._rotary_interleaved_probe import verify
 from passes.fusion._rotary_match import CosSin, Declined, RotaryMatch, layer_of, looks_rotary, match
+from passes.fusion._rotary_split_pairs import candidate as split_candidate
+from passes.fusion._rotary_split_pairs import looks_split_pairs, separate, split_parts
 
 _MS = "com.microsoft"
 
@@ -85,6 +90,7 @@ class FuseRotary(Pass[FuseRotaryOptions]):
                 declined.append(_non_match(node, str(reason)))
         max_positions = self.options.max_positions or metadata_max_positions(model) or DEFAULT_MAX_POSITIONS
         matches += _interleaved(model, outputs, max_positions, declined)
+        matches += _split_pairs(model, outputs, max_positions, declined)
         trig = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
         structure = _decoder_structure.detect(model, matches)
         norms = divide_rms_norms(graph)
@@ -168,6 +174,58 @@ def _interleaved(
             )
         )
     return matches
+
+
+def _split_pairs(
+    model: ir.Model, outputs: set[ir.Value], max_positions: int, declined: list[NonMatch]
+) -> list[RotaryMatch]:
+    """DeepSeek's pair rotation written in halves order (``_rotary_split_pairs``), proven on its own values:
+    RotaryEmbedding(interleaved=0) of its even channels then its odd ones, the order its output keeps."""
+    del outputs  # the rotation's output is replaced where it is, a graph output or not
+    graph = model.graph
+    separate(graph)
+    candidates: list[Candidate] = []
+    for node in graph:
+        if looks_split_pairs(node):
+            try:
+                candidates.append(split_candidate(node, graph))
+            except NotInterleaved as reason:
+                declined.append(_non_match(node, str(reason)))
+    if not candidates:
+        return []
+    proven, refused = verify(model, candidates, max_positions, split=True)
+    declined += [_non_match(found.anchor, f"rotary on split pairs: {reason}") for found, reason in refused]
+    matches = []
+    start: ir.Value | None = None
+    for found, proof in proven:
+        _, even, odd, *_ = split_parts(found.anchor)  # type: ignore[misc]
+        halves = ir.node("Concat", [even, odd], {"axis": -1}, name=f"{found.anchor.name}/rotary_halves")
+        if found.x.dtype is not None:
+            halves.outputs[0].dtype = found.x.dtype
+        halves.outputs[0].shape = found.x.shape
+        halves.outputs[0].name = f"{found.anchor.name}/rotary_halves_0"
+        graph.insert_before(found.anchor, halves)
+        positions = found.positions
+        if positions is None:
+            if start is None:
+                start = _position_start(graph)
+            positions = start
+        shared = positions not in graph.inputs and positions is not start
+        cos = CosSin("table", positions, proof.cos, 1.0, (), shared)
+        sin = CosSin("table", positions, proof.sin, 1.0, (), shared)
+        matches.append(
+            RotaryMatch(
+                found.anchor, halves.outputs[0], proof.rotary_dim, False, proof.num_heads, cos, sin, found.nodes
+            )
+        )
+    return matches
+
+
+def _position_start(graph: ir.Graph) -> ir.Value:
+    start = ir.Value(name="rotary_emb.position_start", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
+    start.const_value = ir.tensor(np.array([0], np.int64), name=start.name)
+    graph.register_initializer(start)
+    return start
 
 
 def _unexplained_trig(graph: ir.Graph) -> list[NonMatch]:

@@ -9,6 +9,9 @@ past --exporters dynamo --presets --tiny`` (2 layers, hidden 32, 4 heads of 8, a
 Angles computed from ``position_ids`` are run in parts of ``CHUNK_ROWS`` positions, so a long max_positions
 never builds [1, rows, hidden] activations at once; angles of the graph's own Range go at once up to
 ``AT_ONCE_ROWS`` and are declined, with the option that would fuse, beyond it.
+
+DeepSeek-V3's MLA rope (committed tiny TorchScript and dynamo exports) rotates pairs but writes them evens
+first: ``RotaryEmbedding(interleaved=0)`` of ``Concat(x[..., 0::2], x[..., 1::2])`` (``_rotary_split_pairs``).
 """
 
 from __future__ import annotations
@@ -167,3 +170,52 @@ def test_range_angles_go_at_once_up_to_a_bound_and_are_declined_past_it(over: bo
     feeds = {"x": x, "input_ids": np.zeros((2, 33), np.int64)}
     got = run_named(reference_session(result.model), feeds)["y"]
     np.testing.assert_allclose(got, run_named(reference_session(proto), feeds)["y"], atol=1e-5)
+
+
+# ------------------------------------------------------------------ DeepSeek-V3's MLA rope (split pairs)
+
+# ``python -m bench.heldout_dec_round2 --only deepseek_v3_bmm --forms past --exporters ts_eager dynamo --presets
+# --tiny``: a rope slice of 8 channels per head (qk_rope_head_dim), pairs (2i, 2i+1) rotated and written evens
+# first, ``cat([x1*c - x2*s, x2*c + x1*s])``; before: "Cos feeds no q*cos + rotate_half(q)*sin", rotary 0/4.
+DEEPSEEK = ("deepseek_v3_bmm_past_dynamo.onnx", "deepseek_v3_bmm_past_ts.onnx")
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_mla_rope_on_split_pairs_becomes_rotary_embedding_of_its_halves(name: str) -> None:
+    # setup
+    path = CODEGEN.parent / name
+    # execute
+    result = FuseRotary()(ir.load(path), PassContext())
+    # assert
+    nodes = _rotary_nodes(result.model)
+    assert result.counts["rotary_embeddings"] == 4 and len(nodes) == 4, result.non_matches
+    assert all(n.attributes["interleaved"].as_int() == 0 for n in nodes)
+    assert all(n.inputs[0].producer().op_type == "Concat" for n in nodes)  # Concat(x[..., 0::2], x[..., 1::2])
+    assert not any(n.op_type in ("Sin", "Cos", "Sub") for n in result.model.graph)
+    reference, fused = session(path), session(result.model)
+    names = [o.name for o in reference.get_outputs()]
+    signature = Signature.of(path)
+    for batch, prompt, past in ((1, 1, 0), (3, 17, 0), (2, 5, 40), (1, 1, 7)):
+        feeds = decoder_feeds(signature, batch, prompt, past, seed=batch + past)
+        want, got = reference.run(names, feeds), fused.run(names, feeds)
+        for out, a, b in zip(names, got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"{out} {batch}x{prompt}+{past}")
+
+
+def test_split_pairs_with_the_halves_swapped_are_not_fused() -> None:
+    # setup: the same rotation but its two halves concatenated odds first (another channel order)
+    model = ir.load(CODEGEN.parent / DEEPSEEK[0])
+    concats = [n for n in model.graph if n.op_type == "Concat" and len(n.inputs) == 2]
+    swapped = 0
+    for node in concats:
+        ops = [v.producer().op_type if v.producer() is not None else None for v in node.inputs]
+        if ops == ["Sub", "Add"]:
+            first, second = node.inputs
+            node.replace_input_with(0, second)
+            node.replace_input_with(1, first)
+            swapped += 1
+    assert swapped == 4
+    # execute
+    result = FuseRotary()(model, PassContext())
+    # assert
+    assert not _rotary_nodes(result.model)
