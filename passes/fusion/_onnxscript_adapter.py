@@ -44,6 +44,7 @@ from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _erf_gelu as erf_gelu
 from passes.fusion import _heads_3d as heads_3d
 from passes.fusion import _merge_heads as merge_heads
+from passes.fusion import _mha_bias_order as mha_bias_order
 from passes.fusion import _mha_kv_layout as mha_kv_layout
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
 from passes.fusion import _tanh_gelu as tanh_gelu
@@ -163,9 +164,18 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     fuse("sdpa", shape_inference=True)
     for step in ("gqa", "packed_qkv_for_gqa", "mha1", "mha2", "mha_scale"):
         fuse(step)
+    # Ours: TorchScript's Add(bias, MatMul), which the mha_bias rule reads in the other order only.
+    counts["projection_biases_turned"] = mha_bias_order.put_projection_biases_last(model)
     if counts["mha1"] == 0 and counts["mha2"] == 0:
         counts["mha_bias"] = counts["attention"] = 0
+        # Ours: onnxscript packs only the attention its own rules fused; fuse_gqa's exact MultiHeadAttention
+        # (a causal encoder: CLIP's text tower) gets its biases and packing too, where no cache is involved.
+        standing = mha_bias_order.standing_attention(model)
+        counts["standing_mha_bias"] = settled(rule_set("mha_bias").apply_to_model(model)) if standing else 0
+        packs = standing and "attention" not in cut
+        counts["standing_attention"] = settled(rule_set("attention").apply_to_model(model)) if packs else 0
     else:
+        counts["standing_mha_bias"] = counts["standing_attention"] = 0
         fuse("mha_bias")
         fuse("attention")
     # Ours: GPT-2's (0.5 * x) * (1 + tanh(..)) order, with its bias, which onnxscript's gelu rule does not read.

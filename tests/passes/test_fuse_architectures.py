@@ -19,6 +19,7 @@ from tests.passes.test_fuse_torchscript_attention import assert_same_as_export
 
 LAYERS = 2
 MHA = "com.microsoft::MultiHeadAttention"
+ATTENTION = "com.microsoft::Attention"  # Q/K/V of one input with their biases: packed into one op
 SKIP_LN = "com.microsoft::SkipLayerNormalization"
 SKIP_RMS = "com.microsoft::SkipSimplifiedLayerNormalization"
 _CACHE: dict[str, object] = {}
@@ -32,8 +33,8 @@ CASES = {
     "ts_llama_sdpa": ("llama", {MHA: LAYERS, SKIP_RMS: 2 * LAYERS}),
     "ts_t5enc_eager": ("t5", {MHA: LAYERS, SKIP_RMS: 2 * LAYERS}),
     # BART's embedding sum + LayerNorm is one more Skip-LayerNorm; its GELU is the erf form, with its bias.
-    "ts_bartenc_eager": ("bart", {MHA: LAYERS, SKIP_LN: 2 * LAYERS + 1, "com.microsoft::BiasGelu": LAYERS}),
-    "ts_bartenc_sdpa": ("bart", {MHA: LAYERS, SKIP_LN: 2 * LAYERS + 1, "com.microsoft::BiasGelu": LAYERS}),
+    "ts_bartenc_eager": ("bart", {ATTENTION: LAYERS, SKIP_LN: 2 * LAYERS + 1, "com.microsoft::BiasGelu": LAYERS}),
+    "ts_bartenc_sdpa": ("bart", {ATTENTION: LAYERS, SKIP_LN: 2 * LAYERS + 1, "com.microsoft::BiasGelu": LAYERS}),
 }
 
 

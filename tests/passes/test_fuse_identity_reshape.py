@@ -87,8 +87,8 @@ def test_fuse_transformer_absorbs_merge_of_heads_when_torchscript_sdpa_export(mo
     result = FuseTransformer({"engines": ["onnxscript"]})(ir.load(MODELS / f"{name}.onnx"))
     ops = op_histogram(result.model)
     assert result.notes["candidates"]["onnxscript"]["identity_reshapes"] >= LAYERS
-    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS
-    assert "Transpose" not in ops  # MHA's [B, S, h*d] output feeds the output projection directly
+    assert ops["com.microsoft::Attention"] == LAYERS
+    assert "Transpose" not in ops  # the op's [B, S, h*d] output feeds the output projection directly
     assert_same_as_export(name, result.model)
 
     # without the drop (the onnxscript engine called directly: the pass replays a model it has seen), the same

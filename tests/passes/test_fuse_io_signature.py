@@ -82,7 +82,7 @@ def test_fast_preset_keeps_declared_io_and_fuses_when_vit_torchscript_export(nam
     optimized = ir.serde.serialize_model(model)
     assert io_declarations(optimized) == io_declarations(upload)
     ops = op_histogram(model)
-    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS  # the fusion the rollback used to discard
+    assert ops["com.microsoft::Attention"] == LAYERS  # the fusion the rollback used to discard
     assert "Softmax" not in ops
     onnx.checker.check_model(optimized, full_check=True)
     reference, candidate = session(str(CORPUS / f"{name}.onnx")), session(model)

@@ -61,7 +61,7 @@ def test_fuse_transformer_names_layer_and_blocking_pattern_when_one_attention_sc
     result = FuseTransformer({"engines": ["onnxscript"]})(model)
     # assert
     ops = op_histogram(result.model)
-    assert ops["com.microsoft::MultiHeadAttention"] == 1 and ops["Softmax"] == 1
+    assert ops["com.microsoft::Attention"] == 1 and ops["Softmax"] == 1
     layer = [nm for nm in result.non_matches if nm.node == softmax]
     assert len(layer) == 1, [nm.reason for nm in result.non_matches]
     reason = layer[0].reason

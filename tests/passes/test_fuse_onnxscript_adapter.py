@@ -66,6 +66,9 @@ OURS = (
     "erf_gelu_half_first",
     "noop_bias_expands",
     "heads_first_kv",
+    "projection_biases_turned",
+    "standing_mha_bias",
+    "standing_attention",
     "constants_reattached",
 )
 

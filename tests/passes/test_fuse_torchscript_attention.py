@@ -33,20 +33,37 @@ def assert_same_as_export(name: str, optimized: ir.Model) -> None:
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_fuse_transformer_fuses_multi_head_attention_when_torchscript_export(attention):
+def test_fuse_transformer_fuses_packed_attention_when_torchscript_export(attention):
     name = f"ts_bert_{attention}"
     result = FuseTransformer({"engines": ["onnxscript"]})(ir.load(MODELS / f"{name}.onnx"))
     ops = op_histogram(result.model)
+    onnxscript = result.notes["candidates"]["onnxscript"]
     assert result.notes["family"] == "bert"
-    assert result.notes["candidates"]["onnxscript"]["symbolic_shapes"] == "applied"
+    assert onnxscript["symbolic_shapes"] == "applied"
     assert result.counts["fused_attention"] == LAYERS
-    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS
+    # TorchScript writes Add(bias, MatMul): the biases turned, Q/K/V go into one packed Attention, no Split
+    assert onnxscript["onnxscript_counts"]["projection_biases_turned"] == 3 * LAYERS
+    assert ops["com.microsoft::Attention"] == LAYERS
+    assert "com.microsoft::MultiHeadAttention" not in ops and "Split" not in ops
     assert "Softmax" not in ops
     # the SDPA export's guard is put back on the fused output (test_fuse_nan_guard_rows): one per layer
     assert ops["IsNaN"] == (LAYERS if attention == "sdpa" else 0)
     assert result.counts["fused_skip_layer_norm"] == 2 * LAYERS and result.counts["fused_gelu"] == LAYERS
     assert "attention" not in result.notes["missing"]
-    assert result.notes["candidates"]["onnxscript"]["nan_guards"] == (LAYERS if attention == "sdpa" else 0)
+    assert onnxscript["nan_guards"] == (LAYERS if attention == "sdpa" else 0)
+    assert_same_as_export(name, result.model)
+
+
+def test_fuse_transformer_gives_multi_head_attention_its_bias_when_torchscript_export_and_mha():
+    """``attention: "mha"`` (the int8 preset) keeps the projections' MatMuls and hands their bias to the op."""
+    name = "ts_bert_eager"
+    result = FuseTransformer({"engines": ["onnxscript"], "attention": "mha"})(ir.load(MODELS / f"{name}.onnx"))
+    ops = op_histogram(result.model)
+    assert ops["com.microsoft::MultiHeadAttention"] == LAYERS and "com.microsoft::Attention" not in ops
+    for node in result.model.graph:
+        if node.op_type == "MultiHeadAttention":
+            assert node.inputs[3] is not None and node.inputs[3].shape.numpy() == (3 * 32,)
+            assert all(v.producer().op_type == "MatMul" for v in node.inputs[:3])
     assert_same_as_export(name, result.model)
 
 
@@ -103,7 +120,7 @@ def as_value_ints(proto: onnx.ModelProto) -> int:
     return count
 
 
-def test_fuse_transformer_fuses_multi_head_attention_when_shape_constants_are_value_ints():
+def test_fuse_transformer_fuses_attention_when_shape_constants_are_value_ints():
     """ORT's symbolic shape inference reads Constant ``value`` only: with ``value_ints`` it raised, the heads
     dims stayed unknown and no attention fused (the ``fast`` preset's case, after constant_folding)."""
     proto = onnx.load(str(MODELS / "ts_bert_eager.onnx"))
@@ -113,7 +130,7 @@ def test_fuse_transformer_fuses_multi_head_attention_when_shape_constants_are_va
     report = result.notes["candidates"]["onnxscript"]
     assert report["symbolic_shapes"] == "applied"
     assert report["constants_as_tensors"] > 0
-    assert op_histogram(result.model)["com.microsoft::MultiHeadAttention"] == LAYERS
+    assert op_histogram(result.model)["com.microsoft::Attention"] == LAYERS
     assert "Softmax" not in op_histogram(result.model)
     assert_same_as_export("ts_bert_eager", result.model)
 
