@@ -166,11 +166,15 @@ _FP16 = [*_CLEANUP, "upgrade_opset", "fuse_transformer", "mixed_precision", "dea
 # Weight-only int4 moves a random-weight decoder's logits by ~0.1 relative L2 (cosine > 0.99 on the corpus
 # decoders, tests/models/decoders); the tensor tolerance is loose and quantize_int4 checks its own budget.
 INT4_TOLERANCE = Tolerance(atol=1e-1, rtol=1e-1, min_cosine=0.98, max_mismatch_ratio=0.1)
+# fuse_transformer stops at MultiHeadAttention there: what fuse_gqa leaves (a seq2seq decoder's self and cross
+# attention, ALiBi) fuses with its projections kept as MatMuls for pack_matmuls and quantize_int4 to take.
 _INT4 = [
     *_CLEANUP,
     "upgrade_opset",
     "fuse_rotary",
     "fuse_gqa",
+    PassSpec(name="fuse_transformer", options={"attention": "mha"}),
+    "unfuse_skip_layernorm",
     "pack_matmuls",
     "quantize_int4",
     "dead_node_elimination",
@@ -201,7 +205,8 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "int4",
-            "Decoder fusions (RotaryEmbedding, GroupQueryAttention), q/k/v and gate/up packed, then weight-only int4 "
+            "Decoder fusions (RotaryEmbedding, GroupQueryAttention; MultiHeadAttention and the norms for the rest), "
+            "q/k/v and gate/up packed, then weight-only int4 "
             "MatMulNBits (block size and accuracy_level measured), the lm_head and token tables float or 8-bit, the "
             "int4/8-bit mix chosen by the greedy tokens each MatMul flips (CPU decoders).",
             _INT4,
