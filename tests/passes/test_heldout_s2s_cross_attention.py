@@ -59,18 +59,25 @@ def test_self_attention_with_past_and_cross_attention_on_the_fixed_cache_both_fu
     onnx.checker.check_model(ir.serde.serialize_model(fused), full_check=True)
 
 
-def test_fused_decoder_computes_what_the_export_does_on_a_growing_self_cache_and_a_fixed_cross_cache(fused) -> None:
-    reference, candidate = session(MODEL), session(fused, optimized=True)
+def replay_generation(candidate: ir.Model, steps: int) -> dict[str, np.ndarray]:
+    """``steps`` decoder calls of the export and ``candidate`` side by side, outputs equal at each: three tokens
+    on an empty self cache, then one token at a time on the returned one; the last call's feeds."""
+    reference, fused = session(MODEL), session(candidate, optimized=True)
     names = [o.name for o in reference.get_outputs()]
     # batch 2, the encoder's second row a third padding; 9 encoder positions, never the self cache's length
     feeds = seq2seq_feeds(ARCH, "decoder_with_past", 2, dec=3, past=0, enc=9, seed=5)
     cross = {k: v for k, v in feeds.items() if ".encoder." in k}
-    for step in range(5):  # three tokens on an empty self cache, then one token at a time on the returned one
+    for step in range(steps):
         want = dict(zip(names, reference.run(names, feeds), strict=True))
-        got = dict(zip(names, candidate.run(names, feeds), strict=True))
+        got = dict(zip(names, fused.run(names, feeds), strict=True))
         for name in names:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} step {step}")
         tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
         own = {k.replace("present.", "past_key_values.", 1): v for k, v in want.items() if k.startswith("present.")}
         feeds = {"input_ids": tokens, "encoder_attention_mask": feeds["encoder_attention_mask"], **own, **cross}
+    return feeds
+
+
+def test_fused_decoder_computes_what_the_export_does_on_a_growing_self_cache_and_a_fixed_cross_cache(fused) -> None:
+    feeds = replay_generation(fused, 5)
     assert feeds["past_key_values.0.decoder.key"].shape[2] == 3 + 4  # the self cache grew, the cross one did not

@@ -21,13 +21,12 @@ from core.config import JobConfig
 from core.settings import PipelineSettings
 from passes import registry
 from passes._infra import PassContext, op_histogram
-from tests.models.build_seq2seq import Arch, seq2seq_feeds
 from tests.passes._util import session
+from tests.passes.test_heldout_s2s_cross_attention import ARCH, MODEL, replay_generation
 from workers.pipeline import PipelineRequest, run_pipeline
 
 HELDOUT = Path(__file__).resolve().parent.parent / "models" / "heldout"
-M2M100 = HELDOUT / "m2m100_with_past_dynamo.onnx"
-ARCH = Arch("m2m100", "M2M100Config", "M2M100ForConditionalGeneration", layers=2, hidden=32, heads=4, vocab=384)
+M2M100 = MODEL
 
 
 def _int4_passes_before_quantization(path: Path) -> ir.Model:
@@ -65,18 +64,8 @@ def test_int4_preset_fuses_self_and_cross_attention_of_a_seq2seq_decoder_with_pr
     assert ops["com.microsoft::MultiHeadAttention"] == 2 * ARCH.layers and "Softmax" not in ops
     assert ops["com.microsoft::Attention"] == 0  # packed Attention would hide its weights from quantize_int4
     _projections_are_weight_matmuls(model)
-    reference, candidate = session(M2M100), session(model, optimized=True)
-    names = [o.name for o in reference.get_outputs()]
-    feeds = seq2seq_feeds(ARCH, "decoder_with_past", 2, dec=3, past=0, enc=9, seed=5)
-    cross = {k: v for k, v in feeds.items() if ".encoder." in k}
-    for step in range(4):
-        want = dict(zip(names, reference.run(names, feeds), strict=True))
-        got = dict(zip(names, candidate.run(names, feeds), strict=True))
-        for name in names:
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} step {step}")
-        tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
-        own = {k.replace("present.", "past_key_values.", 1): v for k, v in want.items() if k.startswith("present.")}
-        feeds = {"input_ids": tokens, "encoder_attention_mask": feeds["encoder_attention_mask"], **own, **cross}
+    feeds = replay_generation(model, 4)
+    assert feeds["past_key_values.0.decoder.key"].shape[2] == 3 + 3
 
 
 def test_int4_preset_fuses_alibi_attention_fuse_gqa_declines_when_bloom_with_cache():
