@@ -1,5 +1,5 @@
-"""Graph helpers shared by the passes: naming a node in a report, walking every graph of a model, reading a
-constant's ints, and dropping the initializers nothing reads any more."""
+"""Graph helpers shared by the passes: naming a node in a report, walking every graph of a model, telling a
+constant and reading its ints, and dropping the initializers nothing reads any more."""
 
 from __future__ import annotations
 
@@ -65,6 +65,16 @@ def take_graph_output(graph: ir.Graph | ir.Function, old: ir.Value, new: ir.Valu
 
 def is_input_of(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
     return any(inp is value for inp in graph.inputs)
+
+
+def is_constant(value: ir.Value) -> bool:
+    """An initializer, a value with a known constant, or the output of an ONNX ``Constant`` node."""
+    producer = value.producer()
+    return (
+        value.const_value is not None
+        or value.is_initializer()
+        or (producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"))
+    )
 
 
 def const_ints(value: ir.Value | None) -> list[int] | None:

@@ -17,16 +17,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from passes._match import is_constant
 from passes.fusion._batched_heads import same_dim
 
 _ONNX = ("", "ai.onnx")
-
-
-def _is_constant(value: ir.Value) -> bool:
-    if value.const_value is not None or value.is_initializer():
-        return True
-    producer = value.producer()
-    return producer is not None and producer.op_type == "Constant" and producer.domain in _ONNX
 
 
 def _bias_first(add: ir.Node) -> bool:
@@ -34,7 +28,7 @@ def _bias_first(add: ir.Node) -> bool:
     if add.op_type != "Add" or add.domain not in _ONNX or len(add.inputs) != 2:
         return False
     bias, product = add.inputs
-    if bias is None or product is None or not _is_constant(bias) or _is_constant(product):
+    if bias is None or product is None or not is_constant(bias) or is_constant(product):
         return False
     matmul = product.producer()
     if matmul is None or matmul.op_type != "MatMul" or matmul.domain not in _ONNX:

@@ -132,8 +132,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         counts["constants_reattached"] += dangling.reattach_constants(model.graph)
         return result
 
-    def fuse(step: str, shape_inference: bool = False) -> None:
-        counts[step] = 0 if step in cut else settled(rule_set(step).apply_to_model(model))
+    def fuse(step: str, shape_inference: bool = False, count_as: str | None = None) -> None:
+        counts[count_as or step] = 0 if step in cut else settled(rule_set(step).apply_to_model(model))
         if shape_inference and step not in cut:  # the SDPA rules add nodes whose shapes later steps read
             common_passes.ShapeInferencePass()(model)
 
@@ -166,16 +166,15 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         fuse(step)
     # Ours: TorchScript's Add(bias, MatMul), which the mha_bias rule reads in the other order only.
     counts["projection_biases_turned"] = mha_bias_order.put_projection_biases_last(model)
+    counts["standing_mha_bias"] = counts["standing_attention"] = 0
     if counts["mha1"] == 0 and counts["mha2"] == 0:
         counts["mha_bias"] = counts["attention"] = 0
         # Ours: onnxscript packs only the attention its own rules fused; fuse_gqa's exact MultiHeadAttention
         # (a causal encoder: CLIP's text tower) gets its biases and packing too, where no cache is involved.
-        standing = mha_bias_order.standing_attention(model)
-        counts["standing_mha_bias"] = settled(rule_set("mha_bias").apply_to_model(model)) if standing else 0
-        packs = standing and "attention" not in cut
-        counts["standing_attention"] = settled(rule_set("attention").apply_to_model(model)) if packs else 0
+        if mha_bias_order.standing_attention(model):
+            fuse("mha_bias", count_as="standing_mha_bias")
+            fuse("attention", count_as="standing_attention")
     else:
-        counts["standing_mha_bias"] = counts["standing_attention"] = 0
         fuse("mha_bias")
         fuse("attention")
     # Ours: GPT-2's (0.5 * x) * (1 + tanh(..)) order, with its bias, which onnxscript's gelu rule does not read.

@@ -35,7 +35,7 @@ from typing import ClassVar
 import onnx_ir as ir
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import node_label, take_graph_output
+from passes._match import is_constant, node_label, take_graph_output
 from passes._subgraphs import in_branches
 from passes.fusion import _rms_norm as rms_norm
 
@@ -164,7 +164,7 @@ def _guard(graph: ir.Graph, norm: ir.Node) -> bool:
     total = add.outputs[0]
     if total.is_graph_output() or len(total.uses()) != 1:
         return False  # ORT fuses only an Add read by the LayerNormalization alone
-    if any(v is None or _is_constant(v) for v in add.inputs):
+    if any(v is None or is_constant(v) for v in add.inputs):
         return False  # a bias Add, not the residual one
     residual = ir.node("Sum", list(add.inputs), name=f"{add.name or 'add'}_residual")
     _copy_type(total, residual.outputs[0])
@@ -172,15 +172,6 @@ def _guard(graph: ir.Graph, norm: ir.Node) -> bool:
     ir.convenience.replace_all_uses_with(total, residual.outputs[0])
     graph.remove(add, safe=True)
     return True
-
-
-def _is_constant(value: ir.Value) -> bool:
-    producer = value.producer()
-    return (
-        value.const_value is not None
-        or value.is_initializer()
-        or (producer is not None and producer.op_type == "Constant" and producer.domain in _ONNX_DOMAINS)
-    )
 
 
 def _copy_type(source: ir.Value, target: ir.Value) -> None:
