@@ -57,6 +57,7 @@ import numpy as np
 import onnx_ir as ir
 
 from core.inputs import InputSynthesis
+from passes._match import is_constant
 from passes.fusion._decoder_structure import attention_counts, through_casts
 
 Family = Literal[
@@ -277,18 +278,7 @@ def _router(softmax: ir.Node) -> bool:
     """Logits of weight products only: each MatMul/Gemm the scores come from (through score steps) multiplies
     by a constant. DeBERTa's scores add a product with a folded position table to q @ k^T: attention still."""
     products = _score_products(softmax.inputs[0], 4)
-    return bool(products) and all(any(_weight(v) for v in node.inputs[:2]) for node in products)
-
-
-def _weight(value: ir.Value | None) -> bool:
-    if value is None:
-        return False
-    producer = value.producer()
-    return (
-        value.const_value is not None
-        or value.is_initializer()
-        or (producer is not None and producer.op_type == "Constant")
-    )
+    return bool(products) and all(any(v is not None and is_constant(v) for v in node.inputs[:2]) for node in products)
 
 
 def _score_products(value: ir.Value | None, depth: int) -> list[ir.Node]:

@@ -132,18 +132,22 @@ class FuseGqa(Pass[FuseGqaOptions]):
         # Scores masked before their scale or through a causal Where (CodeGen, GPT-Neo) are first put in the
         # order the match reads; an edit that stands even where nothing fuses, so the result says it changed.
         reordered = 0 if ctx.target == "tensorrt" else score_mask_order.rules.apply_to_model(model)
-        unfused = {"scores_reordered": reordered} if reordered else {}
         sites, declined = match_sites(model.graph)
         notes: dict[str, Any] = {"attention_layers": len(sites) + len(declined), "padding": LEFT_PADDING}
+
+        def unfused(non_matches: list[NonMatch]) -> PassResult:
+            counts = {"scores_reordered": reordered} if reordered else {}
+            return PassResult(model, bool(reordered), counts, non_matches, notes)
+
         if ctx.target == "tensorrt":
             reason = "TensorRT parses standard ONNX only: contrib attention ops would fall back"
             return PassResult(model, False, {}, [NonMatch(reason)], notes)
         sites = [site for site in sites if not _declined_without_causal_structure(site, declined)]
         if not sites:
-            return PassResult(model, bool(reordered), unfused, declined, notes)
+            return unfused(declined)
         feeder = Feeder(model)
         if (why := feeder.unfeedable()) is not None:
-            return PassResult(model, bool(reordered), unfused, [*declined, NonMatch(f"shape probe: {why}")], notes)
+            return unfused([*declined, NonMatch(f"shape probe: {why}")])
         masks: dict[int, MaskKind | str] = {}  # by mask value: layers share one
         if not self._any_causal(model, feeder, sites, masks):
             # No layer's mask is causal (an encoder-decoder's padding and cross masks, a decoder fed no mask of
@@ -153,12 +157,12 @@ class FuseGqa(Pass[FuseGqaOptions]):
                 why = masks.get(id(site.mask), "not causal self-attention")
                 declined.append(NonMatch(f"{head}: {why}", node=site.softmax.name, op_type="Softmax"))
             notes["masks"] = []
-            return PassResult(model, bool(reordered), unfused, declined, notes)
+            return unfused(declined)
         try:
             probed = [v for site in sites for v in site.probed()]
             shapes = measure_shapes(model, feeder, probed + [s.mask for s in sites if s.mask is not None])
         except ProbeError as exc:
-            return PassResult(model, bool(reordered), unfused, [*declined, NonMatch(f"shape probe: {exc}")], notes)
+            return unfused([*declined, NonMatch(f"shape probe: {exc}")])
         unfit = _samples_unfit(ctx.samples, feeder) or _static_unfit(feeder)
         plans: list[tuple[Site, tuple[int, int, int], str, MaskKind]] = []
         for site in sites:
@@ -184,7 +188,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             {"window": k.window, "proven_up_to": k.proven} for k in masks.values() if not isinstance(k, str)
         ]
         if not plans:
-            return PassResult(model, bool(reordered), unfused, declined, notes)
+            return unfused(declined)
         if any(op == "gqa" for _, _, op, _ in plans):
             assert feeder.mask_name is not None  # probe_mask refused otherwise
             lengths = rewrite.lengths(model.graph, feeder.mask_name)

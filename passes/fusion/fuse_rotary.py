@@ -47,7 +47,7 @@ from passes.fusion import _decoder_structure
 from passes.fusion._decoder_norm import divide_rms_norms
 from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_positions, rows
 from passes.fusion._rotary_interleaved import Candidate, NotInterleaved, candidate, looks_interleaved
-from passes.fusion._rotary_interleaved_probe import verify
+from passes.fusion._rotary_interleaved_probe import Verified, verify
 from passes.fusion._rotary_match import CosSin, Declined, RotaryMatch, layer_of, looks_rotary, match
 from passes.fusion._rotary_split_pairs import candidate as split_candidate
 from passes.fusion._rotary_split_pairs import looks_split_pairs, separate, split_parts
@@ -90,7 +90,7 @@ class FuseRotary(Pass[FuseRotaryOptions]):
                 declined.append(_non_match(node, str(reason)))
         max_positions = self.options.max_positions or metadata_max_positions(model) or DEFAULT_MAX_POSITIONS
         matches += _interleaved(model, outputs, max_positions, declined)
-        matches += _split_pairs(model, outputs, max_positions, declined)
+        matches += _split_pairs(model, max_positions, declined)
         trig = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
         structure = _decoder_structure.detect(model, matches)
         norms = divide_rms_norms(graph)
@@ -144,20 +144,7 @@ def _interleaved(
     proven, refused = verify(model, candidates, max_positions)
     declined += [_non_match(found.anchor, f"interleaved rotary: {reason}") for found, reason in refused]
     matches = []
-    start: ir.Value | None = None
-    for found, proof in proven:
-        positions = found.positions
-        if positions is None:  # rows 0..S-1 for every sequence: the kernel's one-element form, a start of 0
-            if start is None:
-                start = ir.Value(
-                    name="rotary_emb.position_start", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64)
-                )
-                start.const_value = ir.tensor(np.array([0], np.int64), name=start.name)
-                graph.register_initializer(start)
-            positions = start
-        shared = positions not in graph.inputs and positions is not start  # the model's own arange(S), [S]
-        cos = CosSin("table", positions, proof.cos, 1.0, (), shared)
-        sin = CosSin("table", positions, proof.sin, 1.0, (), shared)
+    for found, proof, cos, sin in _proven_tables(graph, proven):
         partial = found.q is not found.x
         matches.append(
             RotaryMatch(
@@ -176,12 +163,10 @@ def _interleaved(
     return matches
 
 
-def _split_pairs(
-    model: ir.Model, outputs: set[ir.Value], max_positions: int, declined: list[NonMatch]
-) -> list[RotaryMatch]:
+def _split_pairs(model: ir.Model, max_positions: int, declined: list[NonMatch]) -> list[RotaryMatch]:
     """DeepSeek's pair rotation written in halves order (``_rotary_split_pairs``), proven on its own values:
-    RotaryEmbedding(interleaved=0) of its even channels then its odd ones, the order its output keeps."""
-    del outputs  # the rotation's output is replaced where it is, a graph output or not
+    RotaryEmbedding(interleaved=0) of its even channels then its odd ones, the order its output keeps. The
+    rotation's output is replaced where it is, a graph output or not."""
     graph = model.graph
     separate(graph)
     candidates: list[Candidate] = []
@@ -196,8 +181,7 @@ def _split_pairs(
     proven, refused = verify(model, candidates, max_positions, split=True)
     declined += [_non_match(found.anchor, f"rotary on split pairs: {reason}") for found, reason in refused]
     matches = []
-    start: ir.Value | None = None
-    for found, proof in proven:
+    for found, proof, cos, sin in _proven_tables(graph, proven):
         _, even, odd, *_ = split_parts(found.anchor)  # type: ignore[misc]
         halves = ir.node("Concat", [even, odd], {"axis": -1}, name=f"{found.anchor.name}/rotary_halves")
         if found.x.dtype is not None:
@@ -205,14 +189,6 @@ def _split_pairs(
         halves.outputs[0].shape = found.x.shape
         halves.outputs[0].name = f"{found.anchor.name}/rotary_halves_0"
         graph.insert_before(found.anchor, halves)
-        positions = found.positions
-        if positions is None:
-            if start is None:
-                start = _position_start(graph)
-            positions = start
-        shared = positions not in graph.inputs and positions is not start
-        cos = CosSin("table", positions, proof.cos, 1.0, (), shared)
-        sin = CosSin("table", positions, proof.sin, 1.0, (), shared)
         matches.append(
             RotaryMatch(
                 found.anchor, halves.outputs[0], proof.rotary_dim, False, proof.num_heads, cos, sin, found.nodes
@@ -221,9 +197,31 @@ def _split_pairs(
     return matches
 
 
+def _proven_tables(
+    graph: ir.Graph, proven: list[tuple[Candidate, Verified]]
+) -> list[tuple[Candidate, Verified, CosSin, CosSin]]:
+    """Each proven rotation with its cos and sin caches, read at its positions: the position_ids input, the
+    model's own arange(S) ([S], shared by the batch), or, where the factors take no positions, rows 0..S-1 for
+    every sequence (the kernel's one-element form: a start of 0)."""
+    tables = []
+    for found, proof in proven:
+        positions = found.positions if found.positions is not None else _position_start(graph)
+        shared = found.positions is not None and positions not in graph.inputs
+        cos = CosSin("table", positions, proof.cos, 1.0, (), shared)
+        sin = CosSin("table", positions, proof.sin, 1.0, (), shared)
+        tables.append((found, proof, cos, sin))
+    return tables
+
+
 def _position_start(graph: ir.Graph) -> ir.Value:
-    start = ir.Value(name="rotary_emb.position_start", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
-    start.const_value = ir.tensor(np.array([0], np.int64), name=start.name)
+    """The one start-of-0 initializer every rotation without positions reads (the interleaved and the split
+    pairs forms share it: registered once per graph)."""
+    name = "rotary_emb.position_start"
+    start = graph.initializers.get(name)
+    if start is not None and start.const_value is not None and start.const_value.numpy().tolist() == [0]:
+        return start
+    start = ir.Value(name=name, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
+    start.const_value = ir.tensor(np.array([0], np.int64), name=name)
     graph.register_initializer(start)
     return start
 
