@@ -18,10 +18,10 @@ import onnx_ir as ir
 import pytest
 
 from core.config import HALF_PRECISION_FLOOR
-from passes import registry
-from passes._infra import PassContext, op_histogram
+from passes._infra import op_histogram
 from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
 from tests.numerics import reference_session, run_named
+from tests.passes._decoder_replay import fast_upto_fuse_gqa
 
 HELDOUT = Path(__file__).resolve().parent.parent / "models" / "heldout"
 FP16 = HELDOUT / "llama_past_ts_fp16.onnx"
@@ -31,16 +31,8 @@ TOL = HALF_PRECISION_FLOOR["float16"]
 
 def through_fuse_gqa(path: Path) -> tuple[ir.Model, dict[str, int]]:
     """The model after the fast preset's passes up to and including fuse_gqa, and fuse_gqa's counts."""
-    model = ir.load(path)
-    specs = registry.PRESETS["fast"].specs
-    upto = [s for s in specs[: [s.name for s in specs].index("fuse_gqa") + 1] if s.name != "padding_elimination"]
-    counts: dict[str, int] = {}
-    for p in registry.build_passes(upto):
-        result = p(model, PassContext())
-        model = result.model
-        if p.name == "fuse_gqa":
-            counts = dict(result.counts)
-    return model, counts
+    model, counts = fast_upto_fuse_gqa(path)
+    return model, {key.split(".", 1)[1]: n for key, n in counts.items() if key.startswith("fuse_gqa.")}
 
 
 def half(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
 
-from passes import registry
-from passes._infra import PassContext, op_histogram
-from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
-from tests.passes._util import session
+from passes._infra import op_histogram
+from tests.passes._decoder_replay import assert_decodes_like_export, fast_upto_fuse_gqa
 
 HELDOUT = Path(__file__).resolve().parent.parent / "models" / "heldout"
 LAYERS = 2
@@ -31,22 +28,9 @@ LAYERS = 2
 CASES = {"gpt_neo_past_ts": 1.0, "codegen_past_dynamo": 8**-0.5}
 
 
-def _upto_fuse_gqa(path: Path) -> tuple[ir.Model, dict[str, int]]:
-    model = ir.load(path)
-    specs = registry.PRESETS["fast"].specs
-    upto = [s for s in specs[: [s.name for s in specs].index("fuse_gqa") + 1] if s.name != "padding_elimination"]
-    counts: dict[str, int] = {}
-    for p in registry.build_passes(upto):
-        result = p(model, PassContext())
-        model = result.model
-        for key, value in result.counts.items():
-            counts[f"{p.name}.{key}"] = counts.get(f"{p.name}.{key}", 0) + value
-    return model, counts
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def fused(request) -> tuple[str, ir.Model, dict[str, int]]:
-    return request.param, *_upto_fuse_gqa(HELDOUT / f"{request.param}.onnx")
+    return request.param, *fast_upto_fuse_gqa(HELDOUT / f"{request.param}.onnx")
 
 
 def test_every_layer_becomes_group_query_attention_with_the_models_scale(fused) -> None:
@@ -68,16 +52,4 @@ def test_every_layer_becomes_group_query_attention_with_the_models_scale(fused) 
 
 def test_fused_decoder_computes_what_the_export_does_on_a_growing_cache(fused) -> None:
     name, model, _ = fused
-    path = HELDOUT / f"{name}.onnx"
-    signature = Signature.of(path)
-    reference, candidate = session(path), session(model, optimized=True)
-    names = [o.name for o in reference.get_outputs()]
-    feeds = decoder_feeds(signature, 2, 6, 0, seed=3)  # the export's example was 2 x 3 after 4
-    for step in range(5):  # a prefill on an empty cache, then one token at a time on the reference's cache
-        want = dict(zip(names, reference.run(names, feeds), strict=True))
-        got = dict(zip(names, candidate.run(names, feeds), strict=True))
-        for out in names:
-            np.testing.assert_allclose(got[out], want[out], rtol=1e-4, atol=1e-5, err_msg=f"{out} step {step}")
-        past = presents_as_past(want)
-        tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
-        feeds = decoder_feeds(signature, 2, 1, past["past_key_values.0.key"].shape[2], tokens=tokens, past_values=past)
+    assert_decodes_like_export(HELDOUT / f"{name}.onnx", model)  # the export's example was 2 x 3 after 4

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
 
-from passes import registry
-from passes._infra import PassContext, op_histogram
-from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
-from tests.passes._util import session
+from passes._infra import op_histogram
+from tests.passes._decoder_replay import assert_decodes_like_export, fast_upto_fuse_gqa
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "heldout" / "falcon_past_ts_sdpa.onnx"
 LAYERS = 2
@@ -29,16 +26,7 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def fused() -> tuple[ir.Model, dict[str, int]]:
-    model = ir.load(MODEL)
-    specs = registry.PRESETS["fast"].specs
-    upto = [s for s in specs[: [s.name for s in specs].index("fuse_gqa") + 1] if s.name != "padding_elimination"]
-    counts: dict[str, int] = {}
-    for p in registry.build_passes(upto):
-        result = p(model, PassContext())
-        model = result.model
-        for key, value in result.counts.items():  # summed over a pass's runs (constant_folding runs twice)
-            counts[f"{p.name}.{key}"] = counts.get(f"{p.name}.{key}", 0) + value
-    return model, counts
+    return fast_upto_fuse_gqa(MODEL)
 
 
 def test_sdpa_scale_folds_and_every_layer_becomes_group_query_attention(fused) -> None:
@@ -56,15 +44,4 @@ def test_sdpa_scale_folds_and_every_layer_becomes_group_query_attention(fused) -
 
 def test_sdpa_fused_decoder_computes_what_the_export_does_on_a_growing_cache(fused) -> None:
     model, _ = fused
-    signature = Signature.of(MODEL)
-    reference, candidate = session(MODEL), session(model, optimized=True)
-    names = [o.name for o in reference.get_outputs()]
-    feeds = decoder_feeds(signature, 2, 6, 0, seed=3)
-    for step in range(5):  # a prefill on an empty cache, then one token at a time on the reference's cache
-        want = dict(zip(names, reference.run(names, feeds), strict=True))
-        got = dict(zip(names, candidate.run(names, feeds), strict=True))
-        for name in names:
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} step {step}")
-        past = presents_as_past(want)
-        tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
-        feeds = decoder_feeds(signature, 2, 1, past["past_key_values.0.key"].shape[2], tokens=tokens, past_values=past)
+    assert_decodes_like_export(MODEL, model)
