@@ -72,3 +72,34 @@ def test_rank_is_unknown_when_the_target_is_computed_from_an_unknown_shape():
     ranks = _ranks(graph)
     # assert
     assert ranks[id(reshape.outputs[0])] is None and ranks[id(neg.outputs[0])] is None
+
+
+def test_ranks_read_reshape_targets_without_walking_roots_when_a_residual_stream_feeds_them(monkeypatch):
+    """``_ranks`` runs before the roots are read: resolving a Reshape target's leading dims there walked the
+    residual stream back once per branch of every Add, 2^layers; a 4-layer TorchScript GPT-2 at bench size
+    spent minutes in it before fuse_gqa started (bench/README.md). It needs only the entry count."""
+    import onnx
+
+    from passes.fusion import _gqa_reshapes
+    from tests.models.corpus import committed_path
+
+    model = ir.serde.deserialize_model(onnx.load(str(committed_path("gpt2", "ts_eager"))))
+    reshapes = [n for n in model.graph if n.op_type == "Reshape"]
+    assert len(reshapes) >= 8
+
+    def no_walk(value):
+        raise AssertionError("_ranks walked a root")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(_gqa_reshapes, "_root", no_walk)
+        ranks = _ranks(model.graph)
+    for node in reshapes:
+        entries = _gqa_reshapes._shape_entries(node.inputs[1], roots=False)
+        assert entries is None or ranks[id(node.outputs[0])] == len(entries)
+    # And reading the roots after them visits each node output about once (linear, not per branch).
+    calls = []
+    real = _gqa_reshapes._leading_source
+    monkeypatch.setattr(_gqa_reshapes, "_leading_source", lambda *a: calls.append(1) or real(*a))
+    with _gqa_reshapes.reading(model.graph):
+        pass
+    assert len(calls) <= 1.2 * sum(len(n.outputs) for n in model.graph)
