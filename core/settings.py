@@ -216,6 +216,13 @@ class PipelineSettings(_Section):
         0, ge=0, description="ONNX Runtime intra-op threads for verification and benchmarks (0: ORT decides)."
     )
     verify_shape_sets: int = Field(3, ge=1, description="Input shape sets generated to verify each model.")
+    gate_serving_length: int = Field(
+        256,
+        ge=0,
+        description="Tokens of the one-row set the gate times a `fast` artifact on when it ties with the upload on "
+        "the generated sets (8-32 tokens), capped by the model's position table; kept only when faster there "
+        "(0: no such set, the tie returns the upload).",
+    )
     benchmark_warmup: int = Field(
         5,
         ge=0,

@@ -51,6 +51,7 @@ from workers.benchmark import BenchmarkParams, Comparison, compare
 from workers.ledger import Ledger, Outcome
 from workers.report import PassRecord
 from workers.same_program import same_program
+from workers.verify import Verifier
 
 # Presets whose only aim is latency ("kept only where it pays on the target", passes/registry.py): their full
 # gate stops on a tie (workers/benchmark.py, ``tie``) and hands back the upload. The others keep timing a tie to
@@ -183,13 +184,28 @@ def decide(
         decision["gate"]["tie"] = True
         per_set = ", ".join(f"{sh.verdict.paired_ratio:.3f}" for sh in comparison.shapes)
         pooled = comparison.pooled
+        tied = (
+            f"no faster than the uploaded model beyond the 3% floor (pooled paired ratio {pooled.paired_ratio:.3f}, "
+            f"95% interval {pooled.ci95[0]:.3f}..{pooled.ci95[1]:.3f}; per input set {per_set}; no set faster "
+            "beyond noise)"
+        )
+        serving = _serving(ledger, outcome, reference, params, recipe_b) if rebase is None else None
+        if serving is not None:
+            decision["gate"]["serving"] = serving.record
+            if benchmark is not None and serving.comparison is not None:
+                benchmark["serving"] = serving.comparison.to_dict()
+            if serving.faster:
+                decision["reason"] = (
+                    f"verified within tolerance; on the generated input sets {tied}, a tie; at a serving length "
+                    f"{serving.summary}: kept ({len(ledger.kept)} pass(es))"
+                )
+                return GateResult(benchmark, decision, upload_timing=upload)
+        at_length = f"; at a serving length {serving.summary}" if serving is not None else ""
         decision.update(
             result="original",
             used_original=True,
-            reason=f"verified within tolerance, but no faster than the uploaded model beyond the 3% floor (pooled "
-            f"paired ratio {pooled.paired_ratio:.3f}, 95% interval {pooled.ci95[0]:.3f}..{pooled.ci95[1]:.3f}; per "
-            f"input set {per_set}; no set faster beyond noise): a tie, not timed further to prove it not slower; "
-            "the uploaded model is returned",
+            reason=f"verified within tolerance, but {tied}{at_length}: a tie, not timed further to prove it not "
+            "slower; the uploaded model is returned",
         )
         return GateResult(benchmark, decision, _fall_back(ledger, decision), upload_timing=upload)
     if not comparison.slower:
@@ -216,6 +232,61 @@ def decide(
         decision.update(result="failed", used_original=False)
         return GateResult(benchmark, decision, upload_timing=upload)
     return GateResult(benchmark, decision, _fall_back(ledger, decision), upload_timing=upload)
+
+
+@dataclasses.dataclass
+class _Serving:
+    """The tie's second look (``Setup.serving_set``): the artifact verified and timed on one row at a serving
+    length, where attention and the projections weigh more than on the generated sets' 8-32 tokens."""
+
+    record: dict[str, Any]  # the report's decision.gate.serving
+    summary: str  # for the decision's reason
+    faster: bool = False
+    comparison: Comparison | None = None
+
+
+def _serving(
+    ledger: Ledger, outcome: Outcome, reference: Path, params: BenchmarkParams, recipe_b: dict[str, Any] | None
+) -> _Serving | None:
+    """Verify, then time, the artifact on the serving-length set; kept only when faster there beyond noise and
+    within tolerance (the generated sets already found it not slower). None when the job has no such set."""
+    serving = ledger.setup.serving_set
+    if serving is None:
+        return None
+    record: dict[str, Any] = {"input_set": serving.name, "verified": None, "faster": False}
+    try:
+        verifier = Verifier(
+            reference,
+            [serving],
+            ledger.setup.tolerance,
+            target=ledger.setup.target,
+            intra_op_threads=ledger.setup.intra_op_threads,
+        )
+    except OnnxforgeError as exc:  # the upload refuses the length: nothing to compare at it
+        record["error"] = f"the uploaded model fails on it: {exc}"[:300]
+        return _Serving(record, f"({serving.name}) the uploaded model fails: {str(exc)[:160]}")
+    verification = ledger.check_with(verifier, outcome.artifact)
+    record["verified"] = verification.ok
+    if not verification.ok:
+        record["error"] = verification.reason
+        return _Serving(record, f"({serving.name}) out of tolerance: {verification.reason}")
+    try:
+        comparison = compare(
+            reference, outcome.artifact, [serving], params, mode="serving", recipe_b=recipe_b, pool=ledger.setup.pool
+        )
+    except _ORT_RUN_ERRORS as exc:
+        record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        return _Serving(record, f"({serving.name}) failed to run: {type(exc).__name__}")
+    verdict = comparison.shapes[0].verdict
+    faster = bool(verdict.faster and not comparison.slower)
+    record.update(faster=faster, speedup=verdict.speedup, paired_ratio=verdict.paired_ratio, ci95=list(verdict.ci95))
+    lo, hi = verdict.ci95
+    outcome_words = "faster beyond noise" if faster else "not faster beyond noise"
+    summary = (
+        f"({serving.name}) {outcome_words}: speedup {verdict.speedup:.3f}, paired ratio {verdict.paired_ratio:.3f} "
+        f"(95% interval {lo:.3f}..{hi:.3f})"
+    )
+    return _Serving(record, summary, faster, comparison)
 
 
 def decide_or_retry(

@@ -149,6 +149,10 @@ class Ledger:
         """Verify the model at ``path`` against the current reference, with the side file passes asked for."""
         return self.verifier.check(path, self.valid_positions if positions else None, adapter=self._adapter(path))
 
+    def check_with(self, verifier: Verifier, path: Path) -> VerificationResult:
+        """Verify ``path`` against another reference (the gate's serving-length set), as ``check`` does."""
+        return verifier.check(path, self.valid_positions, adapter=self._adapter(path))
+
     def _adapter(self, path: Path, suffix: str | None = None) -> Path | None:
         suffix = suffix or self.verify_side_file
         return path.with_suffix(suffix) if suffix and path.with_suffix(suffix).exists() else None

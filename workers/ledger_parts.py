@@ -57,6 +57,9 @@ class Setup:
     # they are added to is (a set one candidate of preset auto declared verifies the later ones too).
     pass_sets: list[InputSet] = dataclasses.field(default_factory=list)
     group_passes: bool = True  # verify and time runs of groupable passes together (module docstring)
+    # One row at a serving length (``core.inputs.serving_input_set``), for a gate that ties on the generated
+    # sets; None when the sets came from the user or the model has no token sequence to lengthen.
+    serving_set: InputSet | None = None
 
     @property
     def confirm(self) -> BenchmarkParams:

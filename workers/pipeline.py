@@ -40,7 +40,7 @@ import onnx
 import onnx_ir as ir
 
 from core.config import EXACT_TOLERANCE, JobConfig, Tolerance
-from core.inputs import InputSet, load_raw_samples, make_input_sets
+from core.inputs import InputSet, load_raw_samples, make_input_sets, serving_input_set
 from passes._infra import Pass, op_histogram
 from workers import artifacts, auto_search, gate
 from workers import report as report_mod
@@ -133,6 +133,7 @@ class _Inputs:
     sets: list[InputSet]  # the verification and timing inputs of the original
     origin: str  # "shapes" | "samples" | "generated", for the report
     raw_sets: list[InputSet] | None  # the user's raw samples, when a pass changes the inputs
+    serving: InputSet | None = None  # the gate's serving-length set (generated sets only)
 
 
 def _input_proto(proto: onnx.ModelProto, every: list[Pass]) -> onnx.ModelProto:
@@ -160,8 +161,9 @@ def _inputs(request: PipelineRequest, proto: onnx.ModelProto, every: list[Pass])
     if raw_inputs and request.samples_path is not None:
         raw_sets = load_raw_samples(request.samples_path, raw_inputs)
     samples_path = request.samples_path if raw_sets is None else None
+    input_proto = _input_proto(proto, every)
     generated = make_input_sets(
-        _input_proto(proto, every),
+        input_proto,
         count=request.settings.verify_shape_sets,
         seed=request.config.seed,
         shapes=request.config.shapes,
@@ -170,7 +172,11 @@ def _inputs(request: PipelineRequest, proto: onnx.ModelProto, every: list[Pass])
     names: set[str] = set()
     sets = [s for s in generated if not (s.name in names or names.add(s.name))]
     origin = "shapes" if request.config.shapes else "samples" if samples_path else "generated"
-    return _Inputs(sets, origin, raw_sets)
+    serving = None
+    if origin == "generated" and raw_sets is None:
+        length = request.settings.gate_serving_length
+        serving = serving_input_set(input_proto, sets, length=length, seed=request.config.seed)
+    return _Inputs(sets, origin, raw_sets, serving)
 
 
 class _Stages:
@@ -258,6 +264,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             provenance=artifacts.Provenance(source_sha, resolved.preset, request.job_id),
             progress=progress,
             pool=pool,
+            serving_set=inputs.serving,
         )
 
         # passes

@@ -15,6 +15,7 @@ from core.inputs.synthesize import (
     generate_input_sets,
     index_ranges,
     make_input_sets,
+    serving_input_set,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "load_raw_samples",
     "load_samples",
     "make_input_sets",
+    "serving_input_set",
 ]

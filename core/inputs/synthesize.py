@@ -450,6 +450,38 @@ class InputSynthesis:
             name += f" ({flag}={value}: the {'cache' if cache else 'no-cache'} branch)"
         return InputSet(name, feeds, provenance, retry)
 
+    def serving_set(self, length: int, guess_name: str | None = None) -> InputSet | None:
+        """One full row of ``length`` tokens (within the position table) under the guess ``guess_name`` (the
+        one the job's sets ran under): a length teams serve, where a fused attention's gain shows that the
+        generated sets' 8-32 tokens hide. None for a model without token ids over a free sequence dim (images,
+        audio: their sets are full-sized already) or with a key/value cache (decode is timed as decode)."""
+        if self.facts.has_past or self.cache_branch(0) is not None:
+            return None
+        free = self.free_dims()
+        ids = [s for s in self.specs if self._role(s.name).role == "token_ids"]
+        if not any(isinstance(d, str) and free.get(d, {}).get("role") == "sequence" for s in ids for d in s.dims):
+            return None
+        cap = self.facts.max_positions
+        if cap:
+            length = min(length, cap - 2 if cap > 4 else cap)  # RoBERTa-style tables start 2 rows in
+        sizes = {
+            dim: 1 if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(length, plan["min"])
+            for dim, plan in free.items()
+        }
+        guess = next((g for g in GUESSES if g.name == guess_name), GUESSES[0])
+        shapes = self.bind(0, guess, preset=sizes)
+        feeds = self.feeds(shapes, np.random.default_rng([self.seed, length]), guess)
+        roles = self.facts.roles
+        provenance = {
+            "source": "generated",
+            "guess": guess.name,
+            "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
+            "attempts": [],
+            "why": f"a serving length: one row of {length} tokens"
+            + (f" (the position table holds {cap})" if cap else ""),
+        }
+        return InputSet(f"{_set_name(shapes)} (serving length)", feeds, provenance)
+
     def why(self, shapes: Mapping[str, tuple[int, ...]], cache: bool | None = None) -> str | None:
         """For a decoder-only language model, a seq2seq decoder or a merged decoder (``cache``: the branch it
         runs), why its set is shaped as it is (the report shows it); None for other models, whose sets follow
@@ -607,6 +639,21 @@ def index_ranges(model: onnx.ModelProto | ir.Model) -> dict[str, int]:
         for name, role in analyze(model).roles.items()
         if role.role in ("token_ids", "token_type_ids") and role.high
     }
+
+
+def serving_input_set(
+    model: onnx.ModelProto | ir.Model, sets: Sequence[InputSet], *, length: int, seed: int = 0
+) -> InputSet | None:
+    """``InputSynthesis.serving_set`` for a model whose generated ``sets`` it outgrows: None when the model
+    has none, or when it is no longer than the longest of ``sets`` (it would tell the gate nothing new)."""
+    if length <= 0 or not sets:
+        return None
+    serving = InputSynthesis(model, seed=seed).serving_set(length, sets[0].provenance.get("guess"))
+    if serving is None:
+        return None
+    longest = max((a.shape[-1] for s in sets for a in s.feeds.values() if a.ndim == 2), default=0)
+    tokens = max((a.shape[-1] for a in serving.feeds.values() if a.ndim == 2), default=0)
+    return serving if tokens > longest else None
 
 
 def make_input_sets(

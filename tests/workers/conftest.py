@@ -124,6 +124,24 @@ class DropReluChain(Pass):
         return PassResult(model, bool(doomed), counts={"nodes_removed": len(doomed)}, non_matches=non_matches)
 
 
+class OneUlp(Pass):
+    """Within any tolerance, yet another program: the first element of the first float weight moves by one ulp
+    (other bytes and, unlike a doc string, another graph under ORT's optimizations, so the gate times it)."""
+
+    name = "test_one_ulp"
+    summary = "test only: one weight one ulp up"
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        for value in model.graph.initializers.values():
+            array = value.const_value.numpy() if value.const_value is not None else None
+            if array is not None and array.dtype == np.float32 and array.size:
+                moved = array.copy()
+                moved.flat[0] = np.nextafter(moved.flat[0], np.float32(np.inf))
+                value.const_value = ir.tensor(moved, name=value.name)
+                return PassResult(model, True, counts={"weights_moved": 1})
+        return PassResult(model, False)
+
+
 class FlipSign(Pass):
     """WRONG: negates the W2 initializer."""
 

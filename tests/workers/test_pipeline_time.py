@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnx_ir as ir
 import pytest
 
 from core.config import JobConfig
 from core.settings import PipelineSettings
 from passes._infra import Pass, PassContext, PassResult
-from tests.workers.conftest import DropReluChain, FlipSign, Idle, resolver
+from tests.workers.conftest import DropReluChain, FlipSign, Idle, OneUlp, resolver
 from workers.benchmark import TIE_STOP
 from workers.pipeline import STAGES, PipelineRequest, PipelineResult, run_pipeline
 from workers.report import validate_report
@@ -42,22 +41,6 @@ class DocString(Pass):
         return PassResult(model, True, counts={"doc_strings": 1})
 
 
-class OneUlp(Pass):
-    """Within any tolerance, yet another program: the first element of the first float weight moves by one ulp
-    (other bytes and, unlike a doc string, another graph under ORT's optimizations, so the gate times it)."""
-
-    name = "test_one_ulp"
-    summary = "test only: one weight one ulp up"
-
-    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        for value in model.graph.initializers.values():
-            array = value.const_value.numpy() if value.const_value is not None else None
-            if array is not None and array.dtype == np.float32 and array.size:
-                moved = array.copy()
-                moved.flat[0] = np.nextafter(moved.flat[0], np.float32(np.inf))
-                value.const_value = ir.tensor(moved, name=value.name)
-                return PassResult(model, True, counts={"weights_moved": 1})
-        return PassResult(model, False)
 
 
 def _run(model: Path, out: Path, settings: PipelineSettings, *passes: Pass) -> PipelineResult:
