@@ -404,7 +404,7 @@ def _findings(rows: list[dict[str, Any]]) -> str:
             returned = job.get("decision") not in (None, "optimized") and job.get("decision_reason")
             why = (f"the job returned the upload: {returned}" if returned else None) or ft.get("reason")
             why = why or "no reason recorded"
-            out.append(f"* {name}: attention not in the returned model: {' '.join(str(why).split())[:300]}")
+            out.append(f"* {name}: attention not in the returned model: {' '.join(str(why).split())[:600]}")
     return "\n".join(out) + "\n" if out else "None.\n"
 
 
