@@ -59,6 +59,9 @@ from workers.verify import Verifier
 # so do jobs that opted out of timing-based choices (rollback_slower off) or of the full benchmark (whose quick
 # gate of 5 blocks is too short to call a tie on).
 TIE_RETURNS_UPLOAD = frozenset({"fast"})
+# Interleaved blocks the serving-length look times (``_serving``), within the benchmark's time budget: enough for
+# a 95% interval of a few percent on a quiet host, a few seconds on a large model's one row.
+SERVING_BLOCKS = 20
 
 # What an ORT session raises when a model it loaded fails to run (a kernel refusing its inputs, say).
 _ORT_RUN_ERRORS = tuple(
@@ -270,9 +273,13 @@ def _serving(
     if not verification.ok:
         record["error"] = verification.reason
         return _Serving(record, f"({serving.name}) out of tolerance: {verification.reason}")
+    # A fixed count of blocks: every early stop of the comparison answers "slower beyond noise?", which a tie
+    # has answered already ("not slower" settles with an interval that still reaches 1.0); this asks "faster?".
+    blocks = max(params.min_runs, SERVING_BLOCKS)
+    fixed = dataclasses.replace(params, tie_stop=False, pooled_stop=False, min_runs=blocks, max_runs=blocks)
     try:
         comparison = compare(
-            reference, outcome.artifact, [serving], params, mode="serving", recipe_b=recipe_b, pool=ledger.setup.pool
+            reference, outcome.artifact, [serving], fixed, mode="serving", recipe_b=recipe_b, pool=ledger.setup.pool
         )
     except _ORT_RUN_ERRORS as exc:
         record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

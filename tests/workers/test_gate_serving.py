@@ -124,7 +124,10 @@ def test_gate_keeps_a_tied_artifact_when_faster_at_the_serving_length(
     assert serving["verified"] is True and serving["faster"] is True and serving["speedup"] > 1.2
     assert decision["result"] == "optimized" and not decision["used_original"] and decision["gate"]["tie"]
     assert "at a serving length (input_ids=1x256 (serving length)) faster beyond noise" in decision["reason"]
+    timed = report["benchmark"]["serving"]["shapes"][0]
     assert report["benchmark"]["serving"]["mode"] == "serving"
+    # A fixed count of paired blocks answers "faster?": no early stop on "not slower", which the tie answered.
+    assert timed["original"]["runs"] == timed["optimized"]["runs"] == gate.SERVING_BLOCKS
     assert result.model_path.read_bytes() != quadratic_path.read_bytes()
     assert "nothing" not in {n.output[0] for n in onnx.load(str(result.model_path)).graph.node}
     assert validate_report(report) == []
