@@ -531,8 +531,17 @@ def _prepared(
     """
     gc.collect()
     base = peak = _rss()
+    # Two sessions take turns here, each with its own thread pool: with ORT's default spinning, the idle one's
+    # workers spin on the cores the running one needs. On 2 vCPUs at 2 threads that made the paired ratios of
+    # T5 alternate 0.57 / 1.75 with the block order and inflated both medians 1.6x (bench/README.md); without
+    # spinning the pairs agree within a few percent. Users' one session per process spins as ORT defaults.
     session = make_session(
-        path, target=params.target, intra_op_threads=params.intra_op_threads, optimize=True, recipe=recipe
+        path,
+        target=params.target,
+        intra_op_threads=params.intra_op_threads,
+        optimize=True,
+        recipe=recipe,
+        spinning=False,
     )
     runs = Runs(session, feeds, params)
     peak = max(peak, _rss())

@@ -92,12 +92,14 @@ def make_session(
     optimize: bool = False,
     recipe: Mapping[str, Any] | None = None,
     save_optimized: Path | None = None,
+    spinning: bool = True,
 ) -> Any:
     """An ORT session on ``model_path``. ``optimize=False``: ORT_DISABLE_ALL (verification);
     ``optimize=True``: ORT's default ORT_ENABLE_ALL, what a user deploying the model gets (benchmarks).
     ``recipe``: a ``tune_session`` recipe (metadata ``onnxforge.session``) applied on top, with its EP options,
     so that a benchmark measures the session users are told to create. ``save_optimized``: ORT writes the graph
-    it will run there (``optimized_model_filepath``; workers/same_program.py compares two of them)."""
+    it will run there (``optimized_model_filepath``; workers/same_program.py compares two of them).
+    ``spinning=False``: the thread pools block instead of spinning when idle (a recipe that sets it wins)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -113,6 +115,11 @@ def make_session(
     options.add_session_config_entry(
         "optimization.constant_folding_max_output_size_in_bytes", str(ORT_CONSTANT_FOLD_MAX_BYTES)
     )
+    if not spinning:
+        set_by_recipe = set((recipe or {}).get("session_config") or {})
+        for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
+            if key not in set_by_recipe:
+                options.add_session_config_entry(key, "0")
     if needs_extensions(Path(model_path)):
         register_extensions(options)
     providers: list[Any] = list(providers_for(target))

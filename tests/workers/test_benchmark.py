@@ -271,3 +271,18 @@ def test_a_pooled_session_is_warmed_up_only_on_what_it_has_not_run_when_timed_ag
     assert after_measure == {0: 4 + 3, 1: 4 + 3}
     assert pool.runs(mlp_path, feeds, params)[0].ran == {0: 4 + 3 + 3, 1: 4 + 3 + 3}
     assert pool.runs(slow_mlp_path, feeds, params)[0].ran == {0: 4 + 3, 1: 4 + 3}  # the new B: warmed up once
+
+
+SPIN = "session.intra_op.allow_spinning"
+
+
+@pytest.mark.parametrize(("recipe", "want"), [(None, "0"), ({"session_config": {SPIN: "1"}}, "1")])
+def test_benchmark_sessions_do_not_spin_unless_the_recipe_says_so(mlp_path: Path, recipe, want: str) -> None:
+    """Two sessions take turns in a comparison: the idle one's spinning workers took the cores of the running one
+    (T5 at 2 threads on 2 vCPUs: paired ratios alternating 0.57 / 1.75 with the block order)."""
+    feeds = [generate_input_sets(onnx.load(str(mlp_path)), 1)[0].feeds]
+    params = BenchmarkParams(warmup=0, min_runs=1, max_runs=1, max_seconds=0.1)
+    runs, _ = benchmark._prepared(mlp_path, feeds, params, recipe)
+    options = runs.session.get_session_options()
+    assert options.get_session_config_entry(SPIN) == want
+    assert options.get_session_config_entry("session.inter_op.allow_spinning") == "0"
