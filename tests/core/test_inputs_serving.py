@@ -26,20 +26,22 @@ def _serving(name: str, length: int = 256):
 
 
 def test_serving_set_is_one_full_row_of_the_length_when_an_encoder_reads_token_ids() -> None:
-    proto, sets, serving = _serving("corpus/bert_ts_eager.onnx")
+    proto, _, serving = _serving("corpus/bert_ts_eager.onnx")
     assert serving is not None and serving.name.endswith("(serving length)")
-    assert {k: v.shape for k, v in serving.feeds.items()} == {k: (1, 256) for k in serving.feeds}
+    assert {k: v.shape for k, v in serving.feeds.items()} == dict.fromkeys(serving.feeds, (1, 256))
     assert serving.feeds["attention_mask"].all()  # one full row: no padding to leave undefined
     assert serving.feeds["input_ids"].max() < analyze(proto).roles["input_ids"].high
     assert serving.provenance["why"].startswith("a serving length: one row of 256 tokens")
-    assert Verifier(MODELS / "corpus/bert_ts_eager.onnx", [serving], Tolerance()).check(
-        MODELS / "corpus/bert_ts_eager.onnx"
-    ).ok
+    assert (
+        Verifier(MODELS / "corpus/bert_ts_eager.onnx", [serving], Tolerance())
+        .check(MODELS / "corpus/bert_ts_eager.onnx")
+        .ok
+    )
 
 
 def test_serving_set_stays_within_the_position_table_and_keeps_the_eos_marker_when_bart_classifies() -> None:
     path = MODELS / "roles_bart_cls.onnx"
-    proto, sets, serving = _serving("roles_bart_cls.onnx")
+    proto, _, serving = _serving("roles_bart_cls.onnx")
     assert analyze(proto).max_positions == 66 and serving is not None
     ids = serving.feeds["input_ids"]
     assert ids.shape == (1, 64)  # the table's 66 rows less BART's 2-row offset

@@ -41,8 +41,6 @@ class DocString(Pass):
         return PassResult(model, True, counts={"doc_strings": 1})
 
 
-
-
 def _run(model: Path, out: Path, settings: PipelineSettings, *passes: Pass) -> PipelineResult:
     request = PipelineRequest(
         model_path=model,
