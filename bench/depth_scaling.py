@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._report import machine_line  # noqa: E402
+from bench.coverage import run_job as run_coverage_job  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
 
 DEFAULT_ARCHS = ("bert", "gpt2", "llama", "t5", "bart", "whisper_encoder", "wav2vec2", "mpnet", "deberta_v2")
@@ -56,26 +56,16 @@ def build(arch: str, exporter: str, layers: int, out: Path) -> dict[str, Any]:
 
 
 def run_job(path: Path, timeout: float) -> dict[str, Any]:
+    """``bench.coverage.run_job`` (the CLI in a child, 1 s benchmarks), then the stage times from its report."""
     work = path.parent / f"{path.stem}.job"
     work.mkdir(exist_ok=True)
-    report = work / "report.json"
-    env = {**os.environ, "ONNXFORGE_PIPELINE__BENCHMARK_MAX_SECONDS": "1"}
-    cmd = [sys.executable, "-m", "onnxforge.cli", "optimize", str(path), "-o", str(work / "fast.onnx")]
-    cmd += ["--preset", "fast", "--report", str(report)]
-    started = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "wall_s": timeout}
-    wall = time.perf_counter() - started
-    if proc.returncode or not report.exists():
-        return {"ok": False, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:200], "wall_s": wall}
-    rep = json.loads(report.read_text())
-    passes = rep["timings"]["passes"]
-    slowest = max(passes, key=lambda p: p["total_s"])
+    job = run_coverage_job(path, work, 1.0, timeout)
+    if not job["ok"]:
+        return job
+    rep = json.loads((work / "report.json").read_text())
+    slowest = max(rep["timings"]["passes"], key=lambda p: p["total_s"])
     return {
-        "ok": True,
-        "wall_s": wall,
+        **job,
         "passes_s": rep["timings"]["passes_s"],
         "slowest": f"{slowest['name']} {slowest['total_s']:.1f}",
         "nodes": rep["summary"]["nodes_before"],
