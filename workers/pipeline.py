@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import shutil
 import tempfile
 import time
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from core.settings import PipelineSettings
 
 ProgressFn = Callable[[str, float], None]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -175,7 +178,10 @@ def _inputs(request: PipelineRequest, proto: onnx.ModelProto, every: list[Pass])
     serving = None
     if origin == "generated" and raw_sets is None:
         length = request.settings.gate_serving_length
-        serving = serving_input_set(input_proto, sets, length=length, seed=request.config.seed)
+        try:
+            serving = serving_input_set(input_proto, sets, length=length, seed=request.config.seed)
+        except Exception as exc:  # an optional second look: a model not sized at that length keeps its job
+            log.warning("no serving-length set for the gate: %s: %s", type(exc).__name__, exc)
     return _Inputs(sets, origin, raw_sets, serving)
 
 

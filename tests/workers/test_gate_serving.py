@@ -154,3 +154,20 @@ def test_gate_returns_the_upload_on_a_tie_when_the_serving_length_is_off(
     decision = result.report["decision"]
     assert modes == ["full"] and "serving" not in decision["gate"]
     assert decision["result"] == "original" and "at a serving length" not in decision["reason"]
+
+
+def test_job_goes_on_without_the_serving_look_when_the_set_cannot_be_made(
+    tmp_path: Path, quadratic_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second look is optional: a model the synthesis cannot size at the serving length keeps its job."""
+    from workers import pipeline
+
+    def refuse(*args, **kwargs):
+        raise ValueError("no such length")
+
+    monkeypatch.setattr(pipeline, "serving_input_set", refuse)
+    modes = _tied(monkeypatch)
+    result = _job(quadratic_path, tmp_path, DropZeroBranch())
+    decision = result.report["decision"]
+    assert modes == ["full"] and "serving" not in decision["gate"]
+    assert decision["result"] == "original" and decision["gate"]["tie"]
