@@ -268,7 +268,7 @@ def _serving(
     except OnnxforgeError as exc:  # the upload refuses the length: nothing to compare at it
         record["error"] = f"the uploaded model fails on it: {exc}"[:300]
         return _Serving(record, f"({serving.name}) the uploaded model fails: {str(exc)[:160]}")
-    verification = ledger.check_with(verifier, outcome.artifact)
+    verification = ledger.check(outcome.artifact, verifier=verifier)
     record["verified"] = verification.ok
     if not verification.ok:
         record["error"] = verification.reason

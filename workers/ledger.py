@@ -145,13 +145,11 @@ class Ledger:
     def kept_passes(self) -> list[Pass]:
         return [p for _, p in self.kept]
 
-    def check(self, path: Path, *, positions: bool = True) -> VerificationResult:
-        """Verify the model at ``path`` against the current reference, with the side file passes asked for."""
-        return self.verifier.check(path, self.valid_positions if positions else None, adapter=self._adapter(path))
-
-    def check_with(self, verifier: Verifier, path: Path) -> VerificationResult:
-        """Verify ``path`` against another reference (the gate's serving-length set), as ``check`` does."""
-        return verifier.check(path, self.valid_positions, adapter=self._adapter(path))
+    def check(self, path: Path, *, positions: bool = True, verifier: Verifier | None = None) -> VerificationResult:
+        """Verify the model at ``path`` against the current reference (or ``verifier``'s: the gate's
+        serving-length set), with the side file passes asked for."""
+        verifier = verifier or self.verifier
+        return verifier.check(path, self.valid_positions if positions else None, adapter=self._adapter(path))
 
     def _adapter(self, path: Path, suffix: str | None = None) -> Path | None:
         suffix = suffix or self.verify_side_file

@@ -41,7 +41,7 @@ import onnx
 import onnx_ir as ir
 
 from core.config import EXACT_TOLERANCE, JobConfig, Tolerance
-from core.inputs import InputSet, load_raw_samples, make_input_sets, serving_input_set
+from core.inputs import InputSet, InputSynthesis, load_raw_samples, make_input_sets, serving_input_set
 from passes._infra import Pass, op_histogram
 from workers import artifacts, auto_search, gate
 from workers import report as report_mod
@@ -165,21 +165,22 @@ def _inputs(request: PipelineRequest, proto: onnx.ModelProto, every: list[Pass])
         raw_sets = load_raw_samples(request.samples_path, raw_inputs)
     samples_path = request.samples_path if raw_sets is None else None
     input_proto = _input_proto(proto, every)
+    origin = "shapes" if request.config.shapes else "samples" if samples_path else "generated"
+    synthesis = InputSynthesis(input_proto, seed=request.config.seed) if origin != "samples" else None
     generated = make_input_sets(
         input_proto,
         count=request.settings.verify_shape_sets,
         seed=request.config.seed,
         shapes=request.config.shapes,
         samples_path=samples_path,
+        synthesis=synthesis,
     )
     names: set[str] = set()
     sets = [s for s in generated if not (s.name in names or names.add(s.name))]
-    origin = "shapes" if request.config.shapes else "samples" if samples_path else "generated"
     serving = None
-    if origin == "generated" and raw_sets is None:
-        length = request.settings.gate_serving_length
+    if synthesis is not None and origin == "generated" and raw_sets is None:
         try:
-            serving = serving_input_set(input_proto, sets, length=length, seed=request.config.seed)
+            serving = serving_input_set(synthesis, sets, length=request.settings.gate_serving_length)
         except Exception as exc:  # an optional second look: a model not sized at that length keeps its job
             log.warning("no serving-length set for the gate: %s: %s", type(exc).__name__, exc)
     return _Inputs(sets, origin, raw_sets, serving)

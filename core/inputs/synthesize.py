@@ -116,15 +116,29 @@ class InputSynthesis:
         # step), so its sets keep a past.
         empty = index == 1 and guess.empty_past and self.cache_branch(index) is None
         past = 0 if empty or not self.facts.has_past else seq
-        cap = self.facts.max_positions
+        cap = self._positions()
         if cap:
-            cap = cap - 2 if cap > 4 else cap  # RoBERTa-style tables start 2 rows in (padding offset)
             seq = min(seq, cap // 2 if self.facts.has_past else cap)
             past = min(past, cap - seq)
         generation = self.facts.causal_lm or self.facts.encoder_decoder
         if generation and past > 0 and index > 0:  # batch 1 << index > 1
             seq = 1
         return max(seq, 1), past
+
+    def _positions(self) -> int | None:
+        """Positions the table serves, None without one: RoBERTa-style tables start 2 rows in (padding offset)."""
+        cap = self.facts.max_positions
+        return (cap - 2 if cap > 4 else cap) if cap else None
+
+    def _provenance(self, shapes: Mapping[str, tuple[int, ...]], guess: Guess, source: str) -> dict[str, Any]:
+        """A set's provenance (``InputSet.provenance``) before any refused guess: each input's role and why."""
+        roles = self.facts.roles
+        return {
+            "source": source,
+            "guess": guess.name,
+            "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
+            "attempts": [],
+        }
 
     def bind(
         self,
@@ -428,12 +442,7 @@ class InputSynthesis:
         rng = np.random.default_rng([self.seed, index] if guess_index == 0 else [self.seed, index, guess_index])
         feeds = self.feeds(shapes, rng, guess, cache)
         roles = self.facts.roles
-        provenance = {
-            "source": "shapes" if override else "generated",
-            "guess": guess.name,
-            "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
-            "attempts": [],
-        }
+        provenance = self._provenance(shapes, guess, "shapes" if override else "generated")
         if (why := self.why(shapes, cache)) is not None:
             provenance["why"] = why
         following = guess_index + 1
@@ -461,9 +470,9 @@ class InputSynthesis:
         ids = [s for s in self.specs if self._role(s.name).role == "token_ids"]
         if not any(isinstance(d, str) and free.get(d, {}).get("role") == "sequence" for s in ids for d in s.dims):
             return None
-        cap = self.facts.max_positions
+        cap = self._positions()
         if cap:
-            length = min(length, cap - 2 if cap > 4 else cap)  # RoBERTa-style tables start 2 rows in
+            length = min(length, cap)
         sizes = {
             dim: 1 if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(length, plan["min"])
             for dim, plan in free.items()
@@ -471,15 +480,11 @@ class InputSynthesis:
         guess = next((g for g in GUESSES if g.name == guess_name), GUESSES[0])
         shapes = self.bind(0, guess, preset=sizes)
         feeds = self.feeds(shapes, np.random.default_rng([self.seed, length]), guess)
-        roles = self.facts.roles
-        provenance = {
-            "source": "generated",
-            "guess": guess.name,
-            "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
-            "attempts": [],
-            "why": f"a serving length: one row of {length} tokens"
-            + (f" (the position table holds {cap})" if cap else ""),
-        }
+        provenance = self._provenance(shapes, guess, "generated")
+        table = self.facts.max_positions
+        provenance["why"] = f"a serving length: one row of {length} tokens" + (
+            f" (the position table holds {table})" if table else ""
+        )
         return InputSet(f"{_set_name(shapes)} (serving length)", feeds, provenance)
 
     def why(self, shapes: Mapping[str, tuple[int, ...]], cache: bool | None = None) -> str | None:
@@ -641,14 +646,13 @@ def index_ranges(model: onnx.ModelProto | ir.Model) -> dict[str, int]:
     }
 
 
-def serving_input_set(
-    model: onnx.ModelProto | ir.Model, sets: Sequence[InputSet], *, length: int, seed: int = 0
-) -> InputSet | None:
-    """``InputSynthesis.serving_set`` for a model whose generated ``sets`` it outgrows: None when the model
-    has none, or when it is no longer than the longest of ``sets`` (it would tell the gate nothing new)."""
+def serving_input_set(synthesis: InputSynthesis, sets: Sequence[InputSet], *, length: int) -> InputSet | None:
+    """``synthesis.serving_set`` (the synthesis that made ``sets``, so the graph is read once) when it outgrows
+    the generated ``sets``: None when the model has none, or when it is no longer than the longest of ``sets``
+    (it would tell the gate nothing new)."""
     if length <= 0 or not sets:
         return None
-    serving = InputSynthesis(model, seed=seed).serving_set(length, sets[0].provenance.get("guess"))
+    serving = synthesis.serving_set(length, sets[0].provenance.get("guess"))
     if serving is None:
         return None
     longest = max((a.shape[-1] for s in sets for a in s.feeds.values() if a.ndim == 2), default=0)
@@ -663,10 +667,12 @@ def make_input_sets(
     seed: int = 0,
     shapes: Sequence[Mapping[str, Sequence[int]]] | None = None,
     samples_path: Path | None = None,
+    synthesis: InputSynthesis | None = None,
 ) -> list[InputSet]:
-    """The input sets of a job: explicit shapes win, then samples.npz, else ``count`` generated sets."""
+    """The input sets of a job: explicit shapes win, then samples.npz, else ``count`` generated sets.
+    ``synthesis``: the model's, when the caller keeps it for more sets (``serving_input_set``)."""
     if shapes:
-        return generate_input_sets(model, len(shapes), seed=seed, shapes=shapes)
+        return (synthesis or InputSynthesis(model, seed=seed)).generate(len(shapes), shapes)
     if samples_path is not None:
         return [load_samples(samples_path, model)]
-    return generate_input_sets(model, count, seed=seed)
+    return (synthesis or InputSynthesis(model, seed=seed)).generate(count)

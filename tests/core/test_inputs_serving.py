@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from core.config import Tolerance
-from core.inputs import analyze, make_input_sets, serving_input_set
+from core.inputs import InputSynthesis, analyze, make_input_sets, serving_input_set
 from workers.verify import Verifier
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -21,8 +21,9 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 
 def _serving(name: str, length: int = 256):
     proto = onnx.load(str(MODELS / name))
-    sets = make_input_sets(proto, count=3)
-    return proto, sets, serving_input_set(proto, sets, length=length)
+    synthesis = InputSynthesis(proto)
+    sets = make_input_sets(proto, count=3, synthesis=synthesis)
+    return proto, sets, serving_input_set(synthesis, sets, length=length)
 
 
 def test_serving_set_is_one_full_row_of_the_length_when_an_encoder_reads_token_ids() -> None:
