@@ -29,13 +29,13 @@ def fast_upto_fuse_gqa(path: Path) -> tuple[ir.Model, dict[str, int]]:
     return model, counts
 
 
-def assert_decodes_like_export(path: Path, model: ir.Model, steps: int = 5) -> None:
-    """A prefill of 2 x 6 tokens on an empty cache, then one token at a time on the export's own cache: every
-    output of ``model`` (at ORT's default level) equal to the export's (optimizations off) at each step."""
+def assert_decodes_like_export(path: Path, model: ir.Model, steps: int = 5, batch: int = 2) -> None:
+    """A prefill of ``batch`` x 6 tokens on an empty cache, then one token at a time on the export's own cache:
+    every output of ``model`` (at ORT's default level) equal to the export's (optimizations off) at each step."""
     signature = Signature.of(path)
     reference, candidate = session(path), session(model, optimized=True)
     names = [o.name for o in reference.get_outputs()]
-    feeds = decoder_feeds(signature, 2, 6, 0, seed=3)
+    feeds = decoder_feeds(signature, batch, 6, 0, seed=3)
     for step in range(steps):
         want = dict(zip(names, reference.run(names, feeds), strict=True))
         got = dict(zip(names, candidate.run(names, feeds), strict=True))
@@ -43,4 +43,5 @@ def assert_decodes_like_export(path: Path, model: ir.Model, steps: int = 5) -> N
             np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} step {step}")
         past = presents_as_past(want)
         tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
-        feeds = decoder_feeds(signature, 2, 1, past["past_key_values.0.key"].shape[2], tokens=tokens, past_values=past)
+        length = past["past_key_values.0.key"].shape[2]
+        feeds = decoder_feeds(signature, batch, 1, length, tokens=tokens, past_values=past)

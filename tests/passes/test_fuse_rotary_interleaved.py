@@ -24,8 +24,9 @@ from onnx import TensorProto, helper
 from passes import registry
 from passes._infra import PassContext, op_histogram
 from passes.fusion.fuse_rotary import FuseRotary
-from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
+from tests.models.build_decoders import Signature, decoder_feeds
 from tests.numerics import reference_session, run_named
+from tests.passes._decoder_replay import assert_decodes_like_export
 from tests.passes._util import MODELS, session
 
 LAYERS, HEADS, VOCAB = 2, 4, 384
@@ -134,18 +135,7 @@ def test_interleaved_rotary_with_a_cache_computes_what_the_export_does(fused_pas
 
 def test_interleaved_rotary_decodes_token_by_token_on_a_growing_cache(fused_past) -> None:
     _, gqa, _ = fused_past
-    signature = Signature.of(PAST)
-    reference, candidate = session(PAST), session(gqa, optimized=True)
-    names = [o.name for o in reference.get_outputs()]
-    feeds = decoder_feeds(signature, 1, 6, 0, seed=3)
-    for step in range(5):
-        want = dict(zip(names, reference.run(names, feeds), strict=True))
-        got = dict(zip(names, candidate.run(names, feeds), strict=True))
-        for name in names:
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} step {step}")
-        past = presents_as_past(want)
-        tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
-        feeds = decoder_feeds(signature, 1, 1, past["past_key_values.0.key"].shape[2], tokens=tokens, past_values=past)
+    assert_decodes_like_export(PAST, gqa, batch=1)
 
 
 # ------------------------------------------------------------------------------- hand-built rotations

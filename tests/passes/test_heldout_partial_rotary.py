@@ -20,7 +20,8 @@ import pytest
 from passes import registry
 from passes._infra import PassContext, op_histogram
 from passes.fusion.fuse_rotary import FuseRotary
-from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
+from tests.models.build_decoders import Signature, decoder_feeds
+from tests.passes._decoder_replay import assert_decodes_like_export
 from tests.passes._util import session
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "heldout" / "gpt_neox_past_ts.onnx"
@@ -71,16 +72,4 @@ def test_partial_rotary_computes_what_the_export_does(fused, batch, prompt, past
 
 def test_partial_rotary_decodes_token_by_token_on_a_growing_cache(fused) -> None:
     model, _ = fused
-    signature = Signature.of(MODEL)
-    reference, candidate = session(MODEL), session(model, optimized=True)
-    names = [o.name for o in reference.get_outputs()]
-    feeds = decoder_feeds(signature, 2, 6, 0, seed=3)
-    for step in range(5):  # a prefill on an empty cache, then one token at a time on the reference's cache
-        want = dict(zip(names, reference.run(names, feeds), strict=True))
-        got = dict(zip(names, candidate.run(names, feeds), strict=True))
-        for name in names:
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name} step {step}")
-        past = presents_as_past(want)
-        tokens = want["logits"][:, -1:].argmax(-1).astype(np.int64)
-        length = past["past_key_values.0.key"].shape[2]
-        feeds = decoder_feeds(signature, 2, 1, length, tokens=tokens, past_values=past)
+    assert_decodes_like_export(MODEL, model)
