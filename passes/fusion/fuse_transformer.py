@@ -224,7 +224,8 @@ class FuseTransformer(Pass):
 
         def score(engine: str) -> tuple[int, int]:
             got = candidates[engine]["achieved"]
-            fusions = sum(min(got.get(g, 0), n) for g, n in expected.items()) + candidates[engine].get("packed_qkv", 0)
+            packed = candidates[engine].get("packed_qkv", 0) + candidates[engine].get("packed_in_attention", 0)
+            fusions = sum(min(got.get(g, 0), n) for g, n in expected.items()) + packed
             return fusions, -candidates[engine]["nodes"]
 
         def build(engine: str) -> None:
@@ -240,7 +241,14 @@ class FuseTransformer(Pass):
                 else:
                     first = outputs.get("onnxscript") or _onnxscript(work, report, attention)
                     report["gemm"] = candidates.get("onnxscript", report).get("gemm", 0)
-                    built[engine] = _ort(first, family, heads, hidden, ort_failures)
+                    # ORT's two residual-norm fusions each run its symbolic shape inference over the whole
+                    # graph (sympy: 0.7 s apiece on a bench-size wav2vec2's convolution lengths); where onnxscript
+                    # already fused every residual norm expected, they have nothing left to count.
+                    done = candidates.get("onnxscript", {}).get("achieved", {}).get("skip_layer_norm", 0)
+                    norms = "skip_layer_norm" not in expected or done < expected["skip_layer_norm"]
+                    if not norms:
+                        report["ort_skip_norm_fusion"] = f"not run: onnxscript fused all {done} expected"
+                    built[engine] = _ort(first, family, heads, hidden, ort_failures, skip_norms=norms)
                 fused = ir.serde.deserialize_model(built[engine])
                 if engine == "onnxscript":
                     traced = ir.serde.deserialize_model(built[engine])
@@ -249,6 +257,10 @@ class FuseTransformer(Pass):
                 _import_contrib_domain(fused)
                 if opts.pack_qkv:
                     report["packed_qkv"] = pack_qkv(fused)
+                    # Attention's Q/K/V projections are one GEMM on one packed weight inside the op: a packing
+                    # as much as pack_qkv's. Uncounted, a candidate with MultiHeadAttention after packed MatMuls
+                    # outscored it, and ORT alone (whose bound counts the input's packings) was never skipped.
+                    report["packed_in_attention"] = _packed_attention(fused)
                 # The per-layer reasons replay the rules on the engine's own shapes, which ONNX's inference
                 # would turn into unnamed symbols the rules stop at ("does not have expected size (unk__19)")
                 # before the check that really failed.
@@ -387,6 +399,10 @@ def _session(model: onnx.ModelProto | bytes) -> ort.InferenceSession:
     return ort.InferenceSession(raw, options, providers=["CPUExecutionProvider"])
 
 
+def _packed_attention(model: ir.Model) -> int:
+    return sum(1 for node in model.graph if node.op_type == "Attention" and node.domain == "com.microsoft")
+
+
 def _ort_bound(expected: dict[str, int], proto: onnx.ModelProto, opts: FuseTransformerOptions) -> int:
     """The highest score (expected fusions, plus packed projections with pack_qkv) ORT's optimizer alone could
     reach: every expected fusion, and at most the packings the input model allows (ORT's fusions absorb
@@ -399,11 +415,12 @@ def _ort_bound(expected: dict[str, int], proto: onnx.ModelProto, opts: FuseTrans
 
 def _after_onnxscript_bound(expected: dict[str, int], onnxscript: onnx.ModelProto, opts: FuseTransformerOptions) -> int:
     """The highest score onnxscript+ort could reach, built on the ``onnxscript`` candidate: every expected fusion,
-    and with pack_qkv only the packings still open in that candidate (packed already; ORT's fusions create no
-    MatMul, as in ``_ort_bound``)."""
+    and with pack_qkv the packings still open in that candidate and those its Attention ops hold, which ORT keeps
+    (ORT's fusions create no MatMul, as in ``_ort_bound``)."""
     bound = sum(expected.values())
     if opts.pack_qkv:
-        bound += pack_qkv(ir.serde.deserialize_model(onnxscript))
+        model = ir.serde.deserialize_model(onnxscript)
+        bound += _packed_attention(model) + pack_qkv(model)
     return bound
 
 
@@ -509,8 +526,12 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     return ir.serde.serialize_model(model)
 
 
-def _ort(proto: onnx.ModelProto, family: str, heads: int, hidden: int, failures: Counter[str]) -> onnx.ModelProto:
-    """ORT's python fusions only (opt_level=0: no session, portable output); collects its debug refusals."""
+def _ort(
+    proto: onnx.ModelProto, family: str, heads: int, hidden: int, failures: Counter[str], *, skip_norms: bool = True
+) -> onnx.ModelProto:
+    """ORT's python fusions only (opt_level=0: no session, portable output); collects its debug refusals. Without
+    ``skip_norms``, its residual + norm fusions are left out (its FusionOptions, otherwise the model type's)."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
     copy = onnx.ModelProto()
@@ -522,9 +543,17 @@ def _ort(proto: onnx.ModelProto, family: str, heads: int, hidden: int, failures:
         lg.setLevel(logging.DEBUG)
         lg.addHandler(handler)
         lg.propagate = False  # the DEBUG records are for the report, not for the host's log handlers
+    model_type = fam.ORT_MODEL_TYPE[family]
+    options = FusionOptions(model_type)
+    options.enable_skip_layer_norm = skip_norms
     try:
         optimized = optimize_model(
-            copy, model_type=fam.ORT_MODEL_TYPE[family], num_heads=heads, hidden_size=hidden, opt_level=0
+            copy,
+            model_type=model_type,
+            num_heads=heads,
+            hidden_size=hidden,
+            optimization_options=options,
+            opt_level=0,
         )
     finally:
         for lg, (level, propagate) in zip(loggers, levels, strict=True):

@@ -5,6 +5,8 @@ against the engine run that would have been chosen anyway."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnx_ir as ir
 
@@ -15,6 +17,7 @@ from passes.fusion import fuse_transformer as ft
 from passes.fusion.fuse_gqa import FuseGqa
 from passes.fusion.fuse_transformer import FuseTransformer
 from tests.passes._util import MODELS, assert_same_outputs
+from tests.passes.test_fuse_torchscript_attention import assert_same_as_export
 
 
 def const(value: np.ndarray, name: str) -> ir.Node:
@@ -53,6 +56,60 @@ def test_fuse_transformer_runs_ort_only_on_the_original_when_onnxscript_outscore
     assert op_histogram(result.model) == op_histogram(alone.model)
     assert len(result.model.graph) == len(alone.model.graph)
     assert_same_outputs("bert_encoder", result.model)
+
+
+def test_fuse_transformer_counts_attention_as_packed_projections_and_skips_ort_alone(monkeypatch):
+    # setup: a TorchScript BERT under fast's options. onnxscript fuses each layer into com.microsoft::Attention,
+    # whose Q/K/V projections are one GEMM on one packed weight: as many packings as pack_qkv could make of the
+    # input. Counted as none, no candidate reached ORT alone's bound and its run (a wav2vec2 job's slowest
+    # step) was made for a candidate that could at best tie.
+    options = {"pack_qkv": True}
+    ft._LAST.clear()
+    ort_runs = counting(monkeypatch, ft, "_ort")
+    # execute
+    result = FuseTransformer(options)(ir.load(MODELS / "ts_bert_eager.onnx"))
+    # assert
+    candidates = result.notes["candidates"]
+    chosen = result.notes["chosen"]
+    assert op_histogram(result.model)["com.microsoft::Attention"] == 2 and result.notes["missing"] == {}
+    assert candidates[chosen]["packed_in_attention"] == 2 and candidates[chosen]["packed_qkv"] == 0
+    assert candidates["ort"]["skipped"].startswith(f"{chosen} verified with score 11, the most ORT alone")
+    assert len(ort_runs) == 1  # onnxscript+ort, which may still tie with fewer nodes: built
+    assert "skipped" not in candidates["onnxscript+ort"]
+    # the choice ORT alone's run would have lost to
+    ft._LAST.clear()
+    every = FuseTransformer({**options, "engines": ["onnxscript", "onnxscript+ort"]})(
+        ir.load(MODELS / "ts_bert_eager.onnx")
+    )
+    assert op_histogram(result.model) == op_histogram(every.model)
+    assert_same_as_export("ts_bert_eager", result.model)
+
+
+def test_fuse_transformer_leaves_ort_residual_norm_fusions_out_when_onnxscript_fused_every_expected_one(monkeypatch):
+    # setup: a TorchScript BERT, whose 4 residual norms onnxscript fuses. ORT's two skip-norm fusions (LayerNorm,
+    # RMSNorm) each run its symbolic shape inference over the whole graph, with nothing left for them to fuse.
+    import onnxruntime.transformers.optimizer  # noqa: F401  (puts ORT's transformers folder on sys.path)
+
+    # ORT's optimizer imports its modules by their bare names: this is the class its fusions call
+    inferences = counting(monkeypatch, sys.modules["onnx_model"].OnnxModel, "infer_runtime_shape")
+    options = {"pack_qkv": True, "engines": ["onnxscript", "onnxscript+ort"]}
+    real = ft._ort
+    monkeypatch.setattr(ft, "_ort", lambda *a, **k: real(*a, **{**k, "skip_norms": True}))
+    ft._LAST.clear()
+    with_norms = FuseTransformer(options)(ir.load(MODELS / "ts_bert_eager.onnx"))
+    monkeypatch.setattr(ft, "_ort", real)
+    forced = len(inferences)
+    ft._LAST.clear()
+    # execute
+    result = FuseTransformer(options)(ir.load(MODELS / "ts_bert_eager.onnx"))
+    # assert
+    candidate = result.notes["candidates"]["onnxscript+ort"]
+    assert candidate["ort_skip_norm_fusion"] == "not run: onnxscript fused all 4 expected"
+    assert len(inferences) - forced == forced - 2  # the two norm fusions' inferences are gone
+    assert result.notes["chosen"] == with_norms.notes["chosen"] == "onnxscript+ort"
+    assert op_histogram(result.model) == op_histogram(with_norms.model)
+    assert op_histogram(result.model)["com.microsoft::SkipLayerNormalization"] == 4
+    assert_same_as_export("ts_bert_eager", result.model)
 
 
 def test_fuse_transformer_still_builds_onnxscript_plus_ort_when_it_could_tie():
