@@ -52,7 +52,9 @@ class MaskKind:
 def _session(proto: onnx.ModelProto, weights_dir: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    # Fatal only: a probe past what the model takes (its position table) is expected to fail, and its error comes
+    # back as the exception's text (ProbeError); at the error level ORT printed it to the worker's stderr as well.
+    options.log_severity_level = 4
     if weights_dir is not None:
         # A model over the protobuf limit keeps its weights in a file beside the upload: loaded from bytes,
         # ORT resolves their relative locations only against this folder (and refuses paths that escape it).
