@@ -46,7 +46,13 @@ def test_scalar_slice_hands_its_output_name_to_the_squeeze_when_its_output_is_a_
     inputs = {"x": (F, ["batch", 6, 4]), "m": (F, ["batch", 1, 4])}
     proto = build(nodes, inputs, {"y": F, "z": F}, {"i": np.array(2, np.int64)})
     model, result = optimize(proto)
-    assert result.counts == {"slices_moved": 1, "ops_crossed": 1, "squeezes_added": 1, "copies_merged": 0, "conv_crops_folded": 0}
+    assert result.counts == {
+        "slices_moved": 1,
+        "ops_crossed": 1,
+        "squeezes_added": 1,
+        "copies_merged": 0,
+        "conv_crops_folded": 0,
+    }
     y, z = model.graph.outputs
     assert (y.name, z.name) == ("y", "z")
     assert producer_of(y).op_type == "Squeeze" and producer_of(producer_of(y).inputs[0]) is named(model, "add")
@@ -94,7 +100,13 @@ def test_branch_continues_when_another_branch_reaches_a_graph_input():
     model, result = optimize(proto)
     assert producer_of(named(model, "tanh").inputs[0]).inputs[0].name == "y"
     assert producer_of(named(model, "add").inputs[0]).inputs[0].name == "x"
-    assert result.counts == {"slices_moved": 1, "ops_crossed": 3, "squeezes_added": 0, "copies_merged": 0, "conv_crops_folded": 0}
+    assert result.counts == {
+        "slices_moved": 1,
+        "ops_crossed": 3,
+        "squeezes_added": 0,
+        "copies_merged": 0,
+        "conv_crops_folded": 0,
+    }
     reasons = sorted(m.reason for m in result.non_matches)
     assert reasons == ["Gather 'g1@add_in0' stops at graph input 'x'", "Gather 'g1@tanh_in0' stops at graph input 'y'"]
     assert_equivalent(proto, model)
@@ -402,7 +414,13 @@ def test_slice_copies_merge_and_move_on_when_every_reader_of_a_value_is_the_same
     all three merge into one, which moves above Relu onto the graph input."""
     proto = _two_branches(second_index=2)
     model, result = optimize(proto)
-    assert result.counts == {"slices_moved": 1, "ops_crossed": 4, "squeezes_added": 0, "copies_merged": 2, "conv_crops_folded": 0}
+    assert result.counts == {
+        "slices_moved": 1,
+        "ops_crossed": 4,
+        "squeezes_added": 0,
+        "copies_merged": 2,
+        "conv_crops_folded": 0,
+    }
     (gather,) = ops_of(model, "Gather")
     assert gather.inputs[0].name == "x"
     assert dims_of(named(model, "relu").outputs[0]) == ["batch", 2, 4]
