@@ -255,6 +255,73 @@ def _product_of(value: ir.Value | None) -> ir.Node | None:
     return node if node is not None and node.op_type == "MatMul" and node.domain in _ONNX else None
 
 
+def _folded_product_heads(value: ir.Value) -> ir.Value | None:
+    """Where ``value`` is a (scaled) product of two proven folds (q3 @ k3^T on ``[B*h, S, d]``), q's 4-D source
+    when its heads dim is a number (what an unfold of the product needs), else None."""
+    matmul = _product_of(value)
+    if matmul is None:
+        return None
+    lhs = _unfolded(matmul.inputs[0])
+    if lhs is None or _rhs(matmul.inputs[1]) is None or not isinstance(list(lhs.shape)[1], int):
+        return None
+    return lhs
+
+
+def softmax_before_fold(model: ir.Model) -> int:
+    """A Softmax over the last axis of folded heads ``[B*h, S, T]`` moved to the 4-D scores (exact: each row
+    of T values is normalized alike either way), so that ``unfold_batched_heads`` can drop the folds:
+
+    * ``Softmax(Reshape(x4))``, the Reshape folding ``[B, h, S, T]``: ``Reshape(Softmax(x4))``. XGLM, and the
+      BART family and Marian as transformers 4.x exported them, add the mask on the 4-D view of ``bmm``'s
+      scores and fold it back before the Softmax;
+    * ``Softmax(q3 @ k3^T)`` with no 4-D view (no mask: an encoder such as Whisper's, as transformers 4.x
+      exported it): the scores are unfolded to ``[B, h, S, T]`` first (``[-1, h]`` and their own last sizes).
+
+    The fold after the Softmax then feeds the product with v. The number moved."""
+    moved = 0
+    for softmax in list(model.graph):
+        if softmax.op_type != "Softmax" or softmax.domain not in _ONNX or softmax.inputs[0] is None:
+            continue
+        folded = softmax.inputs[0]
+        if softmax.attributes.get_int("axis", -1) not in (-1, 2) or folded.is_graph_output():
+            continue
+        if softmax.outputs[0].is_graph_output():  # the probabilities as a model output keep their folded shape
+            continue
+        if len([u for u in folded.uses() if u.node.op_type != "Shape"]) != 1 or _dims(folded) is None:
+            continue
+        prefix = softmax.name or f"softmax_{moved}"  # ORT refuses two nodes of one name
+        before: list[ir.Node] = []
+        source = _unfolded(folded)
+        fold = folded.producer() if source is not None else None
+        if source is None:
+            heads = _folded_product_heads(folded)
+            if heads is None or len(folded.shape) != 3:
+                continue
+            before, source = _unfold_like(folded, heads, f"{prefix}/unfold")
+            shape = ir.node("Shape", [folded], name=f"{prefix}/folded_shape")
+            before.append(shape)
+            back, attributes = shape.outputs[0], {}
+        else:
+            back, attributes = fold.inputs[1], dict(fold.attributes)
+        normalized = ir.node("Softmax", [source], {"axis": -1}, name=f"{prefix}/4d")
+        normalized.outputs[0].shape, normalized.outputs[0].dtype = source.shape, source.dtype
+        refold = ir.node("Reshape", [normalized.outputs[0], back], attributes, name=f"{prefix}/fold")
+        refold.outputs[0].shape, refold.outputs[0].dtype = softmax.outputs[0].shape, softmax.outputs[0].dtype
+        model.graph.insert_before(softmax, [*before, normalized, refold])
+        ir.convenience.replace_all_uses_with(softmax.outputs[0], refold.outputs[0])
+        model.graph.remove(softmax, safe=True)
+        # XGLM views the probabilities as [B, h, S, T] again (for its head mask): that unfold of the new fold
+        # is the 4-D Softmax itself
+        for use in list(refold.outputs[0].uses()):
+            unfold = use.node
+            if unfold.op_type == "Reshape" and unfold.domain in _ONNX and _same_shape(unfold.outputs[0], source):
+                ir.convenience.replace_all_uses_with(unfold.outputs[0], normalized.outputs[0])
+        moved += 1
+    if moved:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return moved
+
+
 def unfold_batched_heads(model: ir.Model) -> int:
     """Rewrite every proven ``[B*h, S, d]`` attention product to its 4-D form; the number rewritten (the
     unfolds distributed over relative-position sums first, ``distribute_unfolds``)."""

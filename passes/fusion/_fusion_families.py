@@ -384,7 +384,25 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
                 "LayerNorm and the residual Add around the block it feeds: a pre-norm text encoder (ESM-2), "
                 "fused as ViT's pre-norm layers"
             )
+    if (softmax := _scaled_dot_product(model)) is not None:
+        # A model of the team's own (no transformers embedding layout: no positions, or positions elsewhere) is
+        # still a LayerNorm transformer: its norms say where the residual stream is normalized.
+        seen = f"{softmax.name!r} is a Softmax of a product of two activations (attention), LayerNorms"
+        if _norm_beside_residual(graph):
+            return "vit", f"{seen} read beside a residual Add (pre-norm); no embedding layout of a known family"
+        return "distilbert", f"{seen} after residual Adds (post-norm); no embedding layout of a known family"
     return "unknown", "attention found, but no embedding structure of a known family"
+
+
+def _norm_beside_residual(graph: ir.Graph) -> bool:
+    """Whether a value is read by both a LayerNormalization and an Add: ``x + block(LN(x))``, pre-norm. Post-norm
+    normalizes the residual sum itself (``LN(x + block(x))``), which nothing else reads."""
+    for node in graph:
+        if node.op_type != "LayerNormalization" or node.inputs[0] is None:
+            continue
+        if any(u.node.op_type == "Add" for u in node.inputs[0].uses()):
+            return True
+    return False
 
 
 # What an embedding passes through before the first block: scaling, the padding mask's product, a cast.
@@ -410,8 +428,9 @@ def _pre_norm_residual(value: ir.Value, hops: int = 3) -> str | None:
 
 
 # Between the scores' MatMul and the Softmax (scale, mask, bias); between the Softmax and the product with V.
-_SCORE_STEPS = ("Add", "Sub", "Mul", "Div", "Where", "Cast")
-_PROBS_STEPS = ("Where", "Cast", "Dropout", "Identity")
+# Reshape and Max: heads folded into the batch around the mask, and its clamp (transformers 4.x bmm attention, XGLM)
+_SCORE_STEPS = ("Add", "Sub", "Mul", "Div", "Where", "Cast", "Reshape", "Max")
+_PROBS_STEPS = ("Where", "Cast", "Dropout", "Identity", "Reshape")
 
 
 def _activation_product(value: ir.Value | None, depth: int) -> bool:

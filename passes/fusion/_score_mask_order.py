@@ -18,7 +18,16 @@ Two eager attentions that decoders still ship order the scale and the masks othe
   and with ``fill`` -inf or at most -1e30 (``finfo.min``) adding scores below 1e29 in magnitude leaves
   ``fill + mask`` as it is (-inf where it overflowed, in both forms).
 
-The scores must come from a ``MatMul`` (scaled or not), so only attention is touched. The single additive
+* the masked scores clamped from below (XGLM: ``max(s + mask, finfo.min)``, between the mask and the Softmax)::
+
+      Max(Add(s, mask), c)   ==>   Add(s, Max(mask, c))          (c a float32/64 constant at most -1e30)
+
+  exact for scores below 1e22 in magnitude: where ``mask >= c``, ``s + mask`` is either above ``c`` in both
+  forms or rounds to ``c`` plus nothing in both (the spacing of floats near -1e30 is 7e22); where the mask
+  went to -inf (two ``finfo.min`` summed), ``max(-inf, c)`` is ``c`` and so is ``s + c``.
+
+The scores must come from a ``MatMul`` (scaled or not; through the Reshape that unfolds heads folded into the
+batch, for the clamp), so only attention is touched. The single additive
 mask the rewrites leave is what ``_gqa_probe`` measures and what ``MultiHeadAttention`` takes as its bias.
 Built with onnxscript's exported pattern API (``RewriteRuleClassBase``, ``MatchResult.fail``).
 """
@@ -111,6 +120,32 @@ class WhereFillSecondThenAdd(_WhereThenAdd):
     fill_first = False
 
 
+class ClampAfterMask(pattern.RewriteRuleClassBase):
+    def pattern(self, op, scores, mask, floor):
+        return op.Max(op.Add(scores, mask), floor)
+
+    def check(self, context, scores: ir.Value, floor: ir.Value, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        number = _scalar(floor)
+        if number is None or floor.const_value.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            return result.fail("the clamp is not a one-element float32/64 constant", floor)
+        if not number <= _LARGE_NEGATIVE:
+            return result.fail(f"the clamp {number} is not a large negative number", floor)
+        _scores(scores, result, "MatMul", "Mul", "Div", "Reshape")
+        if result and scores.producer().op_type == "Reshape":
+            _scores(scores.producer().inputs[0], result, "MatMul", "Mul", "Div")
+        return result
+
+    def rewrite(self, op, scores, mask, floor, **_):
+        return op.Add(scores, op.Max(mask, floor))
+
+
 rules = pattern.RewriteRuleSet(
-    [DivAfterMask.rule(), MulAfterMask.rule(), WhereFillFirstThenAdd.rule(), WhereFillSecondThenAdd.rule()]
+    [
+        DivAfterMask.rule(),
+        MulAfterMask.rule(),
+        WhereFillFirstThenAdd.rule(),
+        WhereFillSecondThenAdd.rule(),
+        ClampAfterMask.rule(),
+    ]
 )

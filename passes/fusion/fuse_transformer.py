@@ -96,7 +96,7 @@ from passes.fusion import _rms_norm as rms_norm
 from passes.fusion import _slice_dims as slice_dims
 from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion import _where_mask as where_mask
-from passes.fusion._batched_heads import fold_static_sizes, unfold_batched_heads
+from passes.fusion._batched_heads import fold_static_sizes, softmax_before_fold, unfold_batched_heads
 from passes.fusion._einsum_matmul import einsum_to_matmul
 from passes.fusion._identity_reshape import drop_identity_reshapes
 from passes.fusion._qkv_packing import pack_qkv
@@ -513,6 +513,7 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["einsum_matmuls"] = einsum_to_matmul(model)  # attention written with torch.einsum (CvT)
     report["norm_flattens_sunk"] = sink_flatten_below_norm(model)
     report["norm_biases_zeroed"] = zero_norm_biases(model)
+    report["softmax_unfolded"] = softmax_before_fold(model)  # a Softmax on folded heads: after it, the folds go
     report["bmm_unfolded"] = unfold_batched_heads(model)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
     report["where_masks"] = where_mask.rules.apply_to_model(model)

@@ -1,4 +1,4 @@
-"""What the held-out decoder tests share: a cached export through ``fast`` up to fuse_gqa, and a greedy decode
+"""What the held-out decoder tests share: a cached export through ``fast`` up to a pass, and a greedy decode
 of the fused graph beside the export on a growing cache."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from tests.models.build_decoders import Signature, decoder_feeds, presents_as_pa
 from tests.passes._util import session
 
 
-def fast_upto_fuse_gqa(path: Path) -> tuple[ir.Model, dict[str, int]]:
-    """The model after the fast preset's passes up to and including fuse_gqa (padding_elimination left out),
+def fast_upto(path: Path, through: str = "fuse_gqa") -> tuple[ir.Model, dict[str, int]]:
+    """The model after the fast preset's passes up to and including ``through`` (padding_elimination left out),
     and their counts as ``"pass.count"``, summed over a pass's runs (constant_folding runs twice)."""
     model = ir.load(path)
     specs = registry.PRESETS["fast"].specs
-    upto = [s for s in specs[: [s.name for s in specs].index("fuse_gqa") + 1] if s.name != "padding_elimination"]
+    upto = [s for s in specs[: [s.name for s in specs].index(through) + 1] if s.name != "padding_elimination"]
     counts: dict[str, int] = {}
     for p in registry.build_passes(upto):
         result = p(model, PassContext())

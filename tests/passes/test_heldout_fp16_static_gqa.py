@@ -21,7 +21,7 @@ from core.config import HALF_PRECISION_FLOOR
 from passes._infra import op_histogram
 from tests.models.build_decoders import Signature, decoder_feeds, presents_as_past
 from tests.numerics import reference_session, run_named
-from tests.passes._decoder_replay import fast_upto_fuse_gqa
+from tests.passes._decoder_replay import fast_upto
 
 HELDOUT = Path(__file__).resolve().parent.parent / "models" / "heldout"
 FP16 = HELDOUT / "llama_past_ts_fp16.onnx"
@@ -31,7 +31,7 @@ TOL = HALF_PRECISION_FLOOR["float16"]
 
 def through_fuse_gqa(path: Path) -> tuple[ir.Model, dict[str, int]]:
     """The model after the fast preset's passes up to and including fuse_gqa, and fuse_gqa's counts."""
-    model, counts = fast_upto_fuse_gqa(path)
+    model, counts = fast_upto(path)
     return model, {key.split(".", 1)[1]: n for key, n in counts.items() if key.startswith("fuse_gqa.")}
 
 

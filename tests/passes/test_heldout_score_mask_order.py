@@ -20,7 +20,7 @@ import onnx_ir as ir
 import pytest
 
 from passes._infra import op_histogram
-from tests.passes._decoder_replay import assert_decodes_like_export, fast_upto_fuse_gqa
+from tests.passes._decoder_replay import assert_decodes_like_export, fast_upto
 
 HELDOUT = Path(__file__).resolve().parent.parent / "models" / "heldout"
 LAYERS = 2
@@ -30,7 +30,7 @@ CASES = {"gpt_neo_past_ts": 1.0, "codegen_past_dynamo": 8**-0.5}
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def fused(request) -> tuple[str, ir.Model, dict[str, int]]:
-    return request.param, *fast_upto_fuse_gqa(HELDOUT / f"{request.param}.onnx")
+    return request.param, *fast_upto(HELDOUT / f"{request.param}.onnx")
 
 
 def test_every_layer_becomes_group_query_attention_with_the_models_scale(fused) -> None:

@@ -18,7 +18,7 @@ import onnx_ir as ir
 import pytest
 
 from passes._infra import op_histogram
-from tests.passes._decoder_replay import assert_decodes_like_export, fast_upto_fuse_gqa
+from tests.passes._decoder_replay import assert_decodes_like_export, fast_upto
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "heldout" / "falcon_past_ts_sdpa.onnx"
 LAYERS = 2
@@ -26,7 +26,7 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def fused() -> tuple[ir.Model, dict[str, int]]:
-    return fast_upto_fuse_gqa(MODEL)
+    return fast_upto(MODEL)
 
 
 def test_sdpa_scale_folds_and_every_layer_becomes_group_query_attention(fused) -> None:
