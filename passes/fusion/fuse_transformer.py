@@ -690,6 +690,9 @@ def gemm_to_matmul(model: ir.Model) -> int:
         if int(np.prod(rest)) != k:
             continue
         sites.append((gemm, unflat, x, weight, k))
+    # One transposed copy per weight: an exporter stores a tensor once however many layers read it (the clones
+    # nn.TransformerEncoder makes of one layer start out equal, and the dynamo exporter shares them).
+    transposed: dict[int, ir.Value] = {}
     for gemm, unflat, source, table, k in sites:
         prefix = gemm.name or "gemm"
         nodes = []
@@ -700,9 +703,14 @@ def gemm_to_matmul(model: ir.Model) -> int:
             nodes += [shape, x3]
             x = x3.outputs[0]
         if gemm.attributes.get_int("transB", 0):
-            w = ir.tensor(weight.const_value.numpy().T.copy(), name=f"{weight.name}_t")
-            weight = ir.Value(name=f"{weight.name}_t", const_value=w, shape=w.shape, type=ir.TensorType(w.dtype))
-            model.graph.register_initializer(weight)
+            if id(table) not in transposed:
+                name = f"{table.name}_t"
+                while name in model.graph.initializers:
+                    name += "_"
+                w = ir.tensor(table.const_value.numpy().T.copy(), name=name)
+                transposed[id(table)] = ir.Value(name=name, const_value=w, shape=w.shape, type=ir.TensorType(w.dtype))
+                model.graph.register_initializer(transposed[id(table)])
+            weight = transposed[id(table)]
         matmul = ir.node("MatMul", [x, weight], name=f"{prefix}/matmul")
         nodes.append(matmul)
         out = matmul.outputs[0]
