@@ -142,6 +142,13 @@ SPECS: dict[str, Spec] = {
             note="character hashes, downsampling conv, local transformer",
         ),
         Spec("data2vec_text", "Data2VecTextConfig", "Data2VecTextModel", "text", _T2, _BERT, _NO_POOL),
+        # round 3 (stop 31)
+        Spec("camembert", "CamembertConfig", "CamembertModel", "text", _T2, _BERT, _NO_POOL),
+        Spec("megatron_bert", "MegatronBertConfig", "MegatronBertModel", "text", _T3, _BERT, _NO_POOL, note="pre-norm"),
+        Spec("bert_generation", "BertGenerationConfig", "BertGenerationEncoder", "text", _T2, _BERT),
+        Spec("chinese_clip_text", "ChineseCLIPTextConfig", "ChineseCLIPTextModel", "text", _T3, _BERT, _NO_POOL),
+        Spec("clap_text", "ClapTextConfig", "ClapTextModel", "text", _T2, _BERT, _NO_POOL),
+        Spec("altclip_text", "AltCLIPTextConfig", "AltCLIPTextModel", "text", _T2, _BERT),
         Spec(
             "xmod",
             "XmodConfig",
@@ -310,6 +317,18 @@ SPECS: dict[str, Spec] = {
             note="register tokens",
         ),
         Spec("vit_msn", "ViTMSNConfig", "ViTMSNModel", "image", _PIX, _VIT),
+        # round 3 (stop 31): towers and BERT variants of models no probe had
+        Spec("owlvit_vision", "OwlViTVisionConfig", "OwlViTVisionModel", "image", _PIX, _VIT, note="OWL-ViT's tower"),
+        Spec("blip_vision", "BlipVisionConfig", "BlipVisionModel", "image", _PIX, _VIT, note="BLIP's tower"),
+        Spec(
+            "chinese_clip_vision",
+            "ChineseCLIPVisionConfig",
+            "ChineseCLIPVisionModel",
+            "image",
+            _PIX,
+            _VIT,
+            note="Chinese-CLIP's tower",
+        ),
         Spec(
             "siglip_vision",
             "SiglipVisionConfig",
