@@ -162,7 +162,14 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     # the SDPA rule reads in 4-D only, straight to MultiHeadAttention (_heads_3d); constants are folded by now.
     counts["folded_heads_mha"] = 0 if "sdpa" in cut else settled(heads_3d.fuse_folded_heads(model))
     fuse("sdpa", shape_inference=True)
+    # onnxscript's GQA rewrite computes seqlens_k as the row maximum of the RotaryEmbedding's [batch, sequence]
+    # position_ids; fuse_rotary gives a rotation whose table is cut to the sequence the kernel's one-element
+    # start instead, on which that ReduceMax is invalid (the candidate failed to load): MultiHeadAttention there.
+    starts = _rotary_from_start(model)
     for step in ("gqa", "packed_qkv_for_gqa", "mha1", "mha2", "mha_scale"):
+        if starts and step in ("gqa", "packed_qkv_for_gqa"):
+            counts[step] = 0
+            continue
         fuse(step)
     # Ours: TorchScript's Add(bias, MatMul), which the mha_bias rule reads in the other order only.
     counts["projection_biases_turned"] = mha_bias_order.put_projection_biases_last(model)
@@ -195,6 +202,16 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     # Ours: sdpa_via_mha transposes a [B, N, T, H] cache to [B, T, N*H]; MultiHeadAttention reads it as it is.
     counts["heads_first_kv"] = mha_kv_layout.read_heads_first_kv(model)
     return counts
+
+
+def _rotary_from_start(model: ir.Model) -> bool:
+    """Whether a RotaryEmbedding reads a one-element start (rows 0..S-1) instead of [batch, sequence] positions."""
+    for node in model.graph:
+        if node.op_type == "RotaryEmbedding" and node.domain == "com.microsoft" and len(node.inputs) > 1:
+            positions = node.inputs[1]
+            if positions is not None and positions.shape is not None and len(positions.shape) == 1:
+                return True
+    return False
 
 
 def closest_match(model: ir.Model, step: str) -> str:

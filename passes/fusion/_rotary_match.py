@@ -9,6 +9,9 @@ transformers' ``apply_rotary_pos_emb`` (Llama, Qwen2, Mistral, Phi-3, Gemma...) 
           | Transpose(MatMul([Expand] inv_freq[None, :, None], Cast(Unsqueeze(position_ids, 1))), [0, 2, 1])
     or  c = Gather(cos_cached, position_ids)        (older models: a folded cos/sin table, [max_pos, rotary_dim])
         position_ids: a [batch, sequence] input, or the model's own 1-D arange unsqueezed on [0, -1] (shared)
+    or  cos = Slice(cos_cached, 0:S, axis -2)          (code written without transformers: a constant table
+                                                        [max_pos, rotary_dim], or [1, 1, max_pos, rotary_dim],
+                                                        cut to the sequence and broadcast; no positions at all)
 
     rotated = Add(Mul(x, cos), Mul(Concat(Neg(Slice(x, h:)), Slice(x, :h), axis=-1), sin))     h = rotary_dim / 2
 
@@ -51,11 +54,12 @@ class CosSin:
     """Where one cos or sin factor comes from."""
 
     kind: Literal["inv_freq", "table"]
-    positions: ir.Value  # int64 [batch, sequence], or [sequence] where shared
+    positions: ir.Value | None  # int64 [batch, sequence], [sequence] where shared; None: rows 0..S-1 of a table
     values: np.ndarray  # inv_freq [rotary_dim/2], or the folded table's first half [max_positions, rotary_dim/2]
     scale: float  # attention_scaling (1 for default rope)
     nodes: tuple[ir.Node, ...]
     shared: bool = False  # 1-D positions the whole batch shares (the model's own arange)
+    rows: ir.Value | None = None  # without positions: the table cut to the sequence (its rows must be x's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +176,44 @@ def _angles(emb: ir.Value | None, nodes: list[ir.Node]) -> tuple[tuple[ir.Value,
     return _positions(matmul.inputs[1], (1,), nodes), inv.astype(np.float32).reshape(-1)
 
 
+def _sliced_table(value: ir.Value | None, op: str) -> CosSin | None:
+    """``[Cast] Slice(table, 0:S, axis -2)`` of a constant table whose leading dims are 1 (``[P, D]``, ``[1, 1, P,
+    D]``): rows 0..S-1 for every sequence, broadcast over the batch and heads. None when it is not that form."""
+    nodes: list[ir.Node] = []
+    cast = _producer(value, "Cast")
+    if cast is not None:
+        nodes.append(cast)
+        value = cast.inputs[0]
+    sliced = _producer(value, "Slice")
+    if sliced is None or len(sliced.inputs) < 4:
+        return None
+    table = const(sliced.inputs[0])
+    if table is None or table.ndim < 2 or any(d != 1 for d in table.shape[:-2]) or table.dtype.kind != "f":
+        return None
+    starts, axes = const(sliced.inputs[1]), const(sliced.inputs[3])
+    steps = const(sliced.inputs[4]) if len(sliced.inputs) > 4 and sliced.inputs[4] is not None else np.ones(1)
+    if starts is None or axes is None or starts.size != 1 or axes.size != 1 or steps.size != 1:
+        return None
+    axis = int(axes.reshape(-1)[0])
+    if int(starts.reshape(-1)[0]) != 0 or int(steps.reshape(-1)[0]) != 1 or axis % table.ndim != table.ndim - 2:
+        return None
+    rows = table.reshape(table.shape[-2:])
+    if rows.shape[1] % 2:
+        return None
+    half = rows.shape[1] // 2
+    if not np.array_equal(rows[:, :half], rows[:, half:]):
+        raise Declined(f"the {op.lower()} table's halves differ (not the rotate_half layout)")
+    nodes.append(sliced)
+    return CosSin("table", None, rows[:, :half].astype(np.float32), 1.0, tuple(nodes), rows=sliced.outputs[0])
+
+
 def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
     """Trace one factor of the rotation back to its angle or its folded table."""
     nodes: list[ir.Node] = []
     unsqueeze = _producer(value, "Unsqueeze")
     if unsqueeze is None or axes_of(unsqueeze) != [1]:
+        if (table := _sliced_table(value, op)) is not None:
+            return table
         raise Declined(f"{op.lower()} is not unsqueezed on the heads axis 1 (not the BNSH layout)")
     nodes.append(unsqueeze)
     v, scale = unsqueeze.inputs[0], 1.0
@@ -217,6 +254,17 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
     if positions.shape is not None and len(positions.shape) != 2:
         raise Declined(f"positions {positions.name} have rank {len(positions.shape)}, not [batch, sequence]")
     return CosSin("table", positions, table[:, :half].astype(np.float32), scale, tuple(nodes))
+
+
+def _rows_of_sequence(rows: ir.Value | None, x: ir.Value) -> bool:
+    """Whether the table cut to ``rows`` has as many rows as ``x`` [B, N, S, D] has positions: the same symbol
+    or number (a cut of another length would broadcast one row over the sequence, or fail)."""
+    if rows is None or rows.shape is None or x.shape is None or len(x.shape) != 4:
+        return False
+    length, sequence = rows.shape[-2], x.shape[2]
+    if isinstance(length, int) or isinstance(sequence, int):
+        return length == sequence and length != 1
+    return length.value is not None and length == sequence
 
 
 def _num_heads(q: ir.Value) -> int | None:
@@ -268,11 +316,11 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
     if x.dtype is not None and x.dtype not in _FLOATS:
         raise Declined(f"{x.name} is {x.dtype}; RotaryEmbedding takes float or float16")
     rotary_dim = 2 * cos.values.shape[-1]
-    hints = {
-        x: (np.nan, np.nan, np.nan, float(rotary_dim)),
-        cos_value: (np.nan, np.nan, np.nan, float(rotary_dim)),
-        cos_value.producer().inputs[0]: (np.nan, np.nan, float(rotary_dim)),  # type: ignore[union-attr]
-    }
+    if cos.positions is None and not _rows_of_sequence(cos.rows, x):
+        raise Declined("the cos table is cut to a length not proven to be the sequence's")
+    hints = {x: (np.nan, np.nan, np.nan, float(rotary_dim)), cos_value: (np.nan, np.nan, np.nan, float(rotary_dim))}
+    if cos.positions is not None:
+        hints[cos_value.producer().inputs[0]] = (np.nan, np.nan, float(rotary_dim))  # type: ignore[union-attr]
     half = rotary_dim // 2
     lo, hi = _slice(first, hints), _slice(second, hints)
     if lo is None or hi is None or lo[1:] != (0, half) or hi[1] != half or (hi[2] or 0) < rotary_dim:

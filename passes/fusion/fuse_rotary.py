@@ -35,6 +35,7 @@ names, per layer, every rotate-half candidate that did not fuse and why.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,7 @@ class FuseRotary(Pass[FuseRotaryOptions]):
             counts = {"rms_norms_divided": norms} if norms else {}
             declined += [] if declined else _unexplained_trig(graph)
             return PassResult(model, bool(norms), counts, declined, notes={"decoder": structure})
+        matches = [_from_start(graph, m) for m in matches]
         layers = sorted({layer for m in matches if (layer := layer_of(m.anchor)) is not None})
         caches: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
         for found in matches:
@@ -211,6 +213,15 @@ def _proven_tables(
         sin = CosSin("table", positions, proof.sin, 1.0, (), shared)
         tables.append((found, proof, cos, sin))
     return tables
+
+
+def _from_start(graph: ir.Graph, found: RotaryMatch) -> RotaryMatch:
+    """A rotation whose table is cut to the sequence (no positions) reads rows 0..S-1: the kernel's start of 0."""
+    if found.cos.positions is not None:
+        return found
+    start = _position_start(graph)
+    cos, sin = (dataclasses.replace(f, positions=start) for f in (found.cos, found.sin))
+    return dataclasses.replace(found, cos=cos, sin=sin)
 
 
 def _position_start(graph: ir.Graph) -> ir.Value:

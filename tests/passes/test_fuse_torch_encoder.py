@@ -2,7 +2,7 @@
 fuses both attentions. Two things had stopped it: the family (no transformers embedding layout: "family
 unknown", nothing tried) and the shared projection weights (both cloned layers read one stored tensor, and the
 Gemm rewrite registered its transpose once per reader: "Initializer ... is already registered", every
-candidate rejected). ``tests/models/build_heldout_torch_encoder.py`` builds the models."""
+candidate rejected). ``tests/models/build_heldout_own_models.py`` builds the models."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 from passes._infra import op_histogram
 from passes.fusion import fuse_transformer as ft
 from passes.fusion.fuse_transformer import FuseTransformer, gemm_to_matmul
-from tests.models.build_heldout_torch_encoder import feeds
+from tests.models.build_heldout_own_models import feeds
 from tests.passes._decoder_replay import fast_upto
 from tests.passes._util import session
 
