@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from core.inputs import analyze
 from passes.fusion._rotary_cache import rope_theta
-from passes.fusion._rotary_eval import const, heads_of_split, ints_attr
+from passes.fusion._rotary_eval import const, heads_of_split, int_attr, ints_attr
 from passes.fusion._rotary_match import RotaryMatch
 
 _INTEGERS = (ir.DataType.INT64, ir.DataType.INT32)
@@ -371,7 +371,7 @@ def _lm_head_width(graph: ir.Graph) -> int | None:
     weight = const(node.inputs[1])
     if weight is None or weight.ndim != 2:
         return None
-    transposed = node.op_type == "Gemm" and ints_attr(node, "transB") == 1
+    transposed = node.op_type == "Gemm" and int_attr(node, "transB", 0) == 1
     return int(weight.shape[0] if transposed else weight.shape[1])
 
 

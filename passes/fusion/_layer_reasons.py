@@ -85,6 +85,12 @@ def layer_reasons(
         blocked = attempt.describe() if attempt else "no rule got past its first node here"
         head = f"{kind} layer {layer} ({family}, node {anchor.name})"
         reason = f"{group}: {head}: expected {EXPECTED[group]}; found {found[:_FOUND_CHARS]}; {blocked}"
+        if group == "attention" and _one_query_row(anchor):
+            reason = (
+                f"attention: {head}: its queries are one row (a slice of the output, the CLS token's, moved up "
+                "into the block by upstream_slice): the scores of that row alone, unfused, are less work than a "
+                "fused kernel over every query"
+            )
         if rejected:
             reason += f"; and no candidate was applied: {rejected}"
         reasons.append(NonMatch(reason, node=anchor.name, op_type=anchor.op_type))
@@ -107,6 +113,26 @@ def _rejected_sites(model: ir.Model, original: ir.Model, family: str, groups: se
             reason = f"{group}: {head}: fused by the onnxscript candidate, which was not applied: {why}"
             reasons.append(NonMatch(reason, node=node.name, op_type=node.op_type))
     return reasons
+
+
+def _one_query_row(softmax: ir.Node) -> bool:
+    """Scores of a single query: the Softmax reads (through a scale or mask) the ``Squeeze`` of a product whose
+    query axis is 1 long, which ``upstream_slice`` leaves where it moved a scalar slice across the product."""
+    value = softmax.inputs[0]
+    for _ in range(4):
+        node = value.producer() if value is not None else None
+        if node is None or node.domain not in _ONNX:
+            return False
+        if node.op_type == "Squeeze":
+            product = node.inputs[0].producer() if node.inputs[0] is not None else None
+            if product is None or product.op_type not in ("MatMul", "FusedMatMul") or product.inputs[0] is None:
+                return False  # FusedMatMul: ORT's optimizer took k's Transpose in (the fused candidate)
+            query = product.inputs[0].shape
+            return query is not None and len(query) >= 2 and query[-2] == 1
+        if node.op_type not in ("Mul", "Div", "Add", "Cast", "Where"):
+            return False
+        value = node.inputs[0]
+    return False
 
 
 def _groups_of(node: ir.Node) -> list[str]:

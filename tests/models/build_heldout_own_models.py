@@ -15,6 +15,9 @@ Run ``python -m tests.models.build_heldout_own_models`` (needs torch); the .onnx
   ``F.scaled_dot_product_attention``): ``input_ids -> logits``; rotary from ``cos``/``sin`` buffers
   ``[1, 1, 128, 8]`` cut to the sequence (``self.cos[:, :, :T]``), no position_ids anywhere. (TorchScript
   cannot export ``nn.RMSNorm`` at opset 17.)
+* ``own_vit_dynamo.onnx``: a timm-style ViT (2 blocks, hidden 32, 4 heads, 8-pixel patches of a 32 px image: 16
+  patches and a CLS token; ``qkv(x).reshape(B, N, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)``, eager attention
+  with q scaled first, a linear head on the CLS token): ``pixel_values -> logits [B, 10]``.
 """
 
 from __future__ import annotations
@@ -185,6 +188,73 @@ def build_llama() -> Path:
     return path
 
 
+def vit_feeds(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"pixel_values": np.random.default_rng(seed).standard_normal((batch, 3, 32, 32)).astype(np.float32)}
+
+
+def build_vit() -> Path:
+    import onnxruntime as ort
+    import torch
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads, self.head = 4, 8
+            self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, n, c = x.shape
+            q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head).permute(2, 0, 3, 1, 4).unbind(0)
+            attention = ((q * self.head**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1)
+            return self.proj((attention @ v).transpose(1, 2).reshape(b, n, c))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(32, eps=1e-6), nn.LayerNorm(32, eps=1e-6)
+            self.attention = Attention()
+            self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attention(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+    class ViT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patch = nn.Conv2d(3, 32, 8, 8)
+            self.cls = nn.Parameter(torch.randn(1, 1, 32) * 0.02)
+            self.positions = nn.Parameter(torch.randn(1, 17, 32) * 0.02)
+            self.blocks = nn.Sequential(Block(), Block())
+            self.norm, self.head = nn.LayerNorm(32, eps=1e-6), nn.Linear(32, 10)
+
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            x = self.patch(pixel_values).flatten(2).transpose(1, 2)
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.positions
+            return self.head(self.norm(self.blocks(x))[:, 0])
+
+    torch.manual_seed(0)
+    module = ViT().eval()
+    args = (torch.from_numpy(vit_feeds(2)["pixel_values"]),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, args, input_names=["pixel_values"], output_names=["logits"],
+            dynamic_shapes=({0: torch.export.Dim("batch")},), opset_version=18, dynamo=True, optimize=True,
+            verbose=False,
+        )  # fmt: skip
+    path = DIR / "own_vit_dynamo.onnx"
+    onnx.save(_strip(program.model_proto, {"source": "tests/models/build_heldout_own_models.py"}), str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for b in (1, 3):
+        x = vit_feeds(b, seed=b)
+        with torch.no_grad():
+            want = module(torch.from_numpy(x["pixel_values"])).numpy()
+        np.testing.assert_allclose(session.run(None, x)[0], want, rtol=1e-4, atol=1e-5)
+    return path
+
+
 if __name__ == "__main__":
-    for built in [*build(), build_llama()]:
+    for built in [*build(), build_llama(), build_vit()]:
         print(built, built.stat().st_size, "bytes")
