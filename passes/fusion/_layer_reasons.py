@@ -85,7 +85,12 @@ def layer_reasons(
         blocked = attempt.describe() if attempt else "no rule got past its first node here"
         head = f"{kind} layer {layer} ({family}, node {anchor.name})"
         reason = f"{group}: {head}: expected {EXPECTED[group]}; found {found[:_FOUND_CHARS]}; {blocked}"
-        if group == "attention" and _one_query_row(anchor):
+        if group == "attention" and (shown := _probabilities_shown(anchor)) is not None:
+            reason = (
+                f"attention: {head}: its probabilities are the model's output {shown!r} (output_attentions): a "
+                "fused attention kernel does not return them, so this layer stays unfused"
+            )
+        elif group == "attention" and _one_query_row(anchor):
             reason = (
                 f"attention: {head}: its queries are one row (a slice of the output, the CLS token's, moved up "
                 "into the block by upstream_slice): the scores of that row alone, unfused, are less work than a "
@@ -113,6 +118,19 @@ def _rejected_sites(model: ir.Model, original: ir.Model, family: str, groups: se
             reason = f"{group}: {head}: fused by the onnxscript candidate, which was not applied: {why}"
             reasons.append(NonMatch(reason, node=node.name, op_type=node.op_type))
     return reasons
+
+
+def _probabilities_shown(softmax: ir.Node) -> str | None:
+    """The graph output the Softmax's probabilities are (directly or through Cast/Identity/Dropout), if any."""
+    value = softmax.outputs[0]
+    for _ in range(3):
+        if value.is_graph_output():
+            return value.name
+        readers = [u.node for u in value.uses() if u.node.op_type in ("Cast", "Identity", "Dropout")]
+        if len(readers) != 1:
+            return None
+        value = readers[0].outputs[0]
+    return None
 
 
 def _one_query_row(softmax: ir.Node) -> bool:

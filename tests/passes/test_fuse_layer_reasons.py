@@ -12,6 +12,7 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 import pytest
+from onnx_ir.passes.common import ShapeInferencePass
 
 from passes._infra import op_histogram
 from passes.fusion import fuse_transformer
@@ -108,3 +109,25 @@ def test_missing_names_symbolic_shape_inference_when_it_refused_the_graph(symbol
     assert missing["attention"].startswith("expected 2, achieved 0; closest onnxscript sdpa match")
     named = f"; heads dims unresolved, ORT symbolic shape inference {symbolic}" in missing["attention"]
     assert named is symbolic.startswith("skipped")
+
+
+def test_layer_whose_probabilities_are_a_model_output_is_named_with_that_reason():
+    # setup: layer 0's attention probabilities also returned by the model (output_attentions=True)
+    model = ir.load(MODELS / "ts_bert_eager.onnx")
+    ShapeInferencePass()(model)  # an exporter declares its outputs' type and shape
+    softmax = next(n for n in model.graph if n.op_type == "Softmax")
+    softmax.outputs[0].name = "attentions.0"
+    model.graph.outputs.append(softmax.outputs[0])
+    original = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    fuse_transformer._LAST.clear()
+    # execute
+    result = FuseTransformer({"pack_qkv": True})(model)
+    # assert
+    assert result.counts["fused_attention"] == 1  # the other layer still fuses
+    (reason,) = [m.reason for m in result.non_matches if m.node == softmax.name]
+    assert "its probabilities are the model's output 'attentions.0'" in reason
+    reference, candidate = session(original), session(result.model)
+    ids, mask = inputs(3, 37, seed=37)
+    for want, got in zip(reference.run(None, {"input_ids": ids, "attention_mask": mask}),
+                         candidate.run(None, {"input_ids": ids, "attention_mask": mask}), strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
