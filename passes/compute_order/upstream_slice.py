@@ -68,7 +68,7 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import drop_orphans, node_label, take_graph_output
+from passes._match import const_ints, drop_orphans, node_label, take_graph_output
 from passes.cleanup.shape_inference import ensure_shapes
 from passes.compute_order._upstream_rules import (
     Dim,
@@ -299,11 +299,6 @@ class _Rewriter:
         return copies
 
 
-def _const_ints(value: ir.Value | None) -> list[int] | None:
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
-    return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
-
-
 def _conv_crop(node: ir.Node) -> tuple[ir.Node, list[int]] | None:
     """The Conv whose trailing output ``node`` (a Slice) crops, and the Conv's pads with the crop taken in."""
     if node.op_type != "Slice" or node.domain not in _ONNX or len(node.inputs) < 4:
@@ -314,8 +309,8 @@ def _conv_crop(node: ir.Node) -> tuple[ir.Node, list[int]] | None:
         return None
     if len(list(data.uses())) != 1 or data.shape is None:
         return None
-    starts, ends, axes = (_const_ints(node.inputs[i]) for i in (1, 2, 3))
-    steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+    starts, ends, axes = (const_ints(node.inputs[i]) for i in (1, 2, 3))
+    steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
     if starts != [0] or steps != [1] or ends is None or len(ends) != 1 or axes is None or len(axes) != 1:
         return None
     rank = len(data.shape)

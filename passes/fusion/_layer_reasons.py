@@ -77,25 +77,18 @@ def layer_reasons(
     for group, anchor in sites:
         label, layer = order.get((anchor.op_type, anchor.name), (None, "?"))
         kind = label or {"attention": "attention", "skip_layer_norm": "residual norm", "gelu": "GELU"}[group]
-        attempt = _closest(anchor, traced[group], _ROOT_DEPTH.get(anchor.op_type, 4))
-        if group == "gelu":
-            found = describe(_gelu_root(anchor).outputs[0])
-        else:
-            found = f"{anchor.op_type}({describe(anchor.inputs[0])})"
-        blocked = attempt.describe() if attempt else "no rule got past its first node here"
         head = f"{kind} layer {layer} ({family}, node {anchor.name})"
-        reason = f"{group}: {head}: expected {EXPECTED[group]}; found {found[:_FOUND_CHARS]}; {blocked}"
-        if group == "attention" and (shown := _probabilities_shown(anchor)) is not None:
-            reason = (
-                f"attention: {head}: its probabilities are the model's output {shown!r} (output_attentions): a "
-                "fused attention kernel does not return them, so this layer stays unfused"
-            )
-        elif group == "attention" and _one_query_row(anchor):
-            reason = (
-                f"attention: {head}: its queries are one row (a slice of the output, the CLS token's, moved up "
-                "into the block by upstream_slice): the scores of that row alone, unfused, are less work than a "
-                "fused kernel over every query"
-            )
+        known = _attention_left_by_design(anchor) if group == "attention" else None
+        if known is not None:
+            reason = f"attention: {head}: {known}"
+        else:
+            attempt = _closest(anchor, traced[group], _ROOT_DEPTH.get(anchor.op_type, 4))
+            if group == "gelu":
+                found = describe(_gelu_root(anchor).outputs[0])
+            else:
+                found = f"{anchor.op_type}({describe(anchor.inputs[0])})"
+            blocked = attempt.describe() if attempt else "no rule got past its first node here"
+            reason = f"{group}: {head}: expected {EXPECTED[group]}; found {found[:_FOUND_CHARS]}; {blocked}"
         if rejected:
             reason += f"; and no candidate was applied: {rejected}"
         reasons.append(NonMatch(reason, node=anchor.name, op_type=anchor.op_type))
@@ -118,6 +111,22 @@ def _rejected_sites(model: ir.Model, original: ir.Model, family: str, groups: se
             reason = f"{group}: {head}: fused by the onnxscript candidate, which was not applied: {why}"
             reasons.append(NonMatch(reason, node=node.name, op_type=node.op_type))
     return reasons
+
+
+def _attention_left_by_design(softmax: ir.Node) -> str | None:
+    """Why an attention cannot or should not fuse whatever the rules match, when the graph says so; else None."""
+    if (shown := _probabilities_shown(softmax)) is not None:
+        return (
+            f"its probabilities are the model's output {shown!r} (output_attentions): a fused attention kernel "
+            "does not return them, so this layer stays unfused"
+        )
+    if _one_query_row(softmax):
+        return (
+            "its queries are one row (a slice of the output, the CLS token's, moved up into the block by "
+            "upstream_slice): the scores of that row alone, unfused, are less work than a fused kernel over "
+            "every query"
+        )
+    return None
 
 
 def _probabilities_shown(softmax: ir.Node) -> str | None:

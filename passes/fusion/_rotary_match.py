@@ -190,12 +190,9 @@ def _sliced_table(value: ir.Value | None, op: str) -> CosSin | None:
     table = const(sliced.inputs[0])
     if table is None or table.ndim < 2 or any(d != 1 for d in table.shape[:-2]) or table.dtype.kind != "f":
         return None
-    starts, axes = const(sliced.inputs[1]), const(sliced.inputs[3])
-    steps = const(sliced.inputs[4]) if len(sliced.inputs) > 4 and sliced.inputs[4] is not None else np.ones(1)
-    if starts is None or axes is None or starts.size != 1 or axes.size != 1 or steps.size != 1:
-        return None
-    axis = int(axes.reshape(-1)[0])
-    if int(starts.reshape(-1)[0]) != 0 or int(steps.reshape(-1)[0]) != 1 or axis % table.ndim != table.ndim - 2:
+    start, axis = one_int(sliced.inputs[1], {}), one_int(sliced.inputs[3], {})
+    step = one_int(sliced.inputs[4], {}) if len(sliced.inputs) > 4 and sliced.inputs[4] is not None else 1
+    if start != 0 or step != 1 or axis is None or axis % table.ndim != table.ndim - 2:
         return None
     rows = table.reshape(table.shape[-2:])
     if rows.shape[1] % 2:

@@ -42,11 +42,8 @@ def test_cls_row_attention_is_left_unfused_with_its_reason_and_the_rest_fuses() 
 
 def test_report_names_the_one_query_row_as_the_reason() -> None:
     ft._LAST.clear()
-    model = ir.load(MODEL)
-    specs = registry.PRESETS["fast"].specs
-    upto = specs[: [s.name for s in specs].index("fuse_transformer")]
-    for p in registry.build_passes([s for s in upto if s.name != "padding_elimination"]):
-        model = p(model, PassContext()).model
-    result = registry.build_passes([specs[len(upto)]])[0](model, PassContext())
+    model, _ = fast_upto(MODEL, through="fuse_gqa")  # fast's next pass is fuse_transformer, with its options
+    (fuse,) = registry.build_passes([s for s in registry.PRESETS["fast"].specs if s.name == "fuse_transformer"])
+    result = fuse(model, PassContext())
     reasons = [m.reason for m in result.non_matches if m.reason.startswith("attention: attention layer")]
     assert len(reasons) == 1 and "its queries are one row" in reasons[0] and "upstream_slice" in reasons[0]
