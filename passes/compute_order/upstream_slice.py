@@ -355,7 +355,10 @@ def _fold_conv_crops(graph: ir.Graph) -> int:
 
 class UpstreamSlice(Pass[UpstreamSliceOptions]):
     name = "upstream_slice"
-    summary = "Move shrinking Gather/Slice/GatherND above element-wise ops, LayerNorm, Softmax, MatMul, Reshape."
+    summary = (
+        "Move shrinking Gather/Slice/GatherND above element-wise ops, LayerNorm, Softmax, MatMul, Reshape; "
+        "fold a Conv's trailing crop into its padding."
+    )
     exact = True
     in_place = True
 
