@@ -113,6 +113,15 @@ def _rejected_sites(model: ir.Model, original: ir.Model, family: str, groups: se
     return reasons
 
 
+def attention_by_design(model: ir.Model) -> dict[str, str]:
+    """Softmax node name -> why that attention stays unfused by design, for each one the graph explains."""
+    found = {}
+    for node in model.graph:
+        if node.op_type == "Softmax" and node.domain in _ONNX and (why := _attention_left_by_design(node)):
+            found[node.name or ""] = why
+    return found
+
+
 def _attention_left_by_design(softmax: ir.Node) -> str | None:
     """Why an attention cannot or should not fuse whatever the rules match, when the graph says so; else None."""
     if (shown := _probabilities_shown(softmax)) is not None:
