@@ -128,12 +128,29 @@ def guard_fused_attention(model: ir.Model) -> int:
     return added
 
 
+_TYPE_SEARCH_DEPTH = 8
+
+
 def zero_nan_rows(out: ir.Value) -> list[ir.Node]:
     """``Where(IsNaN(out), 0, out)``: the nodes to insert after ``out``'s producer, the last one's output the
     guarded value (same type and shape). Rewiring ``out``'s readers is the caller's."""
-    dtype = out.type.dtype.numpy() if out.type is not None else np.float32
-    zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype))})
+    zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, _float_type(out)))})
     isnan = ir.node("IsNaN", [out])
     where = ir.node("Where", [isnan.outputs[0], zero.outputs[0], out])
     where.outputs[0].shape, where.outputs[0].type = out.shape, out.type
     return [zero, isnan, where]
+
+
+def _float_type(out: ir.Value) -> np.dtype:
+    """The guarded value's element type. A fused op's new output is often untyped, and so are the reshapes a
+    rewrite puts before it: the first typed float value up its data inputs (input 0: the query, whose type the
+    attention returns) gives it. A float32 zero beside a float16 output is a model ORT refuses to load."""
+    value: ir.Value | None = out
+    for _ in range(_TYPE_SEARCH_DEPTH):
+        if value is None:
+            break
+        if value.type is not None and value.type.dtype.is_floating_point():
+            return value.type.dtype.numpy()
+        producer = value.producer()
+        value = producer.inputs[0] if producer is not None and producer.inputs else None
+    return np.dtype(np.float32)
