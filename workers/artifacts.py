@@ -29,7 +29,7 @@ from core.model_files import save_model
 from core.recipe import RECIPE_KEY
 from core.version import __version__
 from passes._infra import Pass
-from workers.model_check import check_model
+from workers.model_check import check_model, sorted_copy, unsorted_nodes
 
 MODEL_FILE = "model.onnx"
 META_PREFIX = "onnxforge."
@@ -57,11 +57,17 @@ def load_checked(path: Path) -> onnx.ModelProto:
         raise InvalidModelError(
             f"the model does not load or check: {type(exc).__name__}: {exc}", code="INVALID_MODEL"
         ) from exc
-    return proto
+    return sorted_copy(proto) if unsorted_nodes(proto) else proto
 
 
 def load_ir(path: Path) -> ir.Model:
-    return ir.serde.deserialize_model(onnx.load(str(path), load_external_data=True))
+    """The model at ``path``, weights inlined, its nodes in topological order (an upload may have them out of
+    order, which ORT accepts: ``workers.model_check``); passes read producers before their readers."""
+    proto = onnx.load(str(path), load_external_data=True)
+    model = ir.serde.deserialize_model(proto)
+    if unsorted_nodes(proto):
+        model.graph.sort()
+    return model
 
 
 def save_ir(model: ir.Model, path: Path) -> list[Path]:
