@@ -52,6 +52,16 @@ class Tolerance(_Strict):
             return self.atol, self.rtol
         return max(self.atol, floor), max(self.rtol, floor)
 
+    def in_precision(self, compute: str | None) -> Tolerance:
+        """This tolerance for a model that computes in ``compute`` ("float16", "bfloat16" or None) whatever
+        its outputs' type: a half-precision model with float32 inputs and outputs (ORT's float16 converter with
+        ``keep_io_types``) has float32 outputs that are only as exact as its float16 arithmetic, so every float
+        output gets the floor of ``compute`` (with ``half_precision_floor``)."""
+        floor = HALF_PRECISION_FLOOR.get(compute or "") if self.half_precision_floor else None
+        if floor is None or (self.atol >= floor and self.rtol >= floor):
+            return self
+        return self.model_copy(update={"atol": max(self.atol, floor), "rtol": max(self.rtol, floor)})
+
 
 # 4 units in the last place (machine epsilon) of each half-precision type: float16 2**-10, bfloat16 2**-7.
 HALF_PRECISION_FLOOR = {"float16": 4 * 2.0**-10, "bfloat16": 4 * 2.0**-7}

@@ -42,6 +42,7 @@ import onnx_ir as ir
 
 from core.config import EXACT_TOLERANCE, JobConfig, Tolerance
 from core.inputs import InputSet, InputSynthesis, load_raw_samples, make_input_sets, serving_input_set
+from core.precision import compute_precision
 from passes._infra import Pass, op_histogram
 from workers import artifacts, auto_search, gate
 from workers import report as report_mod
@@ -232,6 +233,8 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         proto = artifacts.load_checked(source)
         source_external = artifacts.external_files(source)
         resolved = (request.pass_resolver or resolve_passes)(config, settings)
+        # float32 outputs of half-precision arithmetic are compared at that precision's floor (core.precision)
+        resolved.tolerance = resolved.tolerance.in_precision(compute_precision(proto))
         providers_for(config.target)  # a target this worker cannot serve fails before any work
         every = resolved.every()
         if request.input_root is not None:

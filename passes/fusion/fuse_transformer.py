@@ -84,6 +84,7 @@ import onnxruntime as ort
 from pydantic import Field
 
 from core.config import Tolerance
+from core.precision import compute_precision
 from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._subgraphs import in_branches
@@ -486,10 +487,11 @@ def _verify(proto: onnx.ModelProto, feeds, ref_outputs, wanted: list[str], opts:
     if [o.name for o in session.get_outputs()] != wanted:
         raise ValueError("graph outputs changed")
     worst = 0.0
+    tolerance = Tolerance(atol=opts.atol, rtol=opts.rtol).in_precision(compute_precision(proto))
     for sample, expected in zip(feeds, ref_outputs, strict=True):
         got = session.run(None, {k: sample[k] for k in _names(session)})
         for name, ref, out in zip(wanted, expected, got, strict=True):
-            atol, rtol = Tolerance(atol=opts.atol, rtol=opts.rtol).bounds(ref.dtype)
+            atol, rtol = tolerance.bounds(ref.dtype)
             if ref.shape != out.shape or not np.allclose(out, ref, rtol=rtol, atol=atol, equal_nan=True):
                 diff = np.abs(out - ref).max() if ref.shape == out.shape else "shape"
                 raise ValueError(

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.models.build_hf import make_inputs
-from workers.model_check import check_model, shapeless_io
+from workers.model_check import check_model, shapeless_io, unsorted_nodes
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 
@@ -107,3 +107,54 @@ def test_pipeline_optimizes_the_model_when_its_outputs_carry_no_shape(tmp_path):
     assert result.report["verification"]["ok"] is True
     assert any(p["status"] == "applied" for p in result.report["passes"])
     assert not any("does not load or check" in str(p.get("reason")) for p in result.report["passes"])
+
+
+def _reversed_nodes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    nodes = list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(reversed(nodes))
+    return proto
+
+
+def test_check_model_accepts_nodes_out_of_topological_order_and_refuses_a_value_nothing_gives(tmp_path):
+    """ORT sorts a graph on load; ONNX requires the nodes in order. Out of order is waived, a node reading a
+    value that no input, initializer or node gives is still refused."""
+    path = _save(_reversed_nodes(_matmul_relu(y_shape=["batch", 3])), tmp_path / "model.onnx")
+    assert unsorted_nodes(onnx.load(str(path))) == 1
+    with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
+        onnx.checker.check_model(str(path))
+    before = path.read_bytes()
+    check_model(path)
+    assert path.read_bytes() == before
+    dangling = _matmul_relu(y_shape=["batch", 3])
+    dangling.graph.node[1].input[0] = "nothing_gives_this"
+    with pytest.raises(onnx.checker.ValidationError, match="nothing_gives_this"):
+        check_model(_save(dangling, tmp_path / "dangling.onnx"))
+
+
+def test_pipeline_optimizes_a_float16_conversion_whose_input_casts_come_last(tmp_path):
+    """ORT's float16 converter with ``keep_io_types=True`` appends the graph inputs' Casts after the nodes that
+    read them: the job was refused ("Nodes in a graph must be topologically sorted"); ORT runs that file. The
+    engine now sorts the graph it works on, and the passes and the verification run."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from core.config import JobConfig
+    from core.settings import PipelineSettings
+    from workers.pipeline import PipelineRequest, run_pipeline
+
+    proto = onnx.load(str(MODELS / "corpus" / "vit_dynamo.onnx"))
+    converted = convert_float_to_float16(proto, keep_io_types=True)
+    assert unsorted_nodes(converted) > 0  # the converter's own output, unchanged
+    path = _save(converted, tmp_path / "model.onnx")
+    settings = PipelineSettings(
+        verify_shape_sets=2, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.2, ledger_runs=5
+    )
+    result = run_pipeline(
+        PipelineRequest(
+            model_path=path, output_dir=tmp_path / "out", config=JobConfig.parse({"preset": "fast"}), settings=settings
+        )
+    )
+    assert result.report["verification"]["ok"] is True
+    applied = {p["name"] for p in result.report["passes"] if p["status"] == "applied"}
+    assert "fuse_transformer" in applied
+    assert unsorted_nodes(onnx.load(str(result.model_path))) == 0 or result.report["decision"]["used_original"]
