@@ -57,7 +57,33 @@ def load_checked(path: Path) -> onnx.ModelProto:
         raise InvalidModelError(
             f"the model does not load or check: {type(exc).__name__}: {exc}", code="INVALID_MODEL"
         ) from exc
+    if mapped := _map_typed(proto):
+        raise InvalidModelError(
+            f"the model's {mapped} has a map type, which onnxforge cannot read (its graph library, onnx-ir, has "
+            "no map type; ONNX Runtime runs it). A scikit-learn classifier converted by skl2onnx gives one "
+            "(ZipMap): convert it with options={'zipmap': False} to get its probabilities as a tensor",
+            code="UNSUPPORTED_MODEL",
+        )
     return sorted_copy(proto) if unsorted_nodes(proto) else proto
+
+
+def _map_typed(proto: onnx.ModelProto) -> str | None:
+    """'output NAME' (or input, value) of the main graph whose type holds a map, if any."""
+
+    def holds_map(tp: onnx.TypeProto) -> bool:
+        kind = tp.WhichOneof("value")
+        if kind == "map_type":
+            return True
+        if kind in ("sequence_type", "optional_type"):
+            return holds_map(getattr(tp, kind).elem_type)
+        return False
+
+    graph = proto.graph
+    for where, values in (("input", graph.input), ("output", graph.output), ("value", graph.value_info)):
+        for value in values:
+            if holds_map(value.type):
+                return f"{where} {value.name!r}"
+    return None
 
 
 def load_ir(path: Path) -> ir.Model:

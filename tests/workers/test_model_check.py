@@ -158,3 +158,32 @@ def test_pipeline_optimizes_a_float16_conversion_whose_input_casts_come_last(tmp
     applied = {p["name"] for p in result.report["passes"] if p["status"] == "applied"}
     assert "fuse_transformer" in applied
     assert unsorted_nodes(onnx.load(str(result.model_path))) == 0 or result.report["decision"]["used_original"]
+
+
+def test_a_map_typed_output_is_refused_with_what_to_send_instead(tmp_path):
+    """skl2onnx's classifiers end in ZipMap, a sequence of maps, which onnx-ir cannot represent: the job died on
+    a SerdeError traceback; it is now refused up front with the converter option that gives a tensor."""
+    from core.errors import InvalidModelError
+    from workers.artifacts import load_checked
+
+    probs = helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 2])
+    zipped = helper.make_value_info(
+        "zipped",
+        helper.make_sequence_type_proto(
+            helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+        ),
+    )
+    graph = helper.make_graph(
+        [helper.make_node("ZipMap", ["probs"], ["zipped"], domain="ai.onnx.ml", classlabels_int64s=[0, 1])],
+        "g",
+        [probs],
+        [zipped],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    path = _save(proto, tmp_path / "zipmap.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert session.run(None, {"probs": np.array([[0.25, 0.75]], np.float32)})[0] == [{0: 0.25, 1: 0.75}]
+    with pytest.raises(InvalidModelError) as caught:
+        load_checked(path)
+    assert caught.value.code == "UNSUPPORTED_MODEL"
+    assert "output 'zipped' has a map type" in str(caught.value) and "'zipmap': False" in str(caught.value)
