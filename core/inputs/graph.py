@@ -60,8 +60,12 @@ _CONV_PATH_OPS = frozenset(
         "InstanceNormalization", "GroupNormalization", "BatchNormalization", "Reshape", "Unsqueeze",
         "MaxPool", "AveragePool", "LeakyRelu", "HardSwish", "Clip", "Pad", "ReduceMean",
         "Transpose", "LayerNormalization",
+        # an upload quantized by ORT's tools: quantize_dynamic's DynamicQuantizeLinear -> ConvInteger, and the
+        # QuantizeLinear -> DequantizeLinear pairs of a QDQ model before each Conv
+        "ConvInteger", "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear",
     }
 )  # fmt: skip
+_CONVS = frozenset({"Conv", "ConvInteger"})
 _SELECTORS = frozenset({"NonZero", "ArgMax", "ArgMin", "Compress", "GatherND", "TopK"})
 DEFAULT_CLASSES = 10
 DEFAULT_IDS_HIGH = 100
@@ -211,10 +215,10 @@ def _conv_steps(start: ir.Value, spatial: int) -> tuple[list[ConvStep], int | No
             node = use.node
             if id(node) in seen or node.op_type not in _CONV_PATH_OPS:
                 continue
-            if node.op_type in ("Conv", "MaxPool", "AveragePool") and use.idx != 0:
+            if (node.op_type in _CONVS or node.op_type in ("MaxPool", "AveragePool")) and use.idx != 0:
                 continue
             seen.add(id(node))
-            if node.op_type in ("Conv", "MaxPool", "AveragePool"):
+            if node.op_type in _CONVS or node.op_type in ("MaxPool", "AveragePool"):
                 found.append(node)
             queue.extend(node.outputs)
     steps: list[ConvStep] = []
@@ -222,8 +226,8 @@ def _conv_steps(start: ir.Value, spatial: int) -> tuple[list[ConvStep], int | No
     order = {id(n): i for i, n in enumerate(start.graph or [])} if start.graph is not None else {}
     found.sort(key=lambda n: order.get(id(n), 0))
     for node in found:
-        weight = node.inputs[1] if node.op_type == "Conv" and len(node.inputs) > 1 else None
-        wshape = _const_shape(weight) if weight is not None else None
+        weight = node.inputs[1] if node.op_type in _CONVS and len(node.inputs) > 1 else None
+        wshape = _const_shape(_dequantized(weight)) if weight is not None else None
         kernel = node.attributes.get_ints("kernel_shape", None)
         if kernel is None and wshape is not None:
             kernel = wshape[2:]
@@ -242,6 +246,14 @@ def _conv_steps(start: ir.Value, spatial: int) -> tuple[list[ConvStep], int | No
         )
     last = found[-1].outputs[0] if found else None
     return steps, channels, last
+
+
+def _dequantized(value: ir.Value) -> ir.Value:
+    """The quantized constant behind a QDQ model's weight (``DequantizeLinear(int8 weight, scale)``): same shape."""
+    node = value.producer()
+    if node is not None and node.op_type == "DequantizeLinear" and node.inputs and node.inputs[0] is not None:
+        return node.inputs[0]
+    return value
 
 
 def _table_after(value: ir.Value | None, depth: int = 8) -> int | None:
