@@ -153,12 +153,15 @@ def _probabilities_shown(softmax: ir.Node) -> str | None:
 
 def _one_query_row(softmax: ir.Node) -> bool:
     """Scores of a single query: the Softmax reads (through a scale or mask) the ``Squeeze`` of a product whose
-    query axis is 1 long, which ``upstream_slice`` leaves where it moved a scalar slice across the product."""
+    query axis is 1 long, which ``upstream_slice`` leaves where it moved a scalar slice across the product, or
+    a Gather of one query row of the scores, where the slice stopped before the product."""
     value = softmax.inputs[0]
     for _ in range(4):
         node = value.producer() if value is not None else None
         if node is None or node.domain not in _ONNX:
             return False
+        if node.op_type == "Gather" and _query_row_gather(node):  # the slice stopped at the scores themselves
+            return True
         if node.op_type == "Squeeze":
             product = node.inputs[0].producer() if node.inputs[0] is not None else None
             if product is None or product.op_type not in ("MatMul", "FusedMatMul") or product.inputs[0] is None:
@@ -169,6 +172,15 @@ def _one_query_row(softmax: ir.Node) -> bool:
             return False
         value = node.inputs[0]
     return False
+
+
+def _query_row_gather(node: ir.Node) -> bool:
+    """A Gather of one index on the query axis (-2) of rank-4 scores: one query row of every head."""
+    scores, index = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+    if scores is None or index is None or scores.shape is None or len(scores.shape) != 4:
+        return False
+    axis = node.attributes.get_int("axis", 0)
+    return axis in (2, -2) and index.shape is not None and len(index.shape) == 0
 
 
 def _groups_of(node: ir.Node) -> list[str]:

@@ -51,3 +51,20 @@ def test_report_names_the_one_query_row_as_the_reason() -> None:
     group = result.notes["missing"]["attention"]
     assert group.startswith("expected 2, achieved 1; the rest left unfused by design (1 layer(s): its queries")
     assert "closest" not in group
+
+
+def test_float16_conversion_names_the_one_query_row_where_the_slice_stops_at_the_scores(tmp_path: Path) -> None:
+    """ORT's float16 converter (keep_io_types) of the same ViT: its mask-filling Where stops upstream_slice at
+    the scores, so the last Softmax reads a Gather of one query row of them; that is the same design reason."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    path = tmp_path / "vit_fp16.onnx"
+    onnx.save(convert_float_to_float16(onnx.load(str(MODEL)), keep_io_types=True), str(path))
+    ft._LAST.clear()
+    model, _ = fast_upto(path, through="fuse_gqa")
+    (fuse,) = registry.build_passes([s for s in registry.PRESETS["fast"].specs if s.name == "fuse_transformer"])
+    result = fuse(model, PassContext())
+    reasons = [m.reason for m in result.non_matches if m.reason.startswith("attention: attention layer")]
+    assert reasons and all("its queries are one row" in r for r in reasons)
+    assert "by design" in result.notes["missing"]["attention"]
