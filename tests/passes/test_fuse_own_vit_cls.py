@@ -53,9 +53,9 @@ def test_report_names_the_one_query_row_as_the_reason() -> None:
     assert "closest" not in group
 
 
-def test_float16_conversion_names_the_one_query_row_where_the_slice_stops_at_the_scores(tmp_path: Path) -> None:
-    """ORT's float16 converter (keep_io_types) of the same ViT: its mask-filling Where stops upstream_slice at
-    the scores, so the last Softmax reads a Gather of one query row of them; that is the same design reason."""
+def test_float16_conversion_keeps_the_one_query_row_reason(tmp_path: Path) -> None:
+    """ORT's float16 converter (keep_io_types) of the same ViT, its input Casts appended last: the graph is
+    worked on sorted, the other attention fuses within the float16 floor, and the CLS row keeps its reason."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
@@ -68,3 +68,36 @@ def test_float16_conversion_names_the_one_query_row_where_the_slice_stops_at_the
     reasons = [m.reason for m in result.non_matches if m.reason.startswith("attention: attention layer")]
     assert reasons and all("its queries are one row" in r for r in reasons)
     assert "by design" in result.notes["missing"]["attention"]
+
+
+def test_a_gather_of_one_query_row_of_the_scores_is_one_query_row() -> None:
+    """Where upstream_slice stops before the scores' product (a transformers ViT converted to float16: a mask
+    Where between), the Softmax reads ``Gather(scores, 0, axis=2)``: one query row, the same reason."""
+    from onnx import TensorProto, helper
+
+    from passes.fusion import _layer_reasons
+
+    def graph(axis: int) -> ir.Model:
+        nodes = [
+            helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+            helper.make_node("Gather", ["scores", "row"], ["one"], axis=axis),
+            helper.make_node("Softmax", ["one"], ["probs"], axis=-1),
+            helper.make_node("MatMul", ["probs", "v"], ["out"]),
+        ]
+        g = helper.make_graph(
+            nodes,
+            "g",
+            [
+                helper.make_tensor_value_info("q", TensorProto.FLOAT, ["B", 2, 5, 4]),
+                helper.make_tensor_value_info("kt", TensorProto.FLOAT, ["B", 2, 4, 5]),
+                helper.make_tensor_value_info("v", TensorProto.FLOAT, ["B", 2, 5, 4]),
+            ],
+            [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+            [helper.make_tensor("row", TensorProto.INT64, [], [0])],
+            value_info=[helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["B", 2, 5, 5])],
+        )
+        return ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+    (why,) = _layer_reasons.attention_by_design(graph(axis=2)).values()
+    assert "its queries are one row" in why
+    assert _layer_reasons.attention_by_design(graph(axis=1)) == {}  # one head, not one query row
