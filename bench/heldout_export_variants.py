@@ -7,7 +7,7 @@ Models (tiny transformers configs, every parameter perturbed; ``tests.models.cor
 (Optimum's with-past signature), ``vit``, ``whisper_encoder``. Variants (the "exporter" column):
 
 ================  =========================================================================================
-ts_op14/17/18/20  TorchScript (``dynamo=False``) at that opset, dynamic batch and sequence
+ts_op11/13/14/..  TorchScript (``dynamo=False``) at that opset (11, 13, 14, 17, 18, 20), dynamic batch and sequence
 ts_op23           TorchScript at opset 23, the newest onnx 1.23 and torch 2.13 allow
 dynamo            ``dynamo=True`` at its default opset (20); ``dynamo_op17`` written at 18, converted to 17
 ts_static       no ``dynamic_axes`` at all; ``ts_batch`` dynamic batch only
@@ -62,6 +62,8 @@ OUT = REPO / "bench" / "out" / "heldout_export_variants"
 VERSION = 2
 MODELS = ("bert", "llama", "llama_past", "vit", "whisper_encoder")
 VARIANTS = (
+    "ts_op11",
+    "ts_op13",
     "ts_op14",
     "ts_op17",
     "ts_op18",

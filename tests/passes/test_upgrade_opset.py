@@ -1,11 +1,12 @@
 """upgrade_opset: exports below opset 17 reach the fusions as opset-17 graphs (issue 17, export variants).
 
 ``tests/models/heldout/vit_op14_ts.onnx`` and ``llama_op14_ts.onnx``: ``python -m bench.heldout_export_variants
---only vit llama --exporters ts_op14`` (the corpus's tiny ViT and Llama, TorchScript at opset 14, dynamic
-batch, and sequence for Llama). Before the pass, ViT's nine-node LayerNorms left 0/4 residual norms fused under
-``fast``, and Llama's ``fuse_transformer`` raised on the ``Shape(start=0, end=1)`` fuse_rotary writes (an
-attribute of opset 15): 0/2 attention. Each case is checked against the original in ORT (optimizations off)
-on shapes other than the export's.
+--only vit llama --exporters ts_op14`` (the corpus's tiny ViT and Llama, TorchScript at opset 14, dynamic batch,
+and sequence for Llama); ``vit_op11_ts.onnx``: ``--only vit --exporters ts_op11``. Before the pass, ViT's
+nine-node LayerNorms left 0/4 residual norms fused under ``fast``, and Llama's ``fuse_transformer`` raised on
+the ``Shape(start=0, end=1)`` fuse_rotary writes (an attribute of opset 15): 0/2 attention. At opset 11 the
+converter's flattened Softmax left 0/2 attention. Each case is checked against the original in ORT
+(optimizations off) on shapes other than the export's.
 """
 
 from __future__ import annotations
@@ -156,3 +157,49 @@ def test_every_fusing_preset_upgrades_the_opset_before_its_fusions(preset) -> No
     names = PRESETS[preset].passes
     fusions = [i for i, n in enumerate(names) if n in ("fuse_transformer", "fuse_rotary", "fuse_gqa")]
     assert fusions and names.index("upgrade_opset") < min(fusions)
+
+
+def _softmax_graph(axis: int) -> onnx.ModelProto:
+    """``Softmax(Relu(x), axis)`` at opset 11, x ``[B, H, S, S]`` (scores), read by a Relu."""
+    graph = oh.make_graph(
+        [
+            oh.make_node("Relu", ["x"], ["r"]),
+            oh.make_node("Softmax", ["r"], ["p"], axis=axis),
+            oh.make_node("Relu", ["p"], ["y"]),
+        ],
+        "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 2, "S", "S"])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", 2, "S", "S"])],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 11)])
+
+
+@pytest.mark.parametrize(("axis", "direct"), [(3, True), (-1, True), (1, False)])
+def test_opset_11_softmax_over_the_last_axis_is_one_softmax_at_17(axis, direct) -> None:
+    """Before 13, Softmax normalizes x flattened from ``axis`` on; the converter writes that as Flatten ->
+    Softmax -> Reshape where it cannot read the rank (here it can, and writes Softmax(axis=-1) itself; the ViT
+    below is the case it cannot). Over the last axis it is Softmax(axis=-1) at 13; over axis 1 (heads, rows and
+    columns together) it is not, and stays flattened."""
+    proto = _softmax_graph(axis)
+    result = UpgradeOpset()(_ir(proto), PassContext())
+    onnx.checker.check_model(ir.serde.serialize_model(result.model), full_check=True)
+    ops = op_histogram(result.model)
+    assert result.counts["softmax_unflattened"] == 0 or direct  # the converter itself may write it directly
+    assert ("Flatten" not in ops and "Reshape" not in ops) if direct else ops["Flatten"] == 1
+    rng = np.random.default_rng(2)
+    xs = [{"x": rng.standard_normal((b, 2, s, s)).astype(np.float32)} for b, s in ((1, 3), (3, 7))]
+    _same(proto, result.model, xs)
+
+
+def test_vit_opset_11_attention_fuses_after_the_upgrade() -> None:
+    """The TorchScript ViT at opset 11: its attention Softmax came out of the converter flattened and neither
+    fusion engine matched it (0/2 under ``fast``); now both layers fuse, exact at other batch sizes."""
+    path = HELDOUT / "vit_op11_ts.onnx"
+    result = UpgradeOpset()(ir.load(path), PassContext())
+    model = result.model
+    assert result.counts["softmax_unflattened"] == 2 and "Flatten" not in op_histogram(model)
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    fused = FuseTransformer()(model).model
+    ops = op_histogram(fused)
+    assert ops["com.microsoft::Attention"] + ops["com.microsoft::MultiHeadAttention"] == 2 and "Softmax" not in ops
+    _same(str(path), fused, [feeds("vit", "tiny", b, 0, seed=b) for b in (1, 3)])
