@@ -17,7 +17,6 @@ fast`` (``_heldout.probe``). Files and one ``.json`` per row go to ``bench/out/h
 from __future__ import annotations
 
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ if str(REPO) not in sys.path:
 import onnx  # noqa: E402
 
 from bench import _heldout, heldout_text, heldout_vision_audio  # noqa: E402
+from tests.models.corpus import export_torch  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "heldout" / "task_heads"
 EXPORTERS = ("ts_eager", "ts_sdpa", "dynamo")
@@ -66,6 +66,8 @@ _BERT = {
     "eos_token_id": heldout_text.EOS,
 }
 _DEC = {**_BERT, "num_key_value_heads": 2, "use_cache": False, "tie_word_embeddings": False}
+_GPT2 = {"vocab_size": heldout_text.VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_inner": 64}
+_GPT2 = {**_GPT2, "n_positions": heldout_text.POSITIONS, "use_cache": False}
 _VIT = {"image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 _VIT = {**_VIT, "intermediate_size": 64}
 _W2V = heldout_vision_audio._W2V
@@ -132,16 +134,7 @@ SPECS: dict[str, Spec] = {
             "text",
             _T2,
             _LOGITS,
-            {
-                "vocab_size": heldout_text.VOCAB,
-                "n_embd": 32,
-                "n_layer": 2,
-                "n_head": 4,
-                "n_inner": 64,
-                "n_positions": heldout_text.POSITIONS,
-                "pad_token_id": heldout_text.PAD,
-                "use_cache": False,
-            },
+            {**_GPT2, "pad_token_id": heldout_text.PAD},
             note="pools the last non-pad token",
         ),
         # exported with the ids alone, as a quick export does: the mask is built inside (all ones)
@@ -154,15 +147,7 @@ SPECS: dict[str, Spec] = {
             "text",
             ("input_ids",),
             _LOGITS,
-            {
-                "vocab_size": heldout_text.VOCAB,
-                "n_embd": 32,
-                "n_layer": 2,
-                "n_head": 4,
-                "n_inner": 64,
-                "n_positions": heldout_text.POSITIONS,
-                "use_cache": False,
-            },
+            _GPT2,
         ),
         Spec(
             "t5_encoder_ids_only",
@@ -356,36 +341,8 @@ def _axes(spec: Spec, name: str) -> dict[int, str]:
 
 
 def _export(wrapper: Any, spec: Spec, exporter: str, example: dict[str, np.ndarray], path: Path) -> onnx.ModelProto:
-    import torch
-
-    args = tuple(torch.from_numpy(example[k]) for k in spec.inputs)
     axes = {k: _axes(spec, k) for k in spec.inputs}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if exporter == "dynamo":
-            program = torch.onnx.export(
-                wrapper,
-                args,
-                input_names=list(spec.inputs),
-                output_names=list(spec.outputs),
-                dynamic_shapes=tuple(axes[k] for k in spec.inputs),
-                opset_version=18,
-                dynamo=True,
-                optimize=True,
-                verbose=False,
-            )
-            return program.model_proto
-        torch.onnx.export(
-            wrapper,
-            args,
-            str(path),
-            dynamo=False,
-            opset_version=17,
-            input_names=list(spec.inputs),
-            output_names=list(spec.outputs),
-            dynamic_axes=axes,
-        )
-    return onnx.load(str(path))
+    return export_torch(wrapper, example, spec.inputs, spec.outputs, axes, exporter, path)
 
 
 def _verify(wrapper: Any, spec: Spec, path: Path) -> float:

@@ -233,20 +233,34 @@ def _axes(arch: str) -> dict[str, dict[int, str]]:
 
 
 def _export(wrapper: Any, arch: str, exporter: str, example: dict[str, np.ndarray], path: Path) -> onnx.ModelProto:
+    spec = ARCHS[arch]
+    return export_torch(wrapper, example, spec.inputs, spec.outputs, _axes(arch), exporter, path)
+
+
+def export_torch(
+    wrapper: Any,
+    example: dict[str, np.ndarray],
+    inputs: tuple[str, ...],
+    outputs: tuple[str, ...],
+    axes: dict[str, dict[int, str]],
+    exporter: str,
+    path: Path,
+) -> onnx.ModelProto:
+    """``wrapper`` (positional inputs in ``inputs`` order) exported as the corpus exports: ``dynamo`` at opset
+    18 with ``dynamic_shapes`` from ``axes`` (inputs only), else TorchScript at opset 17 to ``path`` with
+    ``axes`` as its ``dynamic_axes`` (outputs too where given)."""
     import torch
 
-    spec = ARCHS[arch]
-    args = tuple(torch.from_numpy(example[k]) for k in spec.inputs)
-    axes = _axes(arch)
+    args = tuple(torch.from_numpy(example[k]) for k in inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             program = torch.onnx.export(
                 wrapper,
                 args,
-                input_names=list(spec.inputs),
-                output_names=list(spec.outputs),
-                dynamic_shapes=tuple(axes[k] for k in spec.inputs),
+                input_names=list(inputs),
+                output_names=list(outputs),
+                dynamic_shapes=tuple(axes[k] for k in inputs),
                 opset_version=18,
                 dynamo=True,
                 optimize=True,
@@ -259,8 +273,8 @@ def _export(wrapper: Any, arch: str, exporter: str, example: dict[str, np.ndarra
             str(path),
             dynamo=False,
             opset_version=17,
-            input_names=list(spec.inputs),
-            output_names=list(spec.outputs),
+            input_names=list(inputs),
+            output_names=list(outputs),
             dynamic_axes=axes,
         )
     return onnx.load(str(path))

@@ -34,6 +34,19 @@ def _save(proto: onnx.ModelProto, path: Path) -> Path:
     return path
 
 
+def _job(path: Path, out: Path, preset: str):
+    """A short job on ``path`` (two generated sets, brief timing) through the engine."""
+    from core.config import JobConfig
+    from core.settings import PipelineSettings
+    from workers.pipeline import PipelineRequest, run_pipeline
+
+    settings = PipelineSettings(
+        verify_shape_sets=2, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.2, ledger_runs=5
+    )
+    config = JobConfig.parse({"preset": preset})
+    return run_pipeline(PipelineRequest(model_path=path, output_dir=out, config=config, settings=settings))
+
+
 def test_check_model_accepts_the_graph_when_its_output_has_a_type_but_no_shape(tmp_path):
     path = _save(_matmul_relu(y_shape=None), tmp_path / "model.onnx")
     with pytest.raises(onnx.checker.ValidationError, match="shape"):
@@ -88,22 +101,10 @@ def test_check_model_passes_when_every_shape_is_declared(tmp_path):
 def test_pipeline_optimizes_the_model_when_its_outputs_carry_no_shape(tmp_path):
     """The issue-17 case end to end: an export whose graph outputs have a type but no shape went through no
     pass ("the model does not load or check"); the engine's check now takes it, and every pass after it too."""
-    from core.config import JobConfig
-    from core.settings import PipelineSettings
-    from workers.pipeline import PipelineRequest, run_pipeline
-
     proto = onnx.load(str(MODELS / "hf_bert_encoder.onnx"))
     for value in proto.graph.output:
         value.type.tensor_type.ClearField("shape")
-    path = _save(proto, tmp_path / "model.onnx")
-    settings = PipelineSettings(
-        verify_shape_sets=2, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.2, ledger_runs=5
-    )
-    result = run_pipeline(
-        PipelineRequest(
-            model_path=path, output_dir=tmp_path / "out", config=JobConfig.parse({"preset": "safe"}), settings=settings
-        )
-    )
+    result = _job(_save(proto, tmp_path / "model.onnx"), tmp_path / "out", "safe")
     assert result.report["verification"]["ok"] is True
     assert any(p["status"] == "applied" for p in result.report["passes"])
     assert not any("does not load or check" in str(p.get("reason")) for p in result.report["passes"])
@@ -138,22 +139,10 @@ def test_pipeline_optimizes_a_float16_conversion_whose_input_casts_come_last(tmp
     engine now sorts the graph it works on, and the passes and the verification run."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    from core.config import JobConfig
-    from core.settings import PipelineSettings
-    from workers.pipeline import PipelineRequest, run_pipeline
-
     proto = onnx.load(str(MODELS / "corpus" / "vit_dynamo.onnx"))
     converted = convert_float_to_float16(proto, keep_io_types=True)
     assert unsorted_nodes(converted) > 0  # the converter's own output, unchanged
-    path = _save(converted, tmp_path / "model.onnx")
-    settings = PipelineSettings(
-        verify_shape_sets=2, benchmark_warmup=1, benchmark_min_runs=5, benchmark_max_seconds=0.2, ledger_runs=5
-    )
-    result = run_pipeline(
-        PipelineRequest(
-            model_path=path, output_dir=tmp_path / "out", config=JobConfig.parse({"preset": "fast"}), settings=settings
-        )
-    )
+    result = _job(_save(converted, tmp_path / "model.onnx"), tmp_path / "out", "fast")
     assert result.report["verification"]["ok"] is True
     applied = {p["name"] for p in result.report["passes"] if p["status"] == "applied"}
     assert "fuse_transformer" in applied
