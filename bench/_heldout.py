@@ -178,6 +178,40 @@ def fusion_cells(row: Row, notes: Callable[[Row], list[str]]) -> list[str]:
     ]
 
 
+def positional_wrapper(model: Any, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Any:
+    """``model`` (a transformers model) as a module of positional inputs in ``inputs`` order returning its
+    ``outputs`` fields as a tuple: the exporters name the inputs from that order. One class per arity, because
+    dynamo maps ``dynamic_shapes`` onto the named arguments of ``forward``."""
+    import torch
+
+    class Base(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def run(self, *args: Any) -> tuple[Any, ...]:
+            result = self.model(**dict(zip(inputs, args, strict=True)), return_dict=True)
+            return tuple(getattr(result, k) for k in outputs)
+
+    class One(Base):
+        def forward(self, a: Any) -> tuple[Any, ...]:
+            return self.run(a)
+
+    class Two(Base):
+        def forward(self, a: Any, b: Any) -> tuple[Any, ...]:
+            return self.run(a, b)
+
+    class Three(Base):
+        def forward(self, a: Any, b: Any, c: Any) -> tuple[Any, ...]:
+            return self.run(a, b, c)
+
+    class Four(Base):
+        def forward(self, a: Any, b: Any, c: Any, d: Any) -> tuple[Any, ...]:
+            return self.run(a, b, c, d)
+
+    return (One, Two, Three, Four)[len(inputs) - 1]().eval()
+
+
 def table(head: list[str], cells: Iterable[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]

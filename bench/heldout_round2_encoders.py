@@ -520,37 +520,7 @@ def feeds(spec: Spec, batch: int, length: int, *, seed: int = 0, pad: bool = Fal
 
 
 def _wrapper(spec: Spec, model: Any) -> Any:
-    """Positional inputs in ``spec.inputs`` order (the exporters name them from that list); one class per arity
-    because dynamo maps ``dynamic_shapes`` onto the named arguments of ``forward``."""
-    import torch
-
-    names = spec.inputs
-
-    class Base(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def run(self, *args: Any) -> tuple[Any, ...]:
-            return (self.model(**dict(zip(names, args, strict=True)), return_dict=True).last_hidden_state,)
-
-    class One(Base):
-        def forward(self, a: Any) -> tuple[Any, ...]:
-            return self.run(a)
-
-    class Two(Base):
-        def forward(self, a: Any, b: Any) -> tuple[Any, ...]:
-            return self.run(a, b)
-
-    class Three(Base):
-        def forward(self, a: Any, b: Any, c: Any) -> tuple[Any, ...]:
-            return self.run(a, b, c)
-
-    class Four(Base):
-        def forward(self, a: Any, b: Any, c: Any, d: Any) -> tuple[Any, ...]:
-            return self.run(a, b, c, d)
-
-    return (One, Two, Three, Four)[len(names) - 1]().eval()
+    return _heldout.positional_wrapper(model, spec.inputs, ("last_hidden_state",))
 
 
 def _export(wrapper: Any, spec: Spec, exporter: str, example: dict[str, np.ndarray], path: Path) -> onnx.ModelProto:

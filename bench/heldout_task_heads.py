@@ -300,34 +300,7 @@ def feeds(spec: Spec, batch: int, length: int, *, seed: int = 0, pad: bool = Fal
 
 
 def _wrapper(spec: Spec, model: Any) -> Any:
-    """Positional inputs in ``spec.inputs`` order, the head's outputs in ``spec.outputs`` order; one class per
-    arity because dynamo maps ``dynamic_shapes`` onto the named arguments of ``forward``."""
-    import torch
-
-    names, outputs = spec.inputs, spec.outputs
-
-    class Base(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def run(self, *args: Any) -> tuple[Any, ...]:
-            result = self.model(**dict(zip(names, args, strict=True)), return_dict=True)
-            return tuple(getattr(result, k) for k in outputs)
-
-    class One(Base):
-        def forward(self, a: Any) -> tuple[Any, ...]:
-            return self.run(a)
-
-    class Two(Base):
-        def forward(self, a: Any, b: Any) -> tuple[Any, ...]:
-            return self.run(a, b)
-
-    class Three(Base):
-        def forward(self, a: Any, b: Any, c: Any) -> tuple[Any, ...]:
-            return self.run(a, b, c)
-
-    return (One, Two, Three)[len(names) - 1]().eval()
+    return _heldout.positional_wrapper(model, spec.inputs, spec.outputs)
 
 
 def _axes(spec: Spec, name: str) -> dict[int, str]:
