@@ -38,7 +38,9 @@ class Tolerance(_Strict):
         True,
         description="A float16 or bfloat16 output is compared with atol and rtol of at least 4 units in the last "
         "place of its type (float16 3.9e-3, bfloat16 3.1e-2): a fused kernel sums in another order, and a bound "
-        "finer than the type resolves refuses every fusion of a half-precision model. False: atol/rtol as given.",
+        "finer than the type resolves refuses every fusion of a half-precision model. So is every float output of "
+        "a model whose float weights are mostly of that type (float32 inputs and outputs around half-precision "
+        "arithmetic). False: atol/rtol as given.",
     )
 
     def bounds(self, dtype: Any) -> tuple[float, float]:

@@ -144,7 +144,8 @@ class FuseTransformerOptions(PassOptions):
         1e-4,
         gt=0,
         description="Absolute tolerance of the verification against the original; a float16/bfloat16 output is "
-        "compared with at least 4 units in the last place of its type (the job tolerance's half_precision_floor).",
+        "compared with at least 4 units in the last place of its type, and so is every float output of a model "
+        "whose weights are mostly float16/bfloat16 (the job tolerance's half_precision_floor).",
     )
     rtol: float = Field(
         1e-4, ge=0, description="Relative tolerance of the verification against the original (the same floor)."
