@@ -5,7 +5,8 @@ Run ``python -m bench.heldout_converted_uploads [--only NAME ...] [--exporters F
 A team often sends a model it has already converted: quantized to int8 by ``quantize_dynamic`` (MatMulInteger)
 or ``quantize_static`` (QDQ), converted to float16 by ``onnxruntime.transformers.float16`` with float32 inputs
 and outputs kept (``keep_io_types=True``: Casts around half-precision arithmetic, the input Casts appended after
-their readers), or to int4 by ``MatMulNBitsQuantizer`` (block 32, symmetric). Each base model is a task-head
+their readers), or to int4 by ``MatMulNBitsQuantizer`` (block 32, symmetric), or fused by ORT's transformers
+optimizer and then converted to float16 (``ortopt_fp16``, Optimum's ``-O4``). Each base model is a task-head
 export of ``bench.heldout_task_heads`` (built there when missing); each form goes through ``onnxforge optimize
 MODEL --preset fast`` (``bench.coverage.run_job``, ``ONNXFORGE_PIPELINE__BENCHMARK_MAX_SECONDS=1``). The job
 must complete, verify against the converted upload (the reference is what was sent) and not be slower. Rows
@@ -34,7 +35,8 @@ from bench.coverage import run_job  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "heldout" / "converted"
 BASES = ("bert_seq_cls/ts_sdpa", "llama_seq_cls/dynamo", "vit_image_cls/dynamo", "wav2vec2_ctc/ts_sdpa")
-FORMS = ("int8_dynamic", "qdq_static", "fp16_keep_io", "int4_nbits")
+FORMS = ("int8_dynamic", "qdq_static", "fp16_keep_io", "int4_nbits", "ortopt_fp16")
+ORT_MODEL_TYPE = {"bert_seq_cls": "bert", "llama_seq_cls": "gpt2", "vit_image_cls": "vit"}
 CALIBRATION_SETS = 8
 
 
@@ -76,11 +78,25 @@ def _int4_nbits(src: Path, dst: Path, base: str) -> None:
     onnx.save(quantizer.model.model, str(dst))
 
 
+def _ortopt_fp16(src: Path, dst: Path, base: str) -> None:
+    """ORT's transformers optimizer (its model type, the probe's 4 heads of hidden 32), then its float16
+    conversion with float32 inputs and outputs: what ``optimum-cli onnxruntime optimize -O4`` writes."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    model_type = ORT_MODEL_TYPE.get(base.split("/", maxsplit=1)[0])
+    if model_type is None:
+        raise ValueError(f"ORT's transformers optimizer has no model type for {base}")
+    optimized = optimize_model(str(src), model_type=model_type, num_heads=4, hidden_size=32)
+    optimized.convert_float_to_float16(keep_io_types=True)
+    optimized.save_model_to_file(str(dst))
+
+
 CONVERT: dict[str, Callable[[Path, Path, str], None]] = {
     "int8_dynamic": _int8_dynamic,
     "qdq_static": _qdq_static,
     "fp16_keep_io": _fp16_keep_io,
     "int4_nbits": _int4_nbits,
+    "ortopt_fp16": _ortopt_fp16,
 }
 
 
