@@ -223,6 +223,13 @@ class PipelineSettings(_Section):
         "the generated sets (8-32 tokens), capped by the model's position table; kept only when faster there "
         "(0: no such set, the tie returns the upload).",
     )
+    gate_serving_image_side: int = Field(
+        224,
+        ge=0,
+        description="Pixels per side of the one image the gate times a `fast` artifact on when it ties with the "
+        "upload, for an image model whose graph leaves the size free (the generated sets then hold 8-32 pixels); "
+        "kept only when faster there (0: no such set).",
+    )
     benchmark_warmup: int = Field(
         5,
         ge=0,

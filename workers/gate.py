@@ -199,11 +199,11 @@ def decide(
                 benchmark["serving"] = serving.comparison.to_dict()
             if serving.faster:
                 decision["reason"] = (
-                    f"verified within tolerance; on the generated input sets {tied}, a tie; at a serving length "
+                    f"verified within tolerance; on the generated input sets {tied}, a tie; at {serving.what} "
                     f"{serving.summary}: kept ({len(ledger.kept)} pass(es))"
                 )
                 return GateResult(benchmark, decision, upload_timing=upload)
-        at_length = f"; at a serving length {serving.summary}" if serving is not None else ""
+        at_length = f"; at {serving.what} {serving.summary}" if serving is not None else ""
         decision.update(
             result="original",
             used_original=True,
@@ -246,6 +246,11 @@ class _Serving:
     summary: str  # for the decision's reason
     faster: bool = False
     comparison: Comparison | None = None
+
+    @property
+    def what(self) -> str:
+        """How the reason names the set: an image model's is a size, a text model's a length."""
+        return "a serving size" if "(serving size)" in str(self.record.get("input_set")) else "a serving length"
 
 
 def _serving(

@@ -181,7 +181,12 @@ def _inputs(request: PipelineRequest, proto: onnx.ModelProto, every: list[Pass])
     serving = None
     if synthesis is not None and origin == "generated" and raw_sets is None:
         try:
-            serving = serving_input_set(synthesis, sets, length=request.settings.gate_serving_length)
+            serving = serving_input_set(
+                synthesis,
+                sets,
+                length=request.settings.gate_serving_length,
+                image_side=request.settings.gate_serving_image_side,
+            )
         except Exception as exc:  # an optional second look: a model not sized at that length keeps its job
             log.warning("no serving-length set for the gate: %s: %s", type(exc).__name__, exc)
     return _Inputs(sets, origin, raw_sets, serving)

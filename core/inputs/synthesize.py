@@ -487,6 +487,34 @@ class InputSynthesis:
         )
         return InputSet(f"{_set_name(shapes)} (serving length)", feeds, provenance)
 
+    def serving_image_set(self, side: int, guess_name: str | None = None) -> InputSet | None:
+        """One image of ``side`` x ``side`` pixels where the graph leaves the image size free (a convnet, a ViT
+        that interpolates its position table, Optimum's dynamic height and width): the generated sets take their
+        sides from the text lengths (8-32 pixels), which say little about serving. None where no image input has
+        a free side (a position table fixes it: the sets are full-sized already)."""
+        if side <= 0:
+            return None
+        free = self.free_dims()
+        sides = {
+            dim
+            for spec in self.specs
+            if self._role(spec.name).role == "pixel_values"
+            for axis, dim in enumerate(spec.dims)
+            if axis >= 2 and isinstance(dim, str) and dim in free
+        }
+        if not sides:
+            return None
+        sizes = {
+            dim: 1 if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(side, plan["min"])
+            for dim, plan in free.items()
+        }
+        guess = next((g for g in GUESSES if g.name == guess_name), GUESSES[0])
+        shapes = self.bind(0, guess, preset=sizes)
+        feeds = self.feeds(shapes, np.random.default_rng([self.seed, side]), guess)
+        provenance = self._provenance(shapes, guess, "generated")
+        provenance["why"] = f"a serving size: one image of {side} x {side} pixels (the graph leaves the size free)"
+        return InputSet(f"{_set_name(shapes)} (serving size)", feeds, provenance)
+
     def why(self, shapes: Mapping[str, tuple[int, ...]], cache: bool | None = None) -> str | None:
         """For a decoder-only language model, a seq2seq decoder or a merged decoder (``cache``: the branch it
         runs), why its set is shaped as it is (the report shows it); None for other models, whose sets follow
@@ -646,18 +674,27 @@ def index_ranges(model: onnx.ModelProto | ir.Model) -> dict[str, int]:
     }
 
 
-def serving_input_set(synthesis: InputSynthesis, sets: Sequence[InputSet], *, length: int) -> InputSet | None:
+def serving_input_set(
+    synthesis: InputSynthesis, sets: Sequence[InputSet], *, length: int, image_side: int = 0
+) -> InputSet | None:
     """``synthesis.serving_set`` (the synthesis that made ``sets``, so the graph is read once) when it outgrows
-    the generated ``sets``: None when the model has none, or when it is no longer than the longest of ``sets``
-    (it would tell the gate nothing new)."""
-    if length <= 0 or not sets:
+    the generated ``sets``, else for an image model of free size ``synthesis.serving_image_set``: None when the
+    model has neither, or when it is no larger than the largest of ``sets`` (it would tell the gate nothing
+    new)."""
+    if not sets:
         return None
-    serving = synthesis.serving_set(length, sets[0].provenance.get("guess"))
-    if serving is None:
+    guess = sets[0].provenance.get("guess")
+    serving = synthesis.serving_set(length, guess) if length > 0 else None
+    if serving is not None:
+        longest = max((a.shape[-1] for s in sets for a in s.feeds.values() if a.ndim == 2), default=0)
+        tokens = max((a.shape[-1] for a in serving.feeds.values() if a.ndim == 2), default=0)
+        return serving if tokens > longest else None
+    image = synthesis.serving_image_set(image_side, guess)
+    if image is None:
         return None
-    longest = max((a.shape[-1] for s in sets for a in s.feeds.values() if a.ndim == 2), default=0)
-    tokens = max((a.shape[-1] for a in serving.feeds.values() if a.ndim == 2), default=0)
-    return serving if tokens > longest else None
+    largest = max((a.shape[-1] for s in sets for a in s.feeds.values() if a.ndim == 4), default=0)
+    side = max((a.shape[-1] for a in image.feeds.values() if a.ndim == 4), default=0)
+    return image if side > largest else None
 
 
 def make_input_sets(

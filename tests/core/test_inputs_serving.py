@@ -62,3 +62,37 @@ def test_serving_set_is_none_when_the_model_has_no_token_sequence_to_lengthen(na
 def test_serving_set_is_none_when_no_longer_than_the_generated_sets() -> None:
     assert _serving("corpus/bert_ts_eager.onnx", length=32)[2] is None
     assert _serving("corpus/bert_ts_eager.onnx", length=0)[2] is None
+
+
+def test_image_serving_set_is_one_image_of_the_side_only_where_the_size_is_free(tmp_path: Path) -> None:
+    """A graph that fixes the image size (the corpus ViT: its position table) has full-sized sets and no second
+    look; the same model with its sides declared free but read by a convnet-style graph gets one image."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    proto = onnx.load(str(MODELS / "corpus/vit_dynamo.onnx"))
+    synthesis = InputSynthesis(proto)
+    sets = make_input_sets(proto, count=3, synthesis=synthesis)
+    assert serving_input_set(synthesis, sets, length=256, image_side=224) is None
+    weight = numpy_helper.from_array(np.full((4, 3, 3, 3), 0.1, np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["pixel_values", "w"], ["c"], strides=[2, 2]),
+            helper.make_node("GlobalAveragePool", ["c"], ["p"]),
+            helper.make_node("Flatten", ["p"], ["out"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 4])],
+        [weight],
+    )
+    convnet = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    synthesis = InputSynthesis(convnet)
+    sets = make_input_sets(convnet, count=3, synthesis=synthesis)
+    assert max(s.feeds["pixel_values"].shape[-1] for s in sets) <= 32
+    serving = serving_input_set(synthesis, sets, length=256, image_side=224)
+    assert serving is not None and serving.name == "pixel_values=1x3x224x224 (serving size)"
+    assert serving.provenance["why"].startswith("a serving size: one image of 224 x 224 pixels")
+    assert serving_input_set(synthesis, sets, length=256, image_side=0) is None
+    path = tmp_path / "convnet.onnx"
+    onnx.save(convnet, path)
+    assert Verifier(path, [serving], Tolerance()).check(path).ok

@@ -216,3 +216,60 @@ def test_job_goes_on_without_the_serving_look_when_the_set_cannot_be_made(
     decision = result.report["decision"]
     assert modes == ["full"] and "serving" not in decision["gate"]
     assert decision["result"] == "original" and decision["gate"]["tie"]
+
+
+def _free_size_convnet() -> onnx.ModelProto:
+    """pixel_values [batch, 3, height, width] -> conv a; out = pool(a + 0 * three more convs of a): an image model
+    whose graph leaves the size free (a convnet as Optimum exports it), its costly branch quadratic in the side."""
+    rng = np.random.default_rng(1)
+
+    def weight(name: str, out: int, into: int) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal((out, into, 3, 3)) * 0.1).astype(np.float32), name)
+
+    zero = numpy_helper.from_array(np.array([0.0], np.float32), "zero")
+    nodes = [helper.make_node("Conv", ["pixel_values", "w0"], ["a"], pads=[1, 1, 1, 1])]
+    source = "a"
+    for i in range(1, 4):
+        nodes.append(helper.make_node("Conv", [source, f"w{i}"], [f"b{i}"], pads=[1, 1, 1, 1]))
+        source = f"b{i}"
+    nodes += [
+        helper.make_node("Mul", [source, "zero"], ["nothing"]),
+        helper.make_node("Add", ["a", "nothing"], ["sum"]),
+        helper.make_node("GlobalAveragePool", ["sum"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "convnet",
+        [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 8])],
+        [weight("w0", 8, 3), *(weight(f"w{i}", 8, 8) for i in range(1, 4)), zero],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_gate_keeps_a_tied_image_artifact_when_faster_at_the_serving_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image model of free size gets its generated sets at 8-32 pixels, where the dropped branch costs little;
+    the second look is one 224 x 224 image (``gate_serving_image_side``)."""
+    path = tmp_path / "convnet.onnx"
+    onnx.save(_free_size_convnet(), path)
+    modes = _tied(monkeypatch)
+    result = _job(path, tmp_path / "out", DropZeroBranch())
+    decision = result.report["decision"]
+    assert modes == ["full", "serving"]
+    serving = decision["gate"]["serving"]
+    assert serving["input_set"] == "pixel_values=1x3x224x224 (serving size)"
+    assert serving["verified"] is True and serving["faster"] is True
+    assert decision["result"] == "optimized" and decision["gate"]["tie"]
+    assert "at a serving size (pixel_values=1x3x224x224 (serving size)) faster beyond noise" in decision["reason"]
+    assert validate_report(result.report) == []
+
+
+def test_gate_takes_no_image_look_when_the_serving_side_is_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "convnet.onnx"
+    onnx.save(_free_size_convnet(), path)
+    modes = _tied(monkeypatch)
+    result = _job(path, tmp_path / "out", DropZeroBranch(), gate_serving_image_side=0)
+    assert modes == ["full"] and "serving" not in result.report["decision"]["gate"]
