@@ -473,19 +473,10 @@ class InputSynthesis:
         cap = self._positions()
         if cap:
             length = min(length, cap)
-        sizes = {
-            dim: 1 if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(length, plan["min"])
-            for dim, plan in free.items()
-        }
-        guess = next((g for g in GUESSES if g.name == guess_name), GUESSES[0])
-        shapes = self.bind(0, guess, preset=sizes)
-        feeds = self.feeds(shapes, np.random.default_rng([self.seed, length]), guess)
-        provenance = self._provenance(shapes, guess, "generated")
         table = self.facts.max_positions
-        provenance["why"] = f"a serving length: one row of {length} tokens" + (
-            f" (the position table holds {table})" if table else ""
-        )
-        return InputSet(f"{_set_name(shapes)} (serving length)", feeds, provenance)
+        why = f"a serving length: one row of {length} tokens"
+        why += f" (the position table holds {table})" if table else ""
+        return self._one_row(free, length, guess_name, why, "serving length")
 
     def serving_image_set(self, side: int, guess_name: str | None = None) -> InputSet | None:
         """One image of ``side`` x ``side`` pixels where the graph leaves the image size free (a convnet, a ViT
@@ -504,16 +495,24 @@ class InputSynthesis:
         }
         if not sides:
             return None
+        why = f"a serving size: one image of {side} x {side} pixels (the graph leaves the size free)"
+        return self._one_row(free, side, guess_name, why, "serving size")
+
+    def _one_row(
+        self, free: dict[str, dict[str, Any]], size: int, guess_name: str | None, why: str, label: str
+    ) -> InputSet:
+        """One row (batch 1, no past) with every other free dim at ``size`` (or its minimum), under the guess
+        ``guess_name``; named ``<shapes> (<label>)``, ``why`` in its provenance."""
         sizes = {
-            dim: 1 if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(side, plan["min"])
+            dim: 1 if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(size, plan["min"])
             for dim, plan in free.items()
         }
         guess = next((g for g in GUESSES if g.name == guess_name), GUESSES[0])
         shapes = self.bind(0, guess, preset=sizes)
-        feeds = self.feeds(shapes, np.random.default_rng([self.seed, side]), guess)
+        feeds = self.feeds(shapes, np.random.default_rng([self.seed, size]), guess)
         provenance = self._provenance(shapes, guess, "generated")
-        provenance["why"] = f"a serving size: one image of {side} x {side} pixels (the graph leaves the size free)"
-        return InputSet(f"{_set_name(shapes)} (serving size)", feeds, provenance)
+        provenance["why"] = why
+        return InputSet(f"{_set_name(shapes)} ({label})", feeds, provenance)
 
     def why(self, shapes: Mapping[str, tuple[int, ...]], cache: bool | None = None) -> str | None:
         """For a decoder-only language model, a seq2seq decoder or a merged decoder (``cache``: the branch it
