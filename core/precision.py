@@ -12,13 +12,14 @@ from collections import Counter
 
 import onnx
 
+from core.config import HALF_PRECISION_FLOOR
+
 _FLOATS = {
     onnx.TensorProto.FLOAT: "float32",
     onnx.TensorProto.FLOAT16: "float16",
     onnx.TensorProto.BFLOAT16: "bfloat16",
     onnx.TensorProto.DOUBLE: "float64",
 }
-HALF = ("float16", "bfloat16")
 
 
 def compute_precision(proto: onnx.ModelProto) -> str | None:
@@ -33,4 +34,4 @@ def compute_precision(proto: onnx.ModelProto) -> str | None:
     if not elements:
         return None
     top = elements.most_common(1)[0][0]
-    return top if top in HALF else None
+    return top if top in HALF_PRECISION_FLOOR else None

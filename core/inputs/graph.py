@@ -66,6 +66,7 @@ _CONV_PATH_OPS = frozenset(
     }
 )  # fmt: skip
 _CONVS = frozenset({"Conv", "ConvInteger"})
+_STEPS = _CONVS | {"MaxPool", "AveragePool"}  # what changes the length: read on input 0 only
 _SELECTORS = frozenset({"NonZero", "ArgMax", "ArgMin", "Compress", "GatherND", "TopK"})
 DEFAULT_CLASSES = 10
 DEFAULT_IDS_HIGH = 100
@@ -215,10 +216,10 @@ def _conv_steps(start: ir.Value, spatial: int) -> tuple[list[ConvStep], int | No
             node = use.node
             if id(node) in seen or node.op_type not in _CONV_PATH_OPS:
                 continue
-            if (node.op_type in _CONVS or node.op_type in ("MaxPool", "AveragePool")) and use.idx != 0:
+            if node.op_type in _STEPS and use.idx != 0:
                 continue
             seen.add(id(node))
-            if node.op_type in _CONVS or node.op_type in ("MaxPool", "AveragePool"):
+            if node.op_type in _STEPS:
                 found.append(node)
             queue.extend(node.outputs)
     steps: list[ConvStep] = []

@@ -684,16 +684,17 @@ def serving_input_set(
         return None
     guess = sets[0].provenance.get("guess")
     serving = synthesis.serving_set(length, guess) if length > 0 else None
-    if serving is not None:
-        longest = max((a.shape[-1] for s in sets for a in s.feeds.values() if a.ndim == 2), default=0)
-        tokens = max((a.shape[-1] for a in serving.feeds.values() if a.ndim == 2), default=0)
-        return serving if tokens > longest else None
-    image = synthesis.serving_image_set(image_side, guess)
-    if image is None:
+    rank = 2  # token rows [batch, tokens]
+    if serving is None:
+        serving, rank = synthesis.serving_image_set(image_side, guess), 4  # images [batch, channels, h, w]
+    if serving is None:
         return None
-    largest = max((a.shape[-1] for s in sets for a in s.feeds.values() if a.ndim == 4), default=0)
-    side = max((a.shape[-1] for a in image.feeds.values() if a.ndim == 4), default=0)
-    return image if side > largest else None
+    return serving if _last_dim(serving, rank) > max(_last_dim(s, rank) for s in sets) else None
+
+
+def _last_dim(input_set: InputSet, rank: int) -> int:
+    """The largest last dim among the set's feeds of ``rank`` (tokens of a row, the side of an image)."""
+    return max((a.shape[-1] for a in input_set.feeds.values() if a.ndim == rank), default=0)
 
 
 def make_input_sets(
