@@ -95,6 +95,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from core.inputs import InputSet
 from core.runtime import BoundRun
@@ -876,6 +877,25 @@ def _time_sets(
             pause = state.check_at if params.pooled_stop else None
             stops[index] = _timed_blocks(run_a, run_b, params, index, state, pause_at=pause)[2]
     return states, stops, False
+
+
+# What an ORT session raises when a model it loaded fails to run (a kernel refusing its inputs, say).
+ORT_RUN_ERRORS: tuple[type[Exception], ...] = tuple(
+    getattr(ort_errors, name)
+    for name in ("Fail", "InvalidArgument", "RuntimeException", "InvalidGraph", "NotImplemented", "EPFail")
+    if hasattr(ort_errors, name)
+)
+
+
+def run_failure(exc: Exception) -> str:
+    """Why a verified model is refused when the timing cannot run it. Verification runs it with ORT's
+    optimizations off; the timing runs it as users do, at ORT's default level, whose rewrites trust the graph's
+    shapes (ORT's ReshapeFusion, given a symbolic batch, writes a Reshape that fails on an empty batch: a
+    detector's zero boxes)."""
+    return (
+        "verified with ORT's optimizations off but failed to run as users run it (ORT's default level, in the "
+        f"benchmark): {type(exc).__name__}: {str(exc)[:200]}"
+    )
 
 
 def compare(

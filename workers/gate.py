@@ -28,7 +28,9 @@ the same two models as the gate) and the gate finds the artifact slower, ``decid
 again on a fresh ledger pass by pass, as the ledger does with any slower group, and decides on that one.
 
 An artifact that fails to run in the benchmark (which runs it at ORT's default level, as users do, where the
-verification ran it with optimizations off) is refused like one out of tolerance (``decision.gate.benchmark_error``).
+verification ran it with optimizations off) is refused like one out of tolerance (``decision.gate.benchmark_error``);
+when that artifact was the ledger's untimed last group, ``decide_or_retry`` runs the passes again one by one too,
+and the ledger rolls back the one the benchmark cannot run (``workers.benchmark.run_failure``).
 
 The decision is the report's ``decision`` section; ``failure`` turns a failed one into the error the job
 raises (VerificationError or RegressionError, carrying the report's path).
@@ -41,13 +43,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
-
 from core.config import JobConfig
 from core.errors import OnnxforgeError, RegressionError, VerificationError
 from core.recipe import read_recipe
 from passes._infra import Pass
-from workers.benchmark import BenchmarkParams, Comparison, compare
+from workers.benchmark import ORT_RUN_ERRORS, BenchmarkParams, Comparison, compare, run_failure
 from workers.ledger import Ledger, Outcome
 from workers.report import PassRecord
 from workers.same_program import same_program
@@ -62,13 +62,6 @@ TIE_RETURNS_UPLOAD = frozenset({"fast"})
 # Interleaved blocks the serving-length look times (``_serving``), within the benchmark's time budget: enough for
 # a 95% interval of a few percent on a quiet host, a few seconds on a large model's one row.
 SERVING_BLOCKS = 20
-
-# What an ORT session raises when a model it loaded fails to run (a kernel refusing its inputs, say).
-_ORT_RUN_ERRORS = tuple(
-    getattr(ort_errors, name)
-    for name in ("Fail", "InvalidArgument", "RuntimeException", "InvalidGraph", "NotImplemented", "EPFail")
-    if hasattr(ort_errors, name)
-)
 
 
 @dataclasses.dataclass
@@ -163,17 +156,12 @@ def decide(
             recipe_b=recipe_b,
             pool=ledger.setup.pool,  # the reference's warm session, built for the baseline (or the input change)
         )
-    except _ORT_RUN_ERRORS as exc:
-        # The verification runs the artifact with ORT's optimizations off; the timing runs it as users do, at
-        # ORT's default level, which trusts the graph's shapes: a wrong one there (an assumption of a shape
-        # inference, written as a fact) makes a kernel refuse its inputs. The artifact is no model to hand back.
+    except ORT_RUN_ERRORS as exc:  # run_failure: the artifact is no model to hand back
         decision["gate"]["benchmark_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         decision.update(
             result="original",
             used_original=True,
-            reason="the optimized model verified with ORT's optimizations off but failed to run as users run it "
-            f"(ORT's default level, in the benchmark): {type(exc).__name__}: {str(exc)[:200]}; the uploaded model "
-            "is returned",
+            reason=f"the optimized model {run_failure(exc)}; the uploaded model is returned",
         )
         if config.fail_on_regression:
             decision.update(result="failed", used_original=False, failed_pass=ledger.kept[-1][1].name)
@@ -286,7 +274,7 @@ def _serving(
         comparison = compare(
             reference, outcome.artifact, [serving], fixed, mode="serving", recipe_b=recipe_b, pool=ledger.setup.pool
         )
-    except _ORT_RUN_ERRORS as exc:
+    except ORT_RUN_ERRORS as exc:
         record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         return _Serving(record, f"({serving.name}) failed to run: {type(exc).__name__}")
     verdict = comparison.shapes[0].verdict
@@ -312,11 +300,13 @@ def decide_or_retry(
     quick: BenchmarkParams,
     progress: Callable[[str, float], None],
 ) -> tuple[Ledger, Outcome, GateResult]:
-    """``decide``; when the artifact is slower and the ledger left its last group's timing to the gate, the
-    passes run again pass by pass (each verified and timed alone) on a fresh ledger, whose artifact decides."""
+    """``decide``; when the ledger left its last group's timing to the gate and the gate finds the artifact
+    slower, or cannot run it at ORT's default level, the passes run again pass by pass (each verified and timed
+    alone, the one that fails to run rolled back) on a fresh ledger, whose artifact decides."""
     verdict = decide(ledger, outcome, config, full=full, quick=quick, progress=progress)
-    slower = bool(verdict.decision["gate"].get("slower"))
-    if not (slower and ledger.left_to_gate and ledger.setup.rollback_slower):
+    gate = verdict.decision["gate"]
+    slower = bool(gate.get("slower")) and ledger.setup.rollback_slower
+    if not (ledger.left_to_gate and (slower or "benchmark_error" in gate)):
         return ledger, outcome, verdict
     again = Ledger(dataclasses.replace(ledger.setup, group_passes=False))
     outcome = again.finalize(work, again.run(passes, work))

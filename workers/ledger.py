@@ -14,6 +14,7 @@
           ─> froze a dynamic axis and not may_freeze_axes ──> rolled_back
           ─> verify vs the reference ─ out of tolerance ────> rolled_back (which output, how far off)
           ─> quick interleaved latency ─ slower beyond noise and rollback_slower ─> rolled_back
+            (a model the timing cannot run at ORT's default level, as users run it: rolled_back too)
           ─> applied: this stage becomes the last accepted one
     a run of groupable passes (declared exact; no side file, input change or frozen axis), in memory:
       each pass on a snapshot (ir clone, tensors shared) ─ raised / not modified / same fingerprint ─>
@@ -57,7 +58,7 @@ from core.errors import PassError, VerificationError
 from core.inputs import InputSet
 from passes._infra import Pass, PassContext, PassResult, op_histogram
 from workers import artifacts
-from workers.benchmark import Comparison, measure
+from workers.benchmark import ORT_RUN_ERRORS, Comparison, measure, run_failure
 from workers.ledger_parts import (
     Member,
     Outcome,
@@ -329,8 +330,11 @@ class Ledger:
                 failure = f"broke tolerance: {verification.reason}"
         if failure is None and not gate_times:
             with timed(last.timing, "benchmark_s"):
-                comparison = quick_compare(self.setup, self.input_sets, self._accepted, path)
-            if comparison.slower and self.setup.rollback_slower:
+                try:
+                    comparison = quick_compare(self.setup, self.input_sets, self._accepted, path)
+                except ORT_RUN_ERRORS as exc:
+                    failure = run_failure(exc)
+            if comparison is not None and comparison.slower and self.setup.rollback_slower:
                 failure = f"slower beyond noise: {speed(comparison)}"
         last.timing.total_s += time.perf_counter() - started
         for m in pending:
@@ -499,7 +503,11 @@ class Ledger:
             record.status, record.reason = "rolled_back", f"broke tolerance: {verification.reason}"
             return None
         with timed(timing, "benchmark_s"):
-            comparison = quick_compare(self.setup, self.input_sets, accepted, path)
+            try:
+                comparison = quick_compare(self.setup, self.input_sets, accepted, path)
+            except ORT_RUN_ERRORS as exc:
+                record.status, record.reason = "rolled_back", run_failure(exc)
+                return None
         record.latency = latency_summary(comparison, [p.name])
         record.latency_ms_p50_before, record.latency_ms_p50_after = comparison.p50_a_ms, comparison.p50_b_ms
         if comparison.slower and self.setup.rollback_slower:
