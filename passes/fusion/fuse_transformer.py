@@ -370,6 +370,13 @@ class FuseTransformer(Pass):
         if windows:  # after the per-layer reasons: no pattern blocked these, the measured kernel cost did
             missing["attention"] = windows
             non_matches.append(NonMatch(f"attention: {windows}"))
+        if high := sites.get("residual_norms_rank4"):  # no pattern blocked these either: no op takes their rank
+            shortfall = missing.get("skip_layer_norm")
+            missing["skip_layer_norm"] = (
+                f"{shortfall + '; ' if shortfall else ''}{high} residual norm(s) left unfused by design: on rank-4 "
+                "tensors (batch x height x width x channels), and ORT's SkipLayerNormalization takes 2-D or 3-D input"
+            )
+            non_matches.append(NonMatch(f"skip_layer_norm: {missing['skip_layer_norm']}"))
         notes |= {"chosen": best, "achieved": achieved, "missing": missing, "decision": f"applied ({best})"}
         counts = {f"fused_{g}": n for g, n in achieved.items()} | {"gemm_to_matmul": candidates[best].get("gemm", 0)}
         if opts.pack_qkv:
