@@ -25,6 +25,12 @@ inference failed, the heads dims of its TorchScript exports stayed unknown and n
 a Slice keeps ``Min(end, length)`` on an axis it trims from 0 by a symbolic end (the length a dynamo export
 also computes and reshapes by), and a fresh symbol on any other sliced axis, what ORT gives a Slice whose
 bounds it cannot read.
+The reductions whose axes became an input in opset 18 (ReduceMax, ReduceMin, ReduceL1/L2, ReduceLogSum(Exp),
+ReduceSumSquare) have no rule in ORT's inference, which reads that input for ReduceSum and ReduceMean only:
+ONNX's own inference, given the node alone, leaves the output without a rank, and the next op that needs one
+raises. RT-DETR's TopK over a ReduceMax of its query scores (Ultralytics' export, opset 18) stopped the whole
+inference there ("object of type 'NoneType' has no len()"), and none of its attentions fused. Those take
+ReduceSum's rule, which is theirs by the spec (axes, keepdims, noop_with_empty_axes are the same inputs).
 Everything else is ORT's inference as it is.
 """
 
@@ -41,8 +47,31 @@ from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInference
 _PAST_KEY, _KEY = 3, 1
 
 
+# Reductions that read their axes from input 1 from opset 18 on, and that ORT's inference has no rule for.
+_AXES_INPUT_REDUCTIONS = (
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "ReduceSumSquare",
+)
+
+
 class _GqaPresents(SymbolicShapeInference):
-    """GroupQueryAttention's presents without a past; a Slice whose end ORT's proof cannot read."""
+    """GroupQueryAttention's presents without a past; a Slice whose end ORT's proof cannot read; the opset-18
+    reductions ORT has no rule for."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        for op in _AXES_INPUT_REDUCTIONS:
+            self.dispatcher_.setdefault(op, self._reduce_by_axes_input)
+
+    def _reduce_by_axes_input(self, node: onnx.NodeProto) -> None:
+        opset = next((o.version for o in self.out_mp_.opset_import if o.domain in ("", "ai.onnx")), 0)
+        if opset >= 18 and len(node.input) > 1 and node.input[1]:
+            self._infer_ReduceSum(node)
 
     def _infer_GroupQueryAttention(self, node: onnx.NodeProto) -> None:  # ORT dispatches on this name
         super()._infer_GroupQueryAttention(node)
