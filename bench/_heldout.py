@@ -269,3 +269,30 @@ def encoder_main(
     print()
     print(table(head, map(cells, rows)))
     return 0
+
+
+def run_exports(paths: Iterable[Path], extra: tuple[str, Callable[[Row], str]] | None = None) -> None:
+    """A ``fast`` job on each export of another toolchain's probe (``bench.coverage.run_job``), one table row
+    printed as it comes: job, exact, passes applied, ``extra``'s column (a header and a cell read from the
+    structure counts), speedup and notes. A ``.fast.onnx`` artifact kept beside an export is not sent."""
+    head = ["model", "job", "exact", "passes applied", *([extra[0]] if extra else []), "speedup; notes"]
+    print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|", flush=True)
+    for path in paths:
+        if path.name.endswith(".fast.onnx"):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            job = run_job(path, Path(tmp), benchmark_seconds=1, timeout=900)
+            counts = structure(path, Path(job["path"]) if job.get("ok") else None)
+        own = [extra[1](counts)] if extra else []
+        if not job.get("ok"):
+            cells = [path.stem, "**failed**", "", "", *own, job.get("error", "")[:300]]
+        else:
+            cells = [
+                path.stem,
+                f"ok ({job['decision']})",
+                f"{'yes' if job['exact'] else 'no'} ({job['max_abs']:.1e})",
+                ", ".join(job["applied"]),
+                *own,
+                f"x{job.get('gate_speedup') or 0:.2f}; " + "; ".join(job_notes(job))[:300],
+            ]
+        print("| " + " | ".join(c.replace("|", "/") for c in cells) + " |", flush=True)

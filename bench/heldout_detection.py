@@ -193,31 +193,11 @@ def build_yolo() -> None:
 
 
 def run(folder: Path = OUT) -> None:
-    import tempfile
-
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from bench import _heldout
-    from bench.coverage import run_job
 
-    print("| model | nodes | job | exact | passes applied | speedup; notes |")
-    print("|---|---|---|---|---|---|")
-    for path in sorted(folder.glob("*.onnx")):
-        if path.name.endswith(".fast.onnx"):
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            job = run_job(path, Path(tmp), benchmark_seconds=1, timeout=900)
-            nodes = _heldout.structure(path, Path(job["path"]) if job.get("ok") else None).get("nodes", "")
-            if not job.get("ok"):
-                print(f"| {path.stem} | {nodes} | **failed** | | | {job.get('error', '')[:300]} |", flush=True)
-                continue
-            notes = "; ".join(_heldout.job_notes(job))[:300]
-            print(
-                f"| {path.stem} | {nodes} | ok ({job['decision']}) | {'yes' if job['exact'] else 'no'} "
-                f"({job['max_abs']:.1e}) | {', '.join(job['applied'])} | x{job.get('gate_speedup') or 0:.2f}; "
-                f"{notes} |",
-                flush=True,
-            )
+    _heldout.run_exports(sorted(folder.glob("*.onnx")), ("nodes", lambda counts: str(counts.get("nodes", ""))))
 
 
 if __name__ == "__main__":

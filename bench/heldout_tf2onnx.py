@@ -56,30 +56,15 @@ def build() -> None:
 
 
 def run() -> None:
-    import tempfile
-
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from bench import _heldout
-    from bench.coverage import run_job
 
-    print("| model | job | exact | passes applied | attention fused / Softmax | speedup; notes |")
-    print("|---|---|---|---|---|---|")
-    for path in sorted(OUT.glob("keras_*.onnx")):
-        if path.name.endswith(".fast.onnx"):
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            job = run_job(path, Path(tmp), benchmark_seconds=1, timeout=900)
-            if not job.get("ok"):
-                print(f"| {path.stem} | **failed** | | | | {job.get('error', '')[:200]} |")
-                continue
-            fusions = _heldout.structure(path, Path(job["path"])).get("fusions", {}).get("attention", {})
-            notes = "; ".join(_heldout.job_notes(job))[:200]
-            print(
-                f"| {path.stem} | ok ({job['decision']}) | {'yes' if job['exact'] else 'no'} ({job['max_abs']:.1e}) "
-                f"| {', '.join(job['applied'])} | {fusions.get('found', 0)}/{fusions.get('expected', 0)} "
-                f"| x{job.get('gate_speedup') or 0:.2f}; {notes} |"
-            )
+    def attention(counts: dict) -> str:
+        fused = counts.get("fusions", {}).get("attention", {})
+        return f"{fused.get('found', 0)}/{fused.get('expected', 0)}"
+
+    _heldout.run_exports(sorted(OUT.glob("keras_*.onnx")), ("attention fused / Softmax", attention))
 
 
 if __name__ == "__main__":
