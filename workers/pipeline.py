@@ -262,7 +262,8 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     try:
         # baseline: the session now; the latency from the gate, which times the upload anyway (_baseline)
         with stages("baseline"):
-            pool.runs(source, [s.feeds for s in inputs.sets], quick)
+            runs, _ = pool.runs(source, [s.feeds for s in inputs.sets], quick)
+            upload_drift = _drift(verifier, runs.session)
         setup = Setup(
             source=source,
             input_sets=inputs.sets,
@@ -313,6 +314,8 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         # artifact
         progress("reporting", 0.0)
         decision = verdict.decision
+        if upload_drift["ok"] is False:
+            decision["reason"] += f"; {UNSTABLE}: {upload_drift['reason']}"
         final_path, external, side = artifact, [], []  # a failed job's artifact is reported on, never handed back
         with stages("artifact"):
             if decision["result"] != "failed":
@@ -363,6 +366,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             duration_s=time.perf_counter() - started,
             timings=_timings(stages, ledger, pool),
             decoder=decoder,
+            upload_drift=upload_drift,
         )
         report["timings"]["report_s"] = time.perf_counter() - report_started  # the write below is not counted
         report["duration_s"] = report["timings"]["total_s"] = time.perf_counter() - started
@@ -374,6 +378,22 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     finally:
         pool.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+# The decision's note when ORT's own optimizations move the upload's outputs beyond the tolerance.
+UNSTABLE = (
+    "note: ORT's own default optimizations move the uploaded model's outputs beyond the tolerance (its outputs are "
+    "not continuous in rounding: a TopK, ArgMax or NMS over near-tied scores), so a rewrite that changes rounding "
+    "cannot verify on these inputs; samples with decisive scores let it"
+)
+
+
+def _drift(verifier: Verifier, session: Any) -> dict[str, Any]:
+    """``Verifier.drift`` of the baseline's session; a failure to measure it is reported, never the job's end."""
+    try:
+        return verifier.drift(session)
+    except Exception as exc:  # the upload ran at this level in the baseline already: reported, not raised
+        return {"ok": None, "reason": f"not measured: {type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def _baseline(

@@ -73,7 +73,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "latency_ms_p50_after",
         "duration_s",
     ),
-    "verification": ("ok", "reason", "outputs"),
+    "verification": ("ok", "reason", "outputs", "upload_at_default_level"),
     "decision": ("result", "used_original", "reason", "failed_pass", "gate"),
     "op_histogram": ("before", "after"),
     "summary": (
@@ -114,6 +114,7 @@ OPTIONAL: dict[str, frozenset[str]] = {
     "timings": frozenset({"decoder_s"}),
     "baseline": frozenset({"timed_by"}),  # reports from before the gate's timing of the upload was reused
     "input_set": frozenset({"inputs"}),  # present when the inputs' roles are known
+    "verification": frozenset({"upload_at_default_level"}),  # reports from before it was measured
 }
 
 PASS_STATUSES = ("applied", "rolled_back", "no_change", "failed")
@@ -510,6 +511,12 @@ def render_html(report: Mapping[str, Any]) -> str:
         f'<p class="{"ok" if verification.get("ok") else "bad"}">'
         f"{_E('within tolerance' if verification.get('ok') else str(verification.get('reason')))}</p>"
     )
+    if drift := verification.get("upload_at_default_level"):
+        within = {True: "within tolerance", False: f"beyond tolerance: {drift.get('reason')}"}
+        sections.append(
+            "<p>The uploaded model as users run it (ORT's default level) against the reference: max abs "
+            f"{_fmt(drift.get('max_abs'))}, {_E(within.get(drift.get('ok'), str(drift.get('reason'))))}</p>"
+        )
     out_rows = [
         [_E(str(o.get(k))) for k in ("input_set", "name")]
         + [f'<span class="num">{_fmt(o.get(k))}</span>' for k in ("max_abs", "max_rel")]

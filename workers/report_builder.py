@@ -76,6 +76,7 @@ def build_report(
     duration_s: float,
     timings: dict[str, Any] | None = None,
     decoder: dict[str, Any] | None = None,
+    upload_drift: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     decision, benchmark, rebase = gate.decision, gate.benchmark, ledger.rebase
     final_ir = artifacts.load_ir(final_path)
@@ -116,7 +117,7 @@ def build_report(
         + [_input_set_entry(s, "pass") for s in ledger.pass_sets if s.provenance["reference"] != "original"],
         "baseline": baseline,
         "passes": [r.to_dict() for r in ledger.records],
-        "verification": verification.to_dict(),
+        "verification": {**verification.to_dict(), "upload_at_default_level": upload_drift},
         "bisection": outcome.bisection,
         "benchmark": benchmark,
         "decision": decision,

@@ -1,0 +1,91 @@
+"""The report measures how far ORT's own optimizations move the upload's outputs (issue 17).
+
+Ultralytics' RT-DETR picks its 300 queries with a TopK over scores that rounding reorders: ORT's default level
+moves its output by 0.7 against the reference (optimizations off), so every fusion was refused at 1e-4 and the
+report said only "output 'output0' differs". ``verification.upload_at_default_level`` now gives that drift,
+measured on the baseline's session, and the decision's reason says why no rewrite that changes rounding can
+verify on such a model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from core.config import JobConfig, Tolerance
+from core.inputs import make_input_sets
+from core.settings import PipelineSettings
+from tests.workers.conftest import DropReluChain, resolver
+from workers import pipeline
+from workers.pipeline import PipelineRequest, run_pipeline
+from workers.report import validate_report
+from workers.verify import Verifier
+
+
+class _Moved:
+    """The upload's session, its outputs moved by ``by`` (what ORT's rewrites do to a discontinuous model)."""
+
+    def __init__(self, path: Path, by: float) -> None:
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.by = by
+
+    def run(self, names, feeds):
+        return [out + np.float32(self.by) for out in self.session.run(names, feeds)]
+
+
+def _verifier(mlp_path: Path) -> Verifier:
+    import onnx
+
+    sets = make_input_sets(onnx.load(str(mlp_path)), count=2, seed=0)
+    return Verifier(mlp_path, sets, Tolerance(atol=1e-4, rtol=1e-3))
+
+
+def test_drift_is_within_tolerance_for_the_upload_at_the_default_level(mlp_path: Path) -> None:
+    verifier = _verifier(mlp_path)
+    drift = verifier.drift(ort.InferenceSession(str(mlp_path), providers=["CPUExecutionProvider"]))
+    assert drift["ok"] is True and drift["reason"] is None and drift["max_abs"] < 1e-4
+
+
+def test_drift_beyond_tolerance_names_the_set_and_output(mlp_path: Path) -> None:
+    verifier = _verifier(mlp_path)
+    drift = verifier.drift(_Moved(mlp_path, 0.7))
+    assert drift["ok"] is False and abs(drift["max_abs"] - 0.7) < 1e-3
+    assert drift["reason"].startswith(verifier.input_sets[0].name + ": " + verifier.output_names[0])
+
+
+def test_the_job_report_carries_the_drift_and_the_html_shows_it(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    request = PipelineRequest(
+        model_path=slow_mlp_path,
+        output_dir=tmp_path,
+        config=JobConfig.parse({"rollback_slower": False}),
+        settings=fast_settings,
+        pass_resolver=resolver(DropReluChain()),
+    )
+    result = run_pipeline(request)
+    drift = result.report["verification"]["upload_at_default_level"]
+    assert drift["ok"] is True and drift["max_abs"] is not None
+    assert pipeline.UNSTABLE not in result.report["decision"]["reason"]
+    assert validate_report(json.loads(result.report_json_path.read_text())) == []
+    assert "as users run it (ORT's default level) against the reference" in result.report_html_path.read_text()
+
+
+def test_a_moved_upload_is_named_in_the_decision(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings, monkeypatch
+) -> None:
+    real = Verifier.drift
+    monkeypatch.setattr(Verifier, "drift", lambda self, session: real(self, _Moved(self.original_path, 0.7)))
+    request = PipelineRequest(
+        model_path=slow_mlp_path,
+        output_dir=tmp_path,
+        config=JobConfig.parse({"rollback_slower": False}),
+        settings=fast_settings,
+        pass_resolver=resolver(DropReluChain()),
+    )
+    report = run_pipeline(request).report
+    assert report["verification"]["upload_at_default_level"]["ok"] is False
+    assert pipeline.UNSTABLE in report["decision"]["reason"]
