@@ -259,7 +259,8 @@ def _dequantized(value: ir.Value) -> ir.Value:
 
 def _table_after(value: ir.Value | None, depth: int = 8) -> int | None:
     """Rows of a constant position table added within ``depth`` ops after ``value`` (Transpose, Reshape,
-    activations between): the positions the preceding stack must yield."""
+    activations between, and the Concat that puts a class token before the patches: ViT's): the positions the
+    preceding stack must yield."""
     if value is None:
         return None
     frontier = [value]
@@ -273,7 +274,7 @@ def _table_after(value: ir.Value | None, depth: int = 8) -> int | None:
                         shape = _const_shape(other) if other is not v else None
                         if shape and len(shape) >= 2 and shape[-2] > 1:
                             return int(shape[-2])
-                if node.op_type in _CONV_PATH_OPS | {"Transpose", "Flatten", "Gelu"}:
+                if node.op_type in _CONV_PATH_OPS | {"Transpose", "Flatten", "Gelu", "Concat"}:
                     nxt.extend(node.outputs)
         frontier = nxt
     return None

@@ -136,6 +136,54 @@ def test_generated_sets_fix_the_frames_when_a_position_table_follows_the_conv_st
     assert all(s.provenance["guess"] == "role-based" for s in sets)
 
 
+def _vit_free_size_model() -> onnx.ModelProto:
+    """ViT's embeddings as Optimum exports them (``bench/heldout_optimum.py``: height and width declared dynamic,
+    the position table fixed): [batch, 3, H, W] -> Conv(8x8 patches, stride 8) -> flatten -> Transpose -> Concat
+    after the class token -> + a 17-row table. Only 32 x 32 pixels give the 16 patches (+ [CLS]) it needs."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 3, 8, 8)).astype(np.float32), "patch"),
+        numpy_helper.from_array(rng.standard_normal((1, 1, 8)).astype(np.float32), "cls_token"),
+        numpy_helper.from_array(rng.standard_normal((1, 17, 8)).astype(np.float32), "position_embeddings"),
+        numpy_helper.from_array(np.array([0, 8, -1], dtype=np.int64), "flat"),
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
+        numpy_helper.from_array(np.array([0], dtype=np.int64), "zero"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["pixel_values", "patch"], ["c"], kernel_shape=[8, 8], strides=[8, 8]),
+        helper.make_node("Reshape", ["c", "flat"], ["f"]),
+        helper.make_node("Transpose", ["f"], ["t"], perm=[0, 2, 1]),
+        helper.make_node("Shape", ["pixel_values"], ["shape"]),
+        helper.make_node("Slice", ["shape", "zero", "one"], ["batch"]),
+        helper.make_node("Concat", ["batch", "one", "one"], ["cls_shape"], axis=0),
+        helper.make_node("Expand", ["cls_token", "cls_shape"], ["cls"]),
+        helper.make_node("Concat", ["cls", "t"], ["tokens"], axis=1),
+        helper.make_node("Add", ["tokens", "position_embeddings"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "vit",
+        [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 17, 8])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_generated_sets_fix_the_image_size_when_a_class_token_is_concatenated_before_the_table(
+    tmp_path: Path,
+) -> None:
+    model = _vit_free_size_model()
+    role = analyze(model).roles["pixel_values"]
+    assert role.role == "pixel_values" and role.exact_out == 4
+    path = tmp_path / "vit.onnx"
+    onnx.save(model, str(path))
+    sets = generate_input_sets(model, 3)
+    assert {s.feeds["pixel_values"].shape[1:] for s in sets} == {(3, 32, 32)}
+    Verifier(path, sets, Tolerance())  # the model runs on every set
+    assert InputSynthesis(model).serving_image_set(224) is None  # the table fixes the size: no second look
+
+
 def test_feeds_at_keeps_previous_roles_when_the_model_is_a_plain_encoder() -> None:
     model = onnx.load(str(MODELS / "hf_bert_encoder.onnx"))
     feeds = InputSynthesis(model).feeds_at(3, 16, np.random.default_rng(0))
