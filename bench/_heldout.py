@@ -271,10 +271,14 @@ def encoder_main(
     return 0
 
 
-def run_exports(paths: Iterable[Path], extra: tuple[str, Callable[[Row], str]] | None = None) -> None:
+def run_exports(
+    paths: Iterable[Path],
+    extra: tuple[str, Callable[[Row], str]] | None = None,
+    label: Callable[[Path], str] = lambda path: path.stem,
+) -> None:
     """A ``fast`` job on each export of another toolchain's probe (``bench.coverage.run_job``), one table row
-    printed as it comes: job, exact, passes applied, ``extra``'s column (a header and a cell read from the
-    structure counts), speedup and notes. A ``.fast.onnx`` artifact kept beside an export is not sent."""
+    printed as it comes: ``label(path)``, job, exact, passes applied, ``extra``'s column (a header and a cell
+    read from the structure counts), speedup and notes. A ``.fast.onnx`` artifact beside an export is not sent."""
     head = ["model", "job", "exact", "passes applied", *([extra[0]] if extra else []), "speedup; notes"]
     print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|", flush=True)
     for path in paths:
@@ -285,10 +289,10 @@ def run_exports(paths: Iterable[Path], extra: tuple[str, Callable[[Row], str]] |
             counts = structure(path, Path(job["path"]) if job.get("ok") else None)
         own = [extra[1](counts)] if extra else []
         if not job.get("ok"):
-            cells = [path.stem, "**failed**", "", "", *own, job.get("error", "")[:300]]
+            cells = [label(path), "**failed**", "", "", *own, job.get("error", "")[:300]]
         else:
             cells = [
-                path.stem,
+                label(path),
                 f"ok ({job['decision']})",
                 f"{'yes' if job['exact'] else 'no'} ({job['max_abs']:.1e})",
                 ", ".join(job["applied"]),
