@@ -158,10 +158,20 @@ def _const_shape(value: ir.Value | None) -> tuple[int, ...] | None:
     array = const_array(value)
     if array is not None:
         return tuple(array.shape)
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    if node.op_type == "Gather":
+        # A table's rows picked by constant indices (CLIP's vision tower adds ``position_embedding(position_ids)``,
+        # a buffer of 0..n-1): the indices' shape in place of the gathered axis.
+        table, indices = _const_shape(node.inputs[0]), const_array(node.inputs[1])
+        if table is None or indices is None or not table:
+            return None
+        axis = node.attributes.get_int("axis", 0) % len(table)
+        return (*table[:axis], *indices.shape, *table[axis + 1 :])
     # A constant reshaped (quantize_int4's token table reading the tied lm_head's packed weights as
     # [rows, packed columns]): the shape without the bytes.
-    node = value.producer()
-    if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+    if node.op_type != "Reshape":
         return None
     source, target = _const_shape(node.inputs[0]), const_array(node.inputs[1])
     if source is None or target is None or node.attributes.get_int("allowzero", 0):

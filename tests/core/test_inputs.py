@@ -136,15 +136,19 @@ def test_generated_sets_fix_the_frames_when_a_position_table_follows_the_conv_st
     assert all(s.provenance["guess"] == "role-based" for s in sets)
 
 
-def _vit_free_size_model() -> onnx.ModelProto:
+def _vit_free_size_model(gathered: bool) -> onnx.ModelProto:
     """ViT's embeddings as Optimum exports them (``bench/heldout_optimum.py``: height and width declared dynamic,
     the position table fixed): [batch, 3, H, W] -> Conv(8x8 patches, stride 8) -> flatten -> Transpose -> Concat
-    after the class token -> + a 17-row table. Only 32 x 32 pixels give the 16 patches (+ [CLS]) it needs."""
+    after the class token -> + a 17-row table, a parameter (ViT's) or, ``gathered``, an embedding table's rows
+    0..16 (CLIP's vision tower: ``position_embedding(position_ids)``). Only 32 x 32 pixels give the 16 patches
+    (+ [CLS]) it needs."""
     rng = np.random.default_rng(0)
+    table = rng.standard_normal((17, 8) if gathered else (1, 17, 8)).astype(np.float32)
     inits = [
         numpy_helper.from_array(rng.standard_normal((8, 3, 8, 8)).astype(np.float32), "patch"),
         numpy_helper.from_array(rng.standard_normal((1, 1, 8)).astype(np.float32), "cls_token"),
-        numpy_helper.from_array(rng.standard_normal((1, 17, 8)).astype(np.float32), "position_embeddings"),
+        numpy_helper.from_array(table, "position_embeddings"),
+        numpy_helper.from_array(np.arange(17, dtype=np.int64)[None], "position_ids"),
         numpy_helper.from_array(np.array([0, 8, -1], dtype=np.int64), "flat"),
         numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
         numpy_helper.from_array(np.array([0], dtype=np.int64), "zero"),
@@ -158,8 +162,10 @@ def _vit_free_size_model() -> onnx.ModelProto:
         helper.make_node("Concat", ["batch", "one", "one"], ["cls_shape"], axis=0),
         helper.make_node("Expand", ["cls_token", "cls_shape"], ["cls"]),
         helper.make_node("Concat", ["cls", "t"], ["tokens"], axis=1),
-        helper.make_node("Add", ["tokens", "position_embeddings"], ["y"]),
+        helper.make_node("Add", ["tokens", "positions" if gathered else "position_embeddings"], ["y"]),
     ]
+    if gathered:
+        nodes.insert(-1, helper.make_node("Gather", ["position_embeddings", "position_ids"], ["positions"]))
     graph = helper.make_graph(
         nodes,
         "vit",
@@ -170,10 +176,11 @@ def _vit_free_size_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["table", "gathered_rows"])
 def test_generated_sets_fix_the_image_size_when_a_class_token_is_concatenated_before_the_table(
-    tmp_path: Path,
+    tmp_path: Path, gathered: bool
 ) -> None:
-    model = _vit_free_size_model()
+    model = _vit_free_size_model(gathered)
     role = analyze(model).roles["pixel_values"]
     assert role.role == "pixel_values" and role.exact_out == 4
     path = tmp_path / "vit.onnx"
