@@ -20,7 +20,7 @@ from core.inputs import make_input_sets
 from core.settings import PipelineSettings
 from tests.workers.conftest import DropReluChain, resolver
 from workers import pipeline
-from workers.pipeline import PipelineRequest, run_pipeline
+from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
 from workers.report import validate_report
 from workers.verify import Verifier
 
@@ -43,6 +43,17 @@ def _verifier(mlp_path: Path) -> Verifier:
     return Verifier(mlp_path, sets, Tolerance(atol=1e-4, rtol=1e-3))
 
 
+def _job(model: Path, out: Path, settings: PipelineSettings) -> PipelineResult:
+    request = PipelineRequest(
+        model_path=model,
+        output_dir=out,
+        config=JobConfig.parse({"rollback_slower": False}),
+        settings=settings,
+        pass_resolver=resolver(DropReluChain()),
+    )
+    return run_pipeline(request)
+
+
 def test_drift_is_within_tolerance_for_the_upload_at_the_default_level(mlp_path: Path) -> None:
     verifier = _verifier(mlp_path)
     drift = verifier.drift(ort.InferenceSession(str(mlp_path), providers=["CPUExecutionProvider"]))
@@ -59,14 +70,7 @@ def test_drift_beyond_tolerance_names_the_set_and_output(mlp_path: Path) -> None
 def test_the_job_report_carries_the_drift_and_the_html_shows_it(
     tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings
 ) -> None:
-    request = PipelineRequest(
-        model_path=slow_mlp_path,
-        output_dir=tmp_path,
-        config=JobConfig.parse({"rollback_slower": False}),
-        settings=fast_settings,
-        pass_resolver=resolver(DropReluChain()),
-    )
-    result = run_pipeline(request)
+    result = _job(slow_mlp_path, tmp_path, fast_settings)
     drift = result.report["verification"]["upload_at_default_level"]
     assert drift["ok"] is True and drift["max_abs"] is not None
     assert pipeline.UNSTABLE not in result.report["decision"]["reason"]
@@ -79,13 +83,6 @@ def test_a_moved_upload_is_named_in_the_decision(
 ) -> None:
     real = Verifier.drift
     monkeypatch.setattr(Verifier, "drift", lambda self, session: real(self, _Moved(self.original_path, 0.7)))
-    request = PipelineRequest(
-        model_path=slow_mlp_path,
-        output_dir=tmp_path,
-        config=JobConfig.parse({"rollback_slower": False}),
-        settings=fast_settings,
-        pass_resolver=resolver(DropReluChain()),
-    )
-    report = run_pipeline(request).report
+    report = _job(slow_mlp_path, tmp_path, fast_settings).report
     assert report["verification"]["upload_at_default_level"]["ok"] is False
     assert pipeline.UNSTABLE in report["decision"]["reason"]
