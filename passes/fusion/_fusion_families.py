@@ -155,12 +155,16 @@ def fusable_sites(model: ir.Model) -> dict[str, int]:
     (the residual Adds, ``is_residual``, that a norm reads, each once: a skip norm takes in its Add, so the two
     norms of a parallel block's sum (GPT-NeoX) fuse one; skip norms already fused count too),
     ``residual_norms_rank4`` (those of a rank above 3, which no skip norm takes: ORT's SkipLayerNormalization
-    reads 2-D or 3-D input, and torchvision's Swin keeps its tokens as batch x height x width x channels) and
+    reads 2-D or 3-D input, and torchvision's Swin keeps its tokens as batch x height x width x channels),
+    ``residual_norms_rank2`` (those counted in ``residual_norms`` that are 2-D: the CLS row once
+    ``upstream_slice`` moved the slice above them, or tokens a graph flattens; ORT's kernel takes them,
+    onnxscript's skip-norm rule, written for rank 3, does not) and
     ``gelus`` (``Erf`` and ``Tanh``, the anchors of the exact and tanh GELUs, QuickGELU's ``Sigmoid(x * c)``,
     and GELUs already fused)."""
     norms = skips = gelus = 0
     sums: set[ir.Node] = set()  # the residual Adds normalized: one skip norm takes in each
     high: set[ir.Node] = set()  # the ones of a rank above 3
+    rows: set[ir.Node] = set()  # the 2-D ones
     for node in model.graph:
         if node.domain == "com.microsoft":
             if node.op_type in GROUPS["skip_layer_norm"]:
@@ -175,9 +179,17 @@ def fusable_sites(model: ir.Model) -> dict[str, int]:
         elif (normalized := _norm_input(node)) is not None:
             norms += 1
             if is_residual(normalized):
-                shape = normalized.shape
-                (high if shape is not None and len(shape) > 3 else sums).add(through_casts(normalized).producer())
-    return {"norms": norms, "residual_norms": skips + len(sums), "residual_norms_rank4": len(high), "gelus": gelus}
+                shape, add = normalized.shape, through_casts(normalized).producer()
+                (high if shape is not None and len(shape) > 3 else sums).add(add)
+                if shape is not None and len(shape) == 2:
+                    rows.add(add)
+    return {
+        "norms": norms,
+        "residual_norms": skips + len(sums),
+        "residual_norms_rank4": len(high),
+        "residual_norms_rank2": len(rows),
+        "gelus": gelus,
+    }
 
 
 def _norm_input(node: ir.Node) -> ir.Value | None:

@@ -365,6 +365,14 @@ class FuseTransformer(Pass):
                     f"expected {expected['attention']}, achieved {achieved.get('attention', 0)}; the rest left "
                     f"unfused by design ({why})"
                 )
+        short = expected.get("skip_layer_norm", 0) - achieved.get("skip_layer_norm", 0)
+        if "skip_layer_norm" in missing and 0 < short <= sites.get("residual_norms_rank2", 0):
+            missing["skip_layer_norm"] = (
+                f"expected {expected['skip_layer_norm']}, achieved {achieved.get('skip_layer_norm', 0)}; the rest "
+                f"left unfused: {short} residual norm(s) on 2-D tensors (rows: the CLS token's once upstream_slice "
+                "moved the slice above them, or tokens the graph flattens), which onnxscript's skip-norm rule, "
+                "written for rank 3, does not take"
+            )
         non_matches += [NonMatch(f"{group}: {reason}") for group, reason in missing.items()]
         non_matches += _per_layer(explained, base, family, missing)
         if windows:  # after the per-layer reasons: no pattern blocked these, the measured kernel cost did

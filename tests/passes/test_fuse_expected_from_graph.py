@@ -172,7 +172,13 @@ def test_fuse_transformer_expects_no_gelu_and_no_embedding_norm_when_an_encoder_
     # reported missing, and the fused model computes the upload's logits
     notes = result.notes
     assert notes["family"] == "bart" and notes["cross_attention"] == 1
-    assert notes["fusable_sites"] == {"norms": 5, "residual_norms": 5, "residual_norms_rank4": 0, "gelus": 0}
+    assert notes["fusable_sites"] == {
+        "norms": 5,
+        "residual_norms": 5,
+        "residual_norms_rank4": 0,
+        "residual_norms_rank2": 0,
+        "gelus": 0,
+    }
     assert notes["expected"] == {"attention": 3, "skip_layer_norm": 5, "gelu": 0}
     assert notes["missing"] == {}, notes["missing"]
     assert not [m for m in result.non_matches if m.reason.startswith(("gelu", "skip_layer_norm"))]
@@ -220,7 +226,13 @@ def test_fuse_transformer_expects_no_gelu_when_a_decoder_export_feeds_forward_th
     # assert
     notes = result.notes
     assert notes["family"] == "gpt2"
-    assert notes["fusable_sites"] == {"norms": 5, "residual_norms": 1, "residual_norms_rank4": 0, "gelus": 0}
+    assert notes["fusable_sites"] == {
+        "norms": 5,
+        "residual_norms": 1,
+        "residual_norms_rank4": 0,
+        "residual_norms_rank2": 0,
+        "gelus": 0,
+    }
     assert notes["expected"] == {"attention": 2, "skip_layer_norm": 1, "gelu": 0}
     assert "gelu" not in notes["missing"]
     assert not [m for m in result.non_matches if m.reason.startswith("gelu")]

@@ -51,6 +51,12 @@ def test_report_names_the_one_query_row_as_the_reason() -> None:
     group = result.notes["missing"]["attention"]
     assert group.startswith("expected 2, achieved 1; the rest left unfused by design (1 layer(s): its queries")
     assert "closest" not in group
+    # the last block's two residual norms, cut to that row too, are 2-D: onnxscript's rule (rank 3) leaves them,
+    # and the group line says so instead of quoting its closest match elsewhere
+    assert result.notes["fusable_sites"]["residual_norms_rank2"] == 2
+    norms = result.notes["missing"]["skip_layer_norm"]
+    assert norms.startswith("expected 4, achieved 2; the rest left unfused: 2 residual norm(s) on 2-D tensors")
+    assert "closest" not in norms
 
 
 def test_float16_conversion_keeps_the_one_query_row_reason(tmp_path: Path) -> None:
