@@ -40,7 +40,6 @@ OUT = REPO / "bench" / "out" / "heldout" / "detection"
 
 
 def _detectors():
-    import torch
     from torchvision.models import detection
     from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
@@ -58,7 +57,6 @@ def _detectors():
     yield "fcos_r18", detection.FCOS(r18(**p6p7), num_classes=5, **small)
     yield "maskrcnn_r18", detection.MaskRCNN(r18(), num_classes=5, **small)
     yield "ssdlite", detection.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=5)
-    del torch
 
 
 def _classifiers():

@@ -27,6 +27,16 @@ _T = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "inte
 _V = {**_T, "vocab_size": 100}
 _DEC = {**_V, "num_key_value_heads": 2, "max_position_embeddings": 256}
 _IMG = {**_T, "image_size": 32, "patch_size": 8}
+# the sizes of the encoder-decoders (Whisper, BART, DETR), in their configs' own names
+_ENC_DEC = {
+    "d_model": 32,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+}
 # name -> (config class, model class, task, config kwargs)
 SPECS: dict[str, tuple[str, str, str, dict]] = {
     "bert": ("BertConfig", "BertModel", "feature-extraction", _V),
@@ -58,13 +68,7 @@ SPECS: dict[str, tuple[str, str, str, dict]] = {
         "automatic-speech-recognition-with-past",
         {
             "vocab_size": 100,
-            "d_model": 32,
-            "encoder_layers": 2,
-            "decoder_layers": 2,
-            "encoder_attention_heads": 4,
-            "decoder_attention_heads": 4,
-            "encoder_ffn_dim": 64,
-            "decoder_ffn_dim": 64,
+            **_ENC_DEC,
             "num_mel_bins": 16,
             "max_source_positions": 1500,
             "max_target_positions": 64,
@@ -94,13 +98,7 @@ SPECS: dict[str, tuple[str, str, str, dict]] = {
         "text2text-generation-with-past",
         {
             "vocab_size": 100,
-            "d_model": 32,
-            "encoder_layers": 2,
-            "decoder_layers": 2,
-            "encoder_attention_heads": 4,
-            "decoder_attention_heads": 4,
-            "encoder_ffn_dim": 64,
-            "decoder_ffn_dim": 64,
+            **_ENC_DEC,
             "max_position_embeddings": 128,
         },
     ),
@@ -173,13 +171,7 @@ SPECS: dict[str, tuple[str, str, str, dict]] = {
                 "depths": [1, 1, 1, 1],
                 "out_features": ["stage4"],
             },
-            "d_model": 32,
-            "encoder_layers": 2,
-            "decoder_layers": 2,
-            "encoder_attention_heads": 4,
-            "decoder_attention_heads": 4,
-            "encoder_ffn_dim": 64,
-            "decoder_ffn_dim": 64,
+            **_ENC_DEC,
             "num_queries": 10,
         },
     ),

@@ -260,16 +260,7 @@ class Verifier:
         rewrites move its outputs. Beyond the tolerance, the outputs are not continuous in rounding (a TopK,
         ArgMax or NMS over near-tied scores: RT-DETR picks its queries that way), and no rewrite that changes
         rounding can verify on these inputs."""
-        stats = []
-        for input_set, reference in zip(self.input_sets, self.reference, strict=True):
-            got = session.run(None, input_set.feeds)
-            stats += [
-                compare_output(input_set.name, name, ref, out, self.tolerance)
-                for name, ref, out in zip(self.output_names, reference, got, strict=True)
-            ]
-        failed = next((o for o in stats if not o.ok), None)
-        reason = None if failed is None else f"{failed.input_set}: {failed.name}: {failed.reason}"
-        return VerificationResult(failed is None, stats, reason).worst()
+        return self._compare([session.run(None, s.feeds) for s in self.input_sets], {}).worst()
 
     def check(
         self,

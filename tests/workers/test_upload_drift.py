@@ -64,7 +64,7 @@ def test_drift_beyond_tolerance_names_the_set_and_output(mlp_path: Path) -> None
     verifier = _verifier(mlp_path)
     drift = verifier.drift(_Moved(mlp_path, 0.7))
     assert drift["ok"] is False and abs(drift["max_abs"] - 0.7) < 1e-3
-    assert drift["reason"].startswith(verifier.input_sets[0].name + ": " + verifier.output_names[0])
+    assert drift["reason"].startswith(f"output {verifier.output_names[0]!r} on {verifier.input_sets[0].name}: ")
 
 
 def test_the_job_report_carries_the_drift_and_the_html_shows_it(
