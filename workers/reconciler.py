@@ -23,7 +23,8 @@ the ones still in flight. Re-enqueueing at 0 would have put a flooding team's lo
 other team's first ones.
 
 In embedded mode each round also deletes consumed message files older than a day from the filesystem
-queue's ``processed/`` folder.
+queue's ``processed/`` folder. Every round deletes the attempt directories that killed attempts left and no
+later attempt will (``workers.runner.prune_attempt_dirs``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from core.broker import QUEUES, Dispatcher, queue_dirs
 from core.errors import UnavailableError
 from core.quotas import Quota
+from workers.runner import prune_attempt_dirs
 
 if TYPE_CHECKING:
     from core.broker import Dispatcher
@@ -285,6 +287,7 @@ def start_reconciler_thread(
             try:
                 reconcile_once(store, dispatcher, settings)
                 prune_processed(settings)
+                prune_attempt_dirs(settings, store)
             except Exception:  # a database outage must not kill the thread; try again next round
                 log.warning("reconciler round failed", exc_info=True)
 

@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.errors import InvalidModelError, OnnxforgeError
+from core.errors import InvalidModelError, NotFoundError, OnnxforgeError
 from core.hardware import hardware_class
+from core.jobtable import valid_id
 from core.logs import bind
 from workers.archive import SAFE_NAME, extract_archive
 from workers.child import FAULT_ENV
@@ -430,6 +431,45 @@ def run_job(job_id: str, settings: Settings, store: JobStore, blobs: BlobStore, 
         shutil.rmtree(base, ignore_errors=True)
         with contextlib.suppress(OSError):
             base.parent.rmdir()  # only if no other attempt directory is left
+
+
+def prune_attempt_dirs(settings: Settings, store: JobStore) -> int:
+    """Delete attempt directories no attempt will clean up; returns how many went.
+
+    An attempt removes its own directory when it ends, and a later attempt the ones before it. A worker
+    killed between its commit and that clean-up (or holding the last attempt a WORKER_LOST cap ends) leaves
+    one that nobody would. Every reconciler round calls this. It removes ``attempt-<n>`` when the job is
+    terminal, gone, or claimed again since (``attempts > n``): the live attempt's directory is made only
+    after its claim, so it always has ``n == attempts``, and an attempt that lost its claim can never commit.
+    """
+    work = settings.storage.work_dir
+    try:
+        job_dirs = [e for e in os.scandir(work) if e.is_dir(follow_symlinks=False) and valid_id(e.name)]
+    except OSError:
+        return 0
+    removed = 0
+    for job_dir in job_dirs:
+        attempts = [
+            (int(d.name.removeprefix("attempt-")), Path(d.path))
+            for d in os.scandir(job_dir.path)
+            if d.name.startswith("attempt-") and d.name.removeprefix("attempt-").isdigit()
+        ]
+        if not attempts:
+            continue
+        try:
+            job = store.get(job_dir.name)
+            live = None if job.terminal else int(job.attempts)
+        except NotFoundError:
+            live = None
+        for number, path in attempts:
+            if number != live:
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
+        with contextlib.suppress(OSError):
+            os.rmdir(job_dir.path)  # only if no attempt directory is left
+    if removed:
+        log.info("removed %d attempt directories left by killed attempts", removed)
+    return removed
 
 
 def _remove_earlier_attempts(job_dir: Path, attempt: int) -> None:

@@ -169,8 +169,13 @@ def run_chaos(
                 if final[i]["state"] == "failed":
                     code = (final[i].get("error") or {}).get("code") or "?"
                     failed_codes[code] = failed_codes.get(code, 0) + 1
-            work = stack.data_dir / "work"
-            leftover = sorted(str(p.relative_to(work)) for p in work.glob("*/attempt-*")) if work.exists() else []
+            # A worker killed between its commit and its clean-up leaves its attempt directory to the next
+            # reconciler round (workers/runner.py prune_attempt_dirs): give a few rounds before counting.
+            leftover = _attempt_dirs(stack.data_dir / "work")
+            settle = time.monotonic() + 3 * reconcile_seconds + 5
+            while leftover and time.monotonic() < settle:
+                time.sleep(0.5)
+                leftover = _attempt_dirs(stack.data_dir / "work")
             result.update(
                 chaos_seconds=round((done_at or time.monotonic()) - t0, 2),
                 drained=done_at is not None,
@@ -182,6 +187,14 @@ def run_chaos(
                 lost_detail={i: [final[i]["state"], final[i]["attempts"], final[i].get("stage")] for i in lost},
                 succeeded=len(succeeded),
                 failed_codes=failed_codes,
+                failed_detail={
+                    i: [
+                        (final[i].get("error") or {}).get("code"),
+                        str((final[i].get("error") or {}).get("message"))[:300],
+                    ]
+                    for i in ids
+                    if final[i]["state"] == "failed"
+                },
                 max_attempts_seen=max(final[i]["attempts"] for i in ids),
                 attempts_over_cap=[i for i in ids if final[i]["attempts"] > max_attempts],
                 artifacts_matching_reference=hashes_ok,
@@ -193,6 +206,7 @@ def run_chaos(
                 recoveries_measured=len(recoveries),
                 unrecovered_kills=len(pending),
                 leftover_attempt_dirs=len(leftover),
+                leftover_attempt_dir_names=leftover,
                 children_left=len(stack.children()),
                 broker_max_waiting=probe.max_waiting,
                 broker_max_excess=probe.max_excess,
@@ -210,6 +224,10 @@ def run_chaos(
                 redis.stop()
         result["children_after_close"] = len(stack.children())
     return result
+
+
+def _attempt_dirs(work: Path) -> list[str]:
+    return sorted(str(p.relative_to(work)) for p in work.glob("*/attempt-*")) if work.exists() else []
 
 
 def _chaos_kill(

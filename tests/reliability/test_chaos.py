@@ -49,7 +49,7 @@ def test_chaos_commits_one_artifact_identical_to_a_kill_free_run_per_succeeded_j
     assert chaos["artifacts_matching_reference"] == chaos["succeeded"], chaos["artifacts_mismatched"]
     assert chaos["artifacts_missing_blob"] == []
     assert chaos["attempts_over_cap"] == [] and chaos["max_attempts_seen"] <= MAX_ATTEMPTS
-    assert set(chaos["failed_codes"]) <= KILL_OUTCOMES, chaos["failed_codes"]
+    assert set(chaos["failed_codes"]) <= KILL_OUTCOMES, chaos["failed_detail"]
     assert chaos["failed_codes"].get("RESOURCE_LIMIT_EXCEEDED", 0) <= chaos["kills_by_kind"]["child"]
 
 
@@ -66,7 +66,7 @@ def test_chaos_leaves_no_process_behind(chaos: dict[str, Any]):
 
 
 def test_chaos_leaves_no_attempt_directory_of_killed_attempts(chaos: dict[str, Any]):
-    assert chaos["leftover_attempt_dirs"] == 0
+    assert chaos["leftover_attempt_dirs"] == 0, chaos["leftover_attempt_dir_names"]
 
 
 def test_chaos_enqueues_again_only_what_kills_lost_when_backlog_outlasts_two_leases(chaos: dict[str, Any]):

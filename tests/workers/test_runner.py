@@ -24,7 +24,7 @@ from core.storage import BlobStore
 from core.store import JobStore
 from workers.archive import extract_archive
 from workers.child import FAULT_ENV
-from workers.runner import classify_exit, deterministic_zip, run_job
+from workers.runner import classify_exit, deterministic_zip, prune_attempt_dirs, run_job
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "mlp_cleanup.onnx"
 FAST = {"benchmark_warmup": 1, "benchmark_min_runs": 3, "benchmark_max_seconds": 0.3, "ledger_runs": 2}
@@ -312,3 +312,28 @@ def test_classify_exit_maps_signals_when_child_killed(tmp_path):
     assert classify_exit(-9, tmp_path).code == "RESOURCE_LIMIT_EXCEEDED"
     assert classify_exit(-24, tmp_path).code == "TIMEOUT"  # SIGXCPU
     assert classify_exit(0, tmp_path).code == "INTERNAL_ERROR"  # exit 0 without result.json
+
+
+def test_prune_attempt_dirs_keeps_only_the_live_attempt(settings: Settings, store: JobStore, blobs: BlobStore):
+    # What a worker killed between its commit and its clean-up leaves: nobody claims that job again.
+    running, finished = _submit(store, blobs), _submit(store, blobs)
+    for _ in range(2):
+        claimed = store.claim(running, "w", lease_seconds=0, max_attempts=3)  # lease 0: claimable again at once
+        assert claimed is not None
+    assert store.claim(finished, "w", lease_seconds=30, max_attempts=3) is not None
+    store.fail(finished, 1, code="INVALID_MODEL", message="x")
+    gone = "0b8a2d1e-6a47-4c0e-9d5f-1f0a5e7c3b21"  # a job the retention sweep already deleted
+    work = settings.storage.work_dir
+    made = [work / running / "attempt-1", work / running / "attempt-2", work / finished / "attempt-1"]
+    made += [work / gone / "attempt-3", work / "not-a-job" / "attempt-1"]
+    for d in made:
+        (d / "input").mkdir(parents=True)
+        (d / "input" / "model.onnx").write_bytes(b"x" * 10)
+
+    assert prune_attempt_dirs(settings, store) == 3
+    assert sorted(str(p.relative_to(work)) for p in work.glob("*/attempt-*")) == [
+        f"{running}/attempt-2",
+        "not-a-job/attempt-1",  # not named like a job: not ours to judge
+    ]
+    assert not (work / finished).exists() and not (work / gone).exists()
+    assert prune_attempt_dirs(settings, store) == 0
