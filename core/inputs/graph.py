@@ -95,7 +95,7 @@ class InputRole:
 
     name: str
     role: str  # token_ids, attention_mask, token_type_ids, position_ids, labels, past_key_values,
-    #            pixel_values, audio, features, float, int, bool
+    #            pixel_values, audio, features, float, int, bool, strings
     why: str
     high: int | None = None  # exclusive upper bound of integer values (vocabulary, type table, classes)
     markers: tuple[int, ...] = ()  # ids the graph selects positions by: one per row, at its last valid token
@@ -107,6 +107,7 @@ class InputRole:
     decoder: bool = False
     cross: bool = False  # an attention mask over the encoder's sequence (cross-attention), not past + new
     cache_value: bool = True  # use_cache_branch: the value that selects the branch reading the cache
+    words: tuple[str, ...] = ()  # strings: the values drawn from
 
     def min_length(self, out: int = 1, axis: int = 0) -> int:
         """The spatial length on ``axis`` that makes the stack yield ``out`` positions."""
@@ -476,6 +477,8 @@ def _role(
             return role
         high = DEFAULT_IDS_HIGH if _IDS_NAME.search(name) else DEFAULT_INT_HIGH
         return InputRole(name, "int", f"integer input not read as an index: values below {high}", high=high)
+    if kind == "O":
+        return _strings_role(value)
     if kind != "f":
         return InputRole(name, "unsupported", f"dtype {value.dtype}")
     if _PAST_NAME.search(name) and rank >= 3:
@@ -511,6 +514,47 @@ def _role(
     if decoder:
         return InputRole(name, "float", "decoder float input (encoder states): N(0, 1)", decoder=True)
     return InputRole(name, "float", "float input: N(0, 1)")
+
+
+# Where an ai.onnx.ml or ai.onnx op lists the strings it recognises (the categories of a fitted encoder).
+_STRING_TABLES = {
+    "OneHotEncoder": ("cats_strings",),
+    "CategoryMapper": ("cats_strings",),
+    "LabelEncoder": ("keys_strings",),
+    "TfIdfVectorizer": ("pool_strings",),
+}
+# Ops that pass strings on unchanged in content (a table behind them still reads the input's values).
+_STRING_CARRIERS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten", "Concat", "Slice", "Gather"})
+DEFAULT_WORDS = ("a", "b", "c", "d")
+
+
+def _strings_role(value: ir.Value) -> InputRole:
+    """A string input: values drawn from the categories the graph's encoders were fitted on (a category outside
+    them is an error for an encoder that keeps no 'unknown' slot), or a few short words when none reads it."""
+    words: list[str] = []
+    tables: list[str] = []
+    frontier, seen = [value], set()
+    while frontier:
+        current = frontier.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for node, _ in current.uses():
+            for attr_name in _STRING_TABLES.get(node.op_type, ()):
+                attr = node.attributes.get(attr_name)
+                if attr is None:
+                    continue
+                found = [w.decode() if isinstance(w, bytes) else str(w) for w in attr.value]
+                words += [w for w in found if w not in words]
+                tables.append(f"{node.op_type}.{attr_name}")
+            if node.op_type == "StringNormalizer" or node.op_type in _STRING_CARRIERS:
+                frontier.extend(o for o in node.outputs if o.dtype in (ir.DataType.STRING, None))
+    name = value.name or ""
+    if words:
+        why = f"strings from the {len(words)} categories of {', '.join(sorted(set(tables)))}"
+        return InputRole(name, "strings", why, words=tuple(words))
+    return InputRole(name, "strings", f"strings: no category table reads it, words {list(DEFAULT_WORDS)}",
+                     words=DEFAULT_WORDS)  # fmt: skip
 
 
 def _branch_flag(value: ir.Value, has_past: bool) -> InputRole | None:

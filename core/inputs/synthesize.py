@@ -379,6 +379,8 @@ class InputSynthesis:
             return _mask(shape, rng, past, guess.padding and not self.facts.causal_lm).astype(dtype)
         if kind == "bool":
             return rng.integers(0, 2, size=shape).astype(bool)
+        if kind == "strings":
+            return np.asarray(role.words, dtype=object)[rng.integers(0, len(role.words), size=shape)]
         if kind == "token_type_ids":
             return rng.integers(0, role.high or 2, size=shape).astype(dtype)
         if kind == "position_ids" and shape:

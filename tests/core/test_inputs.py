@@ -283,3 +283,46 @@ def test_analyze_reads_token_ids_through_an_int4_embedding_table_when_gatherbloc
     )
     role = analyze(model).roles["input_ids"]
     assert role.role == "token_ids" and role.high == rows
+
+
+def _categorical_model(zeros: int) -> onnx.ModelProto:
+    """skl2onnx's layout of a ColumnTransformer's categorical column: a string input gathered to one column,
+    one-hot encoded by the categories it was fitted on (``zeros=0``: an unseen category is an error)."""
+    nodes = [
+        helper.make_node("Gather", ["colour", "column"], ["picked"], axis=1),
+        helper.make_node("OneHotEncoder", ["picked"], ["onehot"], domain="ai.onnx.ml",
+                         cats_strings=["red", "green", "blue"], zeros=zeros),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "categorical",
+        [helper.make_tensor_value_info("colour", TensorProto.STRING, [None, 1])],
+        [helper.make_tensor_value_info("onehot", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([0], np.int64), "column")],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_generated_strings_are_the_categories_of_the_encoder_that_reads_them(tmp_path: Path) -> None:
+    # Before: "input 'colour' has dtype object, for which no inputs can be generated; upload samples.npz".
+    model = _categorical_model(zeros=0)
+    role = analyze(model).roles["colour"]
+    assert role.role == "strings" and role.words == ("red", "green", "blue") and "OneHotEncoder" in role.why
+    path = tmp_path / "categorical.onnx"
+    onnx.save(model, str(path))
+    sets = verified_sets(path)
+    values = {str(v) for s in sets for v in s.feeds["colour"].ravel()}
+    assert values <= {"red", "green", "blue"} and len(values) > 1
+    assert {s.feeds["colour"].dtype for s in sets} == {np.dtype(object)}
+
+
+def test_generated_strings_are_plain_words_when_no_category_table_reads_them() -> None:
+    graph = helper.make_graph(
+        [helper.make_node("StringNormalizer", ["text"], ["lower"], case_change_action="LOWER")],
+        "normalize",
+        [helper.make_tensor_value_info("text", TensorProto.STRING, [None])],
+        [helper.make_tensor_value_info("lower", TensorProto.STRING, None)],
+    )
+    role = analyze(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).roles["text"]
+    assert role.role == "strings" and role.words and "no category table" in role.why
