@@ -29,7 +29,9 @@ from core.model_files import save_model
 from core.recipe import RECIPE_KEY
 from core.version import __version__
 from passes._infra import Pass
+from workers import output_adapters
 from workers.model_check import check_model, sorted_copy, unsorted_nodes
+from workers.output_adapters import DetachedOutputs
 
 MODEL_FILE = "model.onnx"
 META_PREFIX = "onnxforge."
@@ -46,10 +48,11 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_checked(path: Path) -> onnx.ModelProto:
-    """The upload, weights inlined, after the model check (``onnx.checker``, I/O shapes optional).
+def load_checked(path: Path) -> tuple[onnx.ModelProto, DetachedOutputs | None]:
+    """The upload, weights inlined, after the model check (``onnx.checker``, I/O shapes optional), with its
+    trailing ZipMaps taken off (``workers.output_adapters``; what was taken, or None).
 
-    InvalidModelError when it does not load or check."""
+    InvalidModelError when it does not load or check, or holds another map-typed value."""
     try:
         proto = onnx.load(str(path), load_external_data=True)
         check_model(path)
@@ -57,14 +60,15 @@ def load_checked(path: Path) -> onnx.ModelProto:
         raise InvalidModelError(
             f"the model does not load or check: {type(exc).__name__}: {exc}", code="INVALID_MODEL"
         ) from exc
+    proto, taken = output_adapters.detach(proto)
     if mapped := _map_typed(proto):
         raise InvalidModelError(
             f"the model's {mapped} has a map type, which onnxforge cannot read (its graph library, onnx-ir, has "
-            "no map type; ONNX Runtime runs it). A scikit-learn classifier converted by skl2onnx gives one "
-            "(ZipMap): convert it with options={'zipmap': False} to get its probabilities as a tensor",
+            "no map type; ONNX Runtime runs it). A ZipMap that ends a classifier is taken off and put back; a map "
+            "anywhere else is not (a DictVectorizer's input: send the features as a tensor)",
             code="UNSUPPORTED_MODEL",
         )
-    return sorted_copy(proto) if unsorted_nodes(proto) else proto
+    return (sorted_copy(proto) if unsorted_nodes(proto) else proto), taken
 
 
 def _map_typed(proto: onnx.ModelProto) -> str | None:

@@ -44,7 +44,7 @@ from core.config import EXACT_TOLERANCE, JobConfig, Tolerance
 from core.inputs import InputSet, InputSynthesis, load_raw_samples, make_input_sets, serving_input_set
 from core.precision import compute_precision
 from passes._infra import Pass, op_histogram
-from workers import artifacts, auto_search, gate
+from workers import artifacts, auto_search, gate, output_adapters
 from workers import report as report_mod
 from workers.benchmark import BenchmarkParams, SessionPool, measure
 from workers.decoder_benchmark import decoder_section
@@ -235,7 +235,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     progress("loading", 0.0)
     with stages("load"):
         source_sha = artifacts.sha256_file(source)
-        proto = artifacts.load_checked(source)
+        proto, zipmaps = artifacts.load_checked(source)
         source_external = artifacts.external_files(source)
         resolved = (request.pass_resolver or resolve_passes)(config, settings)
         # float32 outputs of half-precision arithmetic are compared at that precision's floor (core.precision)
@@ -246,13 +246,28 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             for p in every:
                 p.confine_paths(request.input_root)
         hist_before = op_histogram(ir.serde.deserialize_model(proto))
+        if zipmaps is not None:
+            hist_before[f"{output_adapters.ML_DOMAIN}::ZipMap"] += len(zipmaps.nodes)
         dynamic_axes = artifacts.proto_dynamic_axes(proto)
-    with stages("inputs"):  # the input sets, and the original's reference outputs on them (once per job)
-        inputs = _inputs(request, proto, every)
-        del proto
-        verifier = Verifier(
-            source, inputs.sets, resolved.tolerance, target=config.target, intra_op_threads=settings.intra_op_threads
-        )
+    upload = source
+    try:
+        if zipmaps is not None:  # the job runs on the upload without them (workers/output_adapters.py)
+            source = out / ".upload-without-zipmap.onnx"
+            onnx.save(proto, str(source))
+        with stages("inputs"):  # the input sets, and the original's reference outputs on them (once per job)
+            inputs = _inputs(request, proto, every)
+            del proto
+            verifier = Verifier(
+                source,
+                inputs.sets,
+                resolved.tolerance,
+                target=config.target,
+                intra_op_threads=settings.intra_op_threads,
+            )
+    except BaseException:
+        if source != upload:
+            source.unlink(missing_ok=True)
+        raise
     progress("loading", 1.0)
 
     quick = BenchmarkParams.from_settings(settings, target=config.target, quick=True)
@@ -316,19 +331,24 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         decision = verdict.decision
         if upload_drift["ok"] is False:
             decision["reason"] += f"; {UNSTABLE}: {upload_drift['reason']}"
+        if zipmaps is not None and decision["result"] != "failed":
+            decision["reason"] += f"; note: {zipmaps.note()}"
         final_path, external, side = artifact, [], []  # a failed job's artifact is reported on, never handed back
         with stages("artifact"):
             if decision["result"] != "failed":
+                if zipmaps is not None and not decision["used_original"]:
+                    output_adapters.reattach(artifact, zipmaps)
+                    output_adapters.check_reattached(upload, artifact, inputs.sets[0].feeds, resolved.tolerance)
                 final_path, external, side = artifacts.place(
                     use_original=decision["used_original"],
                     artifact=artifact,
-                    source=source,
+                    source=upload,
                     source_external=source_external,
                     output_dir=out,
                     side_suffixes=ledger.side_files,
                 )
             if decision["used_original"]:
-                verification = verifier.check(final_path)  # the upload defines every position
+                verification = verifier.check(source)  # the upload defines every position
 
         # decoder: prefill and decode of a KV-cache decoder, original vs the model handed back
         progress("decoder", 0.0)  # its own stage in the job row's timings: seconds on a decoder
@@ -347,7 +367,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
             preset=resolved.preset,
             tolerance=resolved.tolerance,
             intra_op_threads=settings.intra_op_threads,
-            source=source,
+            source=upload,
             source_sha=source_sha,
             source_external=source_external,
             hist_before=hist_before,
@@ -378,6 +398,8 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     finally:
         pool.close()
         shutil.rmtree(work, ignore_errors=True)
+        if source != upload:
+            source.unlink(missing_ok=True)
 
 
 # The decision's note when ORT's own optimizations move the upload's outputs beyond the tolerance.
