@@ -297,6 +297,7 @@ def run_exports(
                 f"{'yes' if job['exact'] else 'no'} ({job['max_abs']:.1e})",
                 ", ".join(job["applied"]),
                 *own,
-                f"x{job.get('gate_speedup') or 0:.2f}; " + "; ".join(job_notes(job))[:300],
+                (f"x{job['gate_speedup']:.2f}; " if job.get("gate_speedup") else "not timed; ")
+                + "; ".join(job_notes(job))[:300],
             ]
         print("| " + " | ".join(c.replace("|", "/") for c in cells) + " |", flush=True)
