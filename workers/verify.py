@@ -133,7 +133,7 @@ def compare_output(input_set: str, name: str, ref: np.ndarray, got: np.ndarray, 
             stats.max_abs, stats.max_rel = 0.0, 0.0
     else:
         close = ref == got
-        if ref.size:
+        if ref.size and ref.dtype.kind in "iub":  # strings (a classifier's labels) have equality only
             stats.max_abs = float(np.abs(got.astype(np.float64) - ref.astype(np.float64)).max())
     stats.mismatches = int(ref.size - int(np.count_nonzero(close)))
     stats.mismatch_ratio = stats.mismatches / ref.size if ref.size else 0.0

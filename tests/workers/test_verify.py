@@ -121,6 +121,17 @@ def test_compare_output_counts_mismatches_when_values_drift() -> None:
     assert "3/100" in (stats.reason or "")
 
 
+def test_compare_output_compares_string_labels_by_equality() -> None:
+    # A scikit-learn classifier fitted on string classes outputs its labels as strings: the comparison raised
+    # "could not convert string to float" and failed the job.
+    ref = np.array(["low", "mid", "high", "mid"], dtype=object)
+    assert compare_output("s", "label", ref, ref.copy(), TOL).ok
+    got = ref.copy()
+    got[1] = "low"
+    stats = compare_output("s", "label", ref, got, TOL)
+    assert not stats.ok and stats.mismatches == 1 and "1/4 elements differ" in (stats.reason or "")
+
+
 def test_compare_output_passes_when_mismatch_ratio_is_allowed() -> None:
     ref = np.linspace(1, 2, 100, dtype=np.float32)
     got = ref.copy()
