@@ -13,7 +13,9 @@ the boosting libraries are no dependency of this project):
 Models (fitted on 400 rows of a synthetic 12-feature task, float inputs with a dynamic batch, the converters'
 default options unless the name says otherwise): logistic regression (with its ZipMap, and ``zipmap=False``), a
 random forest, gradient boosting regression, a scaler + PCA + RBF-SVC pipeline, an MLP, k-means, a
-column-transformer pipeline with one-hot categories (string input), LightGBM and XGBoost classifiers.
+column-transformer pipeline with one-hot categories (string input), a TF-IDF text classifier (string input,
+tokenized in the graph), LightGBM and XGBoost classifiers, and ``*_default``: a forest with string class labels,
+the MLP and LightGBM with the converters' default ZipMap output.
 """
 
 from __future__ import annotations
@@ -87,6 +89,20 @@ def build() -> None:
         "sk_columns",
         {**{c: x[:5, i : i + 1] for i, c in enumerate("abc")}, "colour": colours[:5]},
     )
+
+    # the converters' defaults, as a user sends them: ZipMap'ed probabilities, string class labels
+    named = np.array(["low", "mid", "high"])[y]
+    forest_named = RandomForestClassifier(n_estimators=10, max_depth=5, random_state=0).fit(x, named)
+    save(to_onnx(forest_named, initial_types=floats), "sk_forest_default", feed)
+    save(to_onnx(mlp, initial_types=floats), "sk_mlp_default", feed)
+    lgbm_default = LGBMClassifier(n_estimators=10, num_leaves=7, verbose=-1).fit(x, y)
+    save(convert_lightgbm(lgbm_default, initial_types=[("features", MlFloat([None, 12]))]), "lgbm_default", feed)
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    docs = np.array([f"word{i % 7} token{i % 5} item{i % 3}" for i in range(400)])
+    text = make_pipeline(TfidfVectorizer(), LogisticRegression(max_iter=300)).fit(docs, y)
+    text_proto = to_onnx(text, initial_types=[("text", StringTensorType([None, 1]))], options={id(text[-1]): {"zipmap": False}, TfidfVectorizer: {"locale": "C"}})
+    save(text_proto, "sk_tfidf_text", {"text": docs[:5].reshape(-1, 1)})
 
     lgbm = LGBMClassifier(n_estimators=20, num_leaves=15, verbose=-1).fit(x, y)
     save(convert_lightgbm(lgbm, initial_types=[("features", MlFloat([None, 12]))], zipmap=False), "lgbm", feed)
