@@ -26,6 +26,7 @@ that was not applied (a cycle, a failed check), instead of a rule's complaint ab
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from passes._infra import NonMatch
@@ -129,6 +130,12 @@ def _attention_left_by_design(softmax: ir.Node) -> str | None:
             f"its probabilities are the model's output {shown!r} (output_attentions): a fused attention kernel "
             "does not return them, so this layer stays unfused"
         )
+    if (values := _tensor_scale(softmax)) is not None:
+        return (
+            f"its scores are scaled by a tensor of {values} distinct values (a learned temperature per head: "
+            "cross-covariance attention, EdgeNeXt's and XCiT's), and the fused attention kernels take one scalar "
+            "scale"
+        )
     if _one_query_row(softmax):
         return (
             "its queries are one row (a slice of the output, the CLS token's, moved up into the block by "
@@ -148,6 +155,24 @@ def _probabilities_shown(softmax: ir.Node) -> str | None:
         if len(readers) != 1:
             return None
         value = readers[0].outputs[0]
+    return None
+
+
+def _tensor_scale(softmax: ir.Node) -> int | None:
+    """How many distinct values the constant scaling the Softmax's scores holds (through a mask's Add or
+    Where), when more than one: a scale per head, which no attention kernel's scalar ``scale`` can carry."""
+    value = softmax.inputs[0]
+    for _ in range(3):
+        node = value.producer() if value is not None else None
+        if node is None or node.domain not in _ONNX or node.op_type not in ("Mul", "Div", "Add", "Where"):
+            return None
+        if node.op_type in ("Mul", "Div"):
+            for operand in node.inputs[1:] if node.op_type == "Div" else node.inputs:
+                array = operand.const_value.numpy() if operand is not None and operand.const_value else None
+                if array is not None and array.size > 1 and (distinct := len(np.unique(array))) > 1:
+                    return distinct
+            return None
+        value = node.inputs[1] if node.op_type == "Where" else node.inputs[0]
     return None
 
 

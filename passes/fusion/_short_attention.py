@@ -7,6 +7,9 @@ scores::
     s = MatMul(q, kT) [* scale]      q, k, v: [batch * windows, heads, w*w, d]
     Softmax(Add(s, bias))            bias: [1, heads, w*w, w*w] (+ mask): static, broadcast over the batch
 
+(a shifted block adds its mask on a ``[batch, windows, heads, w*w, w*w]`` view in between: ``Softmax(Reshape(
+Add(Reshape(Add(s, bias)), mask)))``, as timm's and torchvision's Swin write it)
+
 onnxscript's SDPA -> MultiHeadAttention rules take ``bias`` as ``attention_bias``, already broadcastable (no
 ``Expand`` to the batch is left: ``drop_noop_bias_expands``). The cost is the kernel's: ORT's CPU
 ``MultiHeadAttention`` runs its flash kernel (``MlasFlashAttention``) only without an ``attention_bias``;
@@ -37,9 +40,26 @@ _ONNX_DOMAINS = ("", "ai.onnx")
 SHORT = 64  # the longest static window measured slower fused (above: within a few percent, then faster)
 
 
-def _short_biased(softmax: ir.Node) -> tuple[int, int] | None:
-    """(S, T) when ``softmax`` normalizes scores with a per-head bias over static lengths of at most ``SHORT``."""
-    scores = softmax.inputs[0]
+def _window_scores(softmax: ir.Node) -> ir.Value | None:
+    """The biased scores ``softmax`` normalizes: its input, or in a shifted-window block the scores under the
+    shift mask, which Swin adds on a ``[B, windows, heads, S, S]`` view: ``Reshape(Add(Reshape(s), mask))``."""
+    value = softmax.inputs[0]
+    reshape = value.producer() if value is not None else None
+    if reshape is None or reshape.op_type != "Reshape" or reshape.inputs[0] is None:
+        return value
+    masked = reshape.inputs[0].producer()
+    if masked is None or masked.op_type != "Add" or masked.domain not in _ONNX_DOMAINS:
+        return value
+    for term in masked.inputs:
+        view = term.producer() if term is not None else None
+        if view is not None and view.op_type == "Reshape" and view.inputs[0] is not None:
+            return view.inputs[0]
+    return value
+
+
+def _short_biased(scores: ir.Value | None) -> tuple[int, int] | None:
+    """(S, T) when ``scores`` (what a Softmax normalizes) are scores with a per-head bias over static lengths of
+    at most ``SHORT``."""
     add = scores.producer() if scores is not None else None
     if add is None or add.op_type != "Add" or add.domain not in _ONNX_DOMAINS:
         return None
@@ -66,11 +86,12 @@ def short_biased_attention(model: ir.Model) -> str | None:
     for node in model.graph:
         if node.op_type != "Softmax" or node.domain not in _ONNX_DOMAINS:
             continue
-        source = node.inputs[0].producer() if node.inputs[0] is not None else None
+        scores = _window_scores(node)
+        source = scores.producer() if scores is not None else None
         feeds_scores = source is not None and any(_is_scores(v) for v in source.inputs if v is not None)
-        if not (_is_scores(node.inputs[0]) or feeds_scores):
+        if not (_is_scores(scores) or feeds_scores):
             continue  # a Softmax that normalizes something other than attention scores
-        blocks.append(_short_biased(node))
+        blocks.append(_short_biased(scores))
     windows = [b for b in blocks if b is not None]
     if not blocks or len(windows) < len(blocks):
         return None

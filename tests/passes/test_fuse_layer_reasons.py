@@ -131,3 +131,29 @@ def test_layer_whose_probabilities_are_a_model_output_is_named_with_that_reason(
     for want, got in zip(reference.run(None, {"input_ids": ids, "attention_mask": mask}),
                          candidate.run(None, {"input_ids": ids, "attention_mask": mask}), strict=True):  # fmt: skip
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_whose_scores_are_scaled_per_head_is_named_left_unfused_by_design():
+    # setup: layer 0's scores scaled by a learned temperature per head (cross-covariance attention, timm's
+    # EdgeNeXt and XCiT), which no attention kernel's scalar scale carries: the report quoted onnxscript's
+    # closest match and counted the layer as missing
+    model = ir.load(MODELS / "ts_bert_eager.onnx")
+    ShapeInferencePass()(model)
+    softmax = next(n for n in model.graph if n.op_type == "Softmax")
+    add = softmax.inputs[0].producer()
+    scale = next(v.producer() for v in add.inputs if v.producer() is not None and v.producer().op_type == "Mul")
+    scores = next(v for v in scale.inputs if v.const_value is None)
+    heads = 4  # tests/models/build_torchscript.py
+    temperature = const(np.linspace(0.2, 0.5, heads, dtype=np.float32).reshape(heads, 1, 1), "probe/temperature")
+    model.graph.insert_before(scale, [temperature])
+    scale.replace_input_with(1 if scale.inputs[0] is scores else 0, temperature.outputs[0])
+    original = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    fuse_transformer._LAST.clear()
+    # execute
+    result = FuseTransformer({"pack_qkv": True})(model)
+    # assert
+    assert result.counts["fused_attention"] == 1  # the other layer still fuses
+    (reason,) = [m.reason for m in result.non_matches if m.node == softmax.name]
+    assert f"scaled by a tensor of {heads} distinct values" in reason
+    assert "left unfused by design" in result.notes["missing"]["attention"]
+    assert_same_as(original, result.model)
