@@ -101,7 +101,11 @@ def build() -> None:
 
     docs = np.array([f"word{i % 7} token{i % 5} item{i % 3}" for i in range(400)])
     text = make_pipeline(TfidfVectorizer(), LogisticRegression(max_iter=300)).fit(docs, y)
-    text_proto = to_onnx(text, initial_types=[("text", StringTensorType([None, 1]))], options={id(text[-1]): {"zipmap": False}, TfidfVectorizer: {"locale": "C"}})
+    text_proto = to_onnx(
+        text,
+        initial_types=[("text", StringTensorType([None, 1]))],
+        options={id(text[-1]): {"zipmap": False}, TfidfVectorizer: {"locale": "C"}},
+    )
     save(text_proto, "sk_tfidf_text", {"text": docs[:5].reshape(-1, 1)})
 
     lgbm = LGBMClassifier(n_estimators=20, num_leaves=15, verbose=-1).fit(x, y)
