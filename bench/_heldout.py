@@ -271,6 +271,15 @@ def encoder_main(
     return 0
 
 
+def attention_cell(counts: Row) -> str:
+    """The attention fusions of a row's structure counts: fused / expected."""
+    fused = counts.get("fusions", {}).get("attention", {})
+    return f"{fused.get('found', 0)}/{fused.get('expected', 0)}"
+
+
+ATTENTION_COLUMN = ("attention fused / expected", attention_cell)
+
+
 def run_exports(
     paths: Iterable[Path],
     extra: tuple[str, Callable[[Row], str]] | None = None,

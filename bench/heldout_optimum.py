@@ -216,12 +216,8 @@ def run(only: list[str]) -> None:
         sys.path.insert(0, str(REPO))
     from bench import _heldout
 
-    def attention(counts: dict) -> str:
-        fused = counts.get("fusions", {}).get("attention", {})
-        return f"{fused.get('found', 0)}/{fused.get('expected', 0)}"
-
     paths = [p for name in (only or SPECS) for p in sorted((OUT / name).glob("*.onnx"))]
-    _heldout.run_exports(paths, ("attention fused / Softmax", attention), label=lambda p: f"{p.parent.name}/{p.stem}")
+    _heldout.run_exports(paths, _heldout.ATTENTION_COLUMN, label=lambda p: f"{p.parent.name}/{p.stem}")
 
 
 if __name__ == "__main__":

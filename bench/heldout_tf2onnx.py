@@ -60,11 +60,7 @@ def run() -> None:
         sys.path.insert(0, str(REPO))
     from bench import _heldout
 
-    def attention(counts: dict) -> str:
-        fused = counts.get("fusions", {}).get("attention", {})
-        return f"{fused.get('found', 0)}/{fused.get('expected', 0)}"
-
-    _heldout.run_exports(sorted(OUT.glob("keras_*.onnx")), ("attention fused / Softmax", attention))
+    _heldout.run_exports(sorted(OUT.glob("keras_*.onnx")), _heldout.ATTENTION_COLUMN)
 
 
 if __name__ == "__main__":

@@ -98,11 +98,7 @@ def run() -> None:
         sys.path.insert(0, str(REPO))
     from bench import _heldout
 
-    def attention(counts: dict) -> str:
-        fused = counts.get("fusions", {}).get("attention", {})
-        return f"{fused.get('found', 0)}/{fused.get('expected', 0)}"
-
-    _heldout.run_exports(sorted(OUT.glob("*.onnx")), ("attention fused / expected", attention))
+    _heldout.run_exports(sorted(OUT.glob("*.onnx")), _heldout.ATTENTION_COLUMN)
 
 
 if __name__ == "__main__":
