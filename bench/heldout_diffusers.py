@@ -2,7 +2,8 @@
 
 Two steps, two Pythons (diffusers is no dependency of this project):
 
-    python3 -m venv /tmp/diffenv && /tmp/diffenv/bin/pip install "torch==2.13.0+cpu" diffusers onnx onnxscript onnxruntime
+    python3 -m venv /tmp/diffenv
+    /tmp/diffenv/bin/pip install "torch==2.13.0+cpu" diffusers onnx onnxscript onnxruntime
     /tmp/diffenv/bin/python bench/heldout_diffusers.py build     # writes bench/out/heldout/diffusers/*.onnx
     .venv/bin/python -m bench.heldout_diffusers run              # a fast job on each (bench.coverage.run_job)
 
@@ -36,7 +37,8 @@ class _Unet:
 
         unet = UNet2DConditionModel(
             sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
         )  # fmt: skip
 
