@@ -407,7 +407,10 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
         if _norm_beside_residual(graph):
             return "vit", f"{seen} read beside a residual Add (pre-norm); no embedding layout of a known family"
         return "distilbert", f"{seen} after residual Adds (post-norm); no embedding layout of a known family"
-    return "unknown", "attention found, but no embedding structure of a known family"
+    return "unknown", (
+        "no Softmax normalizes a product of two activations read by a third (Q @ K^T, then V): each is a gate or a "
+        "classifier's (PatchTSMixer's gated attention: a Softmax over one Linear's output), no attention block"
+    )
 
 
 def _norm_beside_residual(graph: ir.Graph) -> bool:

@@ -130,3 +130,29 @@ def test_fuse_transformer_fuses_attention_when_deberta_bmm_heads_and_where_mask(
         feed = corpus.feeds("deberta_v2", "tiny", batch, seq, seed=seq, pad=True)
         for want, got in zip(reference.run(None, feed), candidate.run(None, feed), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"deberta {exporter} {batch}x{seq}")
+
+
+def test_detect_family_says_no_attention_when_every_softmax_is_a_gate():
+    # PatchTSMixer's "gated attention" (x * Softmax(Linear(x))) beside LayerNorms: the report said "attention
+    # found, but no embedding structure of a known family", and a table counting Softmax expected 4 attentions.
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "gate_w"),
+        numpy_helper.from_array(np.ones(8, np.float32), "gamma"),
+        numpy_helper.from_array(np.zeros(8, np.float32), "beta"),
+    ]
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["normed"], axis=-1),
+        helper.make_node("MatMul", ["normed", "gate_w"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["gate"], axis=-1),
+        helper.make_node("Mul", ["normed", "gate"], ["y"]),
+    ]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes, "gated", [value("x", TensorProto.FLOAT, ["b", 4, 8])], [value("y", TensorProto.FLOAT, None)], inits
+    )
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    family, why = detect_family(model)
+    assert family == "unknown" and "no attention block" in why and "gated attention" in why
