@@ -102,8 +102,9 @@ def build(only: list[str] | None = None) -> None:
                                       output_names=["out"], dynamic_axes=axes)  # fmt: skip
                 else:
                     batch = torch.export.Dim("batch", min=1, max=64)
+                    shapes = tuple({0: batch} for _ in names)
                     program = torch.onnx.export(model, args, dynamo=True, opset_version=18, input_names=list(names),
-                                                output_names=["out"], dynamic_shapes=tuple({0: batch} for _ in names))  # fmt: skip
+                                                output_names=["out"], dynamic_shapes=shapes)  # fmt: skip
                     program.save(str(path))
                 worst = _check(path, model, [list(example(2)), list(example(3))])
                 nodes = len(onnx.load(str(path)).graph.node)
