@@ -346,7 +346,21 @@ class InputSynthesis:
         past = self._past_length(shapes) if cache else 0
         feeds = {s.name: self._values(s, shapes[s.name], rng, guess, past, cache=cache) for s in self.specs}
         self._place_markers(feeds, guess)
+        self._place_offsets(feeds, rng)
         return feeds
+
+    def _place_offsets(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        """An EmbeddingBag's offsets start each bag in the flat indices: ascending from 0 and at most their
+        length (the longest other 1-D integer input), so that every bag reads indices and none runs backwards."""
+        for name, role in self.facts.roles.items():
+            offsets = feeds.get(name)
+            if role.role != "offsets" or offsets is None or offsets.ndim != 1 or not offsets.size:
+                continue
+            flat = [v.shape[0] for n, v in feeds.items() if n != name and v.ndim == 1 and v.dtype.kind in "iu"]
+            length = max(flat, default=offsets.size)
+            starts = np.sort(rng.integers(0, length + 1, size=offsets.size))
+            starts[0] = 0
+            feeds[name] = starts.astype(offsets.dtype)
 
     def _past_length(self, shapes: Mapping[str, tuple[int, ...]]) -> int:
         for spec in self.specs:
@@ -389,7 +403,7 @@ class InputSynthesis:
             labels = rng.integers(0, role.high or 10, size=shape)
             labels[rng.random(size=shape) < 0.2] = IGNORE_INDEX
             return labels.astype(dtype)
-        if kind in ("token_ids", "int", "position_ids"):
+        if kind in ("token_ids", "int", "position_ids", "offsets"):  # offsets: placed after every input
             high = max(role.high or 1, 1)
             ids = rng.integers(0, high, size=shape)
             special = set(role.avoid) | set(role.markers)

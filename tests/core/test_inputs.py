@@ -326,3 +326,26 @@ def test_generated_strings_are_plain_words_when_no_category_table_reads_them() -
     )
     role = analyze(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).roles["text"]
     assert role.role == "strings" and role.words and "no category table" in role.why
+
+
+def test_generated_bag_offsets_ascend_from_zero_within_the_indices() -> None:
+    # torch's EmbeddingBag(indices, offsets) exports a Loop over the bags, each reading indices[offsets[i]:
+    # offsets[i + 1]]: random offsets (they were "integer input not read as an index") made bags run backwards.
+    table = numpy_helper.from_array(np.arange(400, dtype=np.float32).reshape(100, 4), "table")
+    nodes = [
+        helper.make_node("Gather", ["table", "indices"], ["rows"]),
+        helper.make_node("Shape", ["offsets"], ["bags"]),
+    ]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes,
+        "bag",
+        [value("indices", TensorProto.INT64, ["n"]), value("offsets", TensorProto.INT64, ["b"])],
+        [value("rows", TensorProto.FLOAT, None), value("bags", TensorProto.INT64, None)],
+        [table],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert analyze(model).roles["offsets"].role == "offsets"
+    for s in generate_input_sets(model, 4):
+        offsets, length = s.feeds["offsets"], s.feeds["indices"].shape[0]
+        assert offsets[0] == 0 and np.all(np.diff(offsets) >= 0) and offsets.max() <= length, (offsets, length)
