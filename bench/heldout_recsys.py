@@ -1,0 +1,99 @@
+"""Held-out probe (issue 17): recommenders, whose inputs are ids and bag offsets rather than text or pixels.
+
+Run ``python -m bench.heldout_recsys build`` (the dev extra's torch), then ``run``.
+
+A DLRM-style click-through model (13 dense features through a bottom MLP, three categorical ids looked up in
+100-row tables, pairwise dot-product interaction by ``bmm`` and ``tril_indices``, a top MLP and a Sigmoid), and an
+``nn.EmbeddingBag(mode="sum")`` over flat ``indices`` with ``offsets`` (TorchScript exports it as a ``Loop`` over
+the bags, dynamo as a sequence loop). Random weights; TorchScript (opset 17) and dynamo, dynamic batch and
+index count; each checked against torch on two other inputs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench" / "out" / "heldout" / "recsys"
+
+
+def _models():
+    import torch
+
+    class DLRM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            relu = torch.nn.ReLU
+            self.bottom = torch.nn.Sequential(torch.nn.Linear(13, 32), relu(), torch.nn.Linear(32, 16), relu())
+            self.tables = torch.nn.ModuleList([torch.nn.Embedding(100, 16) for _ in range(3)])
+            self.top = torch.nn.Sequential(torch.nn.Linear(22, 32), relu(), torch.nn.Linear(32, 1), torch.nn.Sigmoid())
+
+        def forward(self, dense, sparse):
+            x = self.bottom(dense)
+            t = torch.stack([x] + [e(sparse[:, i]) for i, e in enumerate(self.tables)], dim=1)
+            z = torch.bmm(t, t.transpose(1, 2))
+            li, lj = torch.tril_indices(4, 4, offset=-1)
+            return self.top(torch.cat([x, z[:, li, lj]], dim=1))
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(100, 16, mode="sum")
+            self.head = torch.nn.Linear(16, 1)
+
+        def forward(self, indices, offsets):
+            return self.head(self.bag(indices, offsets))
+
+    def dlrm_example(batch):
+        return (torch.randn(batch, 13), torch.randint(0, 100, (batch, 3)))
+
+    def bag_example(bags):
+        return (torch.randint(0, 100, (3 * bags + 1,)), torch.arange(bags) * 3)
+
+    yield "dlrm", DLRM(), dlrm_example, ("dense", "sparse"), ("batch", "batch")
+    yield "embedding_bag", Bag(), bag_example, ("indices", "offsets"), ("n", "bags")
+
+
+def build() -> None:
+    import onnx
+    import torch
+
+    from bench.heldout_detection import _check
+
+    torch.manual_seed(0)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, model, example, names, dims in _models():
+        model.eval()
+        args = example(2)
+        for form in ("ts", "dynamo"):
+            path = OUT / f"{name}_{form}.onnx"
+            try:
+                if form == "ts":
+                    axes = {n: {0: d} for n, d in zip(names, dims, strict=True)}
+                    torch.onnx.export(model, args, str(path), opset_version=17, dynamo=False, input_names=list(names),
+                                      output_names=["out"], dynamic_axes=axes)  # fmt: skip
+                else:
+                    found = {d: torch.export.Dim(d, max=4096) for d in dict.fromkeys(dims)}
+                    shapes = tuple({0: found[d]} for d in dims)
+                    program = torch.onnx.export(model, args, dynamo=True, input_names=list(names),
+                                                output_names=["out"], dynamic_shapes=shapes)  # fmt: skip
+                    program.save(str(path))
+                worst = _check(path, model, [list(example(3)), list(example(5))])
+                nodes = len(onnx.load(str(path)).graph.node)
+                print(path.stem, nodes, "nodes; max |ort - torch|", f"{worst:.2e}", flush=True)
+            except Exception as exc:  # a row of the table, not the end of the probe
+                path.unlink(missing_ok=True)
+                print(path.stem, "build failed:", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
+
+
+def run() -> None:
+    from bench import _heldout
+
+    _heldout.run_exports(sorted(OUT.glob("*.onnx")))
+
+
+if __name__ == "__main__":
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    {"build": build, "run": run}[sys.argv[1] if len(sys.argv) > 1 else "run"]()
