@@ -57,6 +57,9 @@ class Guess:
     all_markers: bool = False
     padding: bool = True
     empty_past: bool = True  # set 1 may try a past of length 0
+    # Integers not read from a table are drawn below the smallest free axis of the float inputs: they index
+    # rows of those inputs (a graph network's edge_index into its nodes, gathered and scattered).
+    ints_within_sizes: bool = False
 
 
 GUESSES = (
@@ -64,6 +67,7 @@ GUESSES = (
     Guess("longer sequences", seq_scale=4, empty_past=False),
     Guess("every compared id at each row's end", seq_scale=4, all_markers=True, empty_past=False),
     Guess("no padding", seq_scale=4, all_markers=True, padding=False, empty_past=False),
+    Guess("integers below the float inputs' free sizes (indices into their rows)", ints_within_sizes=True),
 )
 _EXPR = re.compile(r"^[\w.]+(\s+[+\-]\s+[\w.]+)+$")  # exporters write sums with spaces: "past + sequence"
 
@@ -133,10 +137,16 @@ class InputSynthesis:
     def _provenance(self, shapes: Mapping[str, tuple[int, ...]], guess: Guess, source: str) -> dict[str, Any]:
         """A set's provenance (``InputSet.provenance``) before any refused guess: each input's role and why."""
         roles = self.facts.roles
+
+        def why(name: str) -> str:
+            if guess.ints_within_sizes and roles[name].role == "int":
+                return "integer input not read from a table: below the smallest free axis of the float inputs"
+            return roles[name].why
+
         return {
             "source": source,
             "guess": guess.name,
-            "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": roles[n].why} for n, s in shapes.items()},
+            "inputs": {n: {"role": roles[n].role, "shape": list(s), "why": why(n)} for n, s in shapes.items()},
             "attempts": [],
         }
 
@@ -347,7 +357,25 @@ class InputSynthesis:
         feeds = {s.name: self._values(s, shapes[s.name], rng, guess, past, cache=cache) for s in self.specs}
         self._place_markers(feeds, guess)
         self._place_offsets(feeds, rng)
+        if guess.ints_within_sizes:
+            self._ints_within_sizes(feeds, rng)
         return feeds
+
+    def _ints_within_sizes(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        """Every plain integer input (no table bounds it) redrawn below the smallest free axis of the float
+        inputs (``Guess.ints_within_sizes``); nothing when no float input has a free axis."""
+        sizes = [
+            feeds[spec.name].shape[axis]
+            for spec in self.specs
+            if spec.dtype.kind == "f" and spec.name in feeds
+            for axis, dim in enumerate(spec.dims)
+            if not isinstance(dim, int)
+        ]
+        if not sizes or min(sizes) < 1:
+            return
+        for name, role in self.facts.roles.items():
+            if role.role == "int" and name in feeds:
+                feeds[name] = rng.integers(0, min(sizes), size=feeds[name].shape).astype(feeds[name].dtype)
 
     def _place_offsets(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> None:
         """An EmbeddingBag's offsets start each bag in the flat indices: ascending from 0 and at most their

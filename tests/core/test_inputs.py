@@ -349,3 +349,44 @@ def test_generated_bag_offsets_ascend_from_zero_within_the_indices() -> None:
     for s in generate_input_sets(model, 4):
         offsets, length = s.feeds["offsets"], s.feeds["indices"].shape[0]
         assert offsets[0] == 0 and np.all(np.diff(offsets) >= 0) and offsets.max() <= length, (offsets, length)
+
+
+def _graph_network() -> onnx.ModelProto:
+    """A graph convolution as torch exports ``index_add_`` message passing: node features gathered at each
+    edge's source and scattered (summed) onto its destination; ``edge_index`` must hold node numbers."""
+    value = helper.make_tensor_value_info
+    consts = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+        numpy_helper.from_array(np.array([-1, 1], np.int64), "column"),
+        numpy_helper.from_array(np.array([1, 8], np.int64), "width"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["edge_index", "zero"], ["src"], axis=0),
+        helper.make_node("Gather", ["edge_index", "one"], ["dst"], axis=0),
+        helper.make_node("Gather", ["x", "src"], ["messages"], axis=0),
+        helper.make_node("Reshape", ["dst", "column"], ["dst_column"]),
+        helper.make_node("Shape", ["messages"], ["messages_shape"]),
+        helper.make_node("Expand", ["dst_column", "messages_shape"], ["targets"]),
+        helper.make_node("ScatterElements", ["x", "targets", "messages"], ["out"], axis=0, reduction="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "gcn",
+        [value("x", TensorProto.FLOAT, ["num_nodes", 8]), value("edge_index", TensorProto.INT64, [2, "num_edges"])],
+        [value("out", TensorProto.FLOAT, ["num_nodes", 8])],
+        consts,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_generated_sets_run_a_graph_network_when_its_edges_index_its_nodes(tmp_path: Path) -> None:
+    # Before: "the original model fails on input set 'x=1x8; edge_index=2x8': ScatterElements ... indices element
+    # out of data bounds" after every guess: edge_index was drawn below 10 whatever the node count.
+    path = tmp_path / "gcn.onnx"
+    onnx.save(_graph_network(), str(path))
+    sets = verified_sets(path)
+    for s in sets:
+        assert s.feeds["edge_index"].max() < s.feeds["x"].shape[0]
+        assert s.provenance["guess"].startswith("integers below the float inputs' free sizes")
+        assert "below the smallest free axis" in s.provenance["inputs"]["edge_index"]["why"]
