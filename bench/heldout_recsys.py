@@ -1,11 +1,14 @@
-"""Held-out probe (issue 17): recommenders, whose inputs are ids and bag offsets rather than text or pixels.
+"""Held-out probe (issue 17): recommenders and graph networks, whose integer inputs are ids, bag offsets and edge
+lists rather than text or pixels.
 
 Run ``python -m bench.heldout_recsys build`` (the dev extra's torch), then ``run``.
 
 A DLRM-style click-through model (13 dense features through a bottom MLP, three categorical ids looked up in
 100-row tables, pairwise dot-product interaction by ``bmm`` and ``tril_indices``, a top MLP and a Sigmoid), and an
 ``nn.EmbeddingBag(mode="sum")`` over flat ``indices`` with ``offsets`` (TorchScript exports it as a ``Loop`` over
-the bags, dynamo as a sequence loop). Random weights; TorchScript (opset 17) and dynamo, dynamic batch and
+the bags, dynamo as a sequence loop), and a two-layer graph convolution written with ``index_add_`` as PyG's
+message passing is (``x [num_nodes, 8]``, ``edge_index [2, num_edges]``: gathered at sources, scattered onto
+destinations). Random weights; TorchScript (opset 17) and dynamo, dynamic batch and
 index count; each checked against torch on two other inputs.
 """
 
@@ -45,14 +48,33 @@ def _models():
         def forward(self, indices, offsets):
             return self.head(self.bag(indices, offsets))
 
+    class GCN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+        @staticmethod
+        def propagate(x, edge_index):
+            src, dst = edge_index[0], edge_index[1]
+            degree = torch.zeros(x.shape[0]).index_add_(0, dst, torch.ones(dst.shape[0])) + 1
+            norm = (degree[src] * degree[dst]).rsqrt().unsqueeze(1)
+            return torch.zeros_like(x).index_add_(0, dst, x[src] * norm) + x / degree.unsqueeze(1)
+
+        def forward(self, x, edge_index):
+            return self.propagate(self.second(torch.relu(self.propagate(self.first(x), edge_index))), edge_index)
+
+    def gcn_example(nodes):
+        return (torch.randn(nodes * 3, 8), torch.randint(0, nodes * 3, (2, nodes * 6)))
+
     def dlrm_example(batch):
         return (torch.randn(batch, 13), torch.randint(0, 100, (batch, 3)))
 
     def bag_example(bags):
         return (torch.randint(0, 100, (3 * bags + 1,)), torch.arange(bags) * 3)
 
-    yield "dlrm", DLRM(), dlrm_example, ("dense", "sparse"), ("batch", "batch")
-    yield "embedding_bag", Bag(), bag_example, ("indices", "offsets"), ("n", "bags")
+    yield "dlrm", DLRM(), dlrm_example, ("dense", "sparse"), ((0, "batch"), (0, "batch"))
+    yield "embedding_bag", Bag(), bag_example, ("indices", "offsets"), ((0, "n"), (0, "bags"))
+    yield "gcn", GCN(), gcn_example, ("x", "edge_index"), ((0, "num_nodes"), (1, "num_edges"))
 
 
 def build() -> None:
@@ -63,19 +85,19 @@ def build() -> None:
 
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, model, example, names, dims in _models():
+    for name, model, example, names, dims in _models():  # dims: (axis, name) of each input's free axis
         model.eval()
         args = example(2)
         for form in ("ts", "dynamo"):
             path = OUT / f"{name}_{form}.onnx"
             try:
                 if form == "ts":
-                    axes = {n: {0: d} for n, d in zip(names, dims, strict=True)}
+                    axes = {n: {axis: d} for n, (axis, d) in zip(names, dims, strict=True)}
                     torch.onnx.export(model, args, str(path), opset_version=17, dynamo=False, input_names=list(names),
                                       output_names=["out"], dynamic_axes=axes)  # fmt: skip
                 else:
-                    found = {d: torch.export.Dim(d, max=4096) for d in dict.fromkeys(dims)}
-                    shapes = tuple({0: found[d]} for d in dims)
+                    found = {d: torch.export.Dim(d, max=4096) for _, d in dims}
+                    shapes = tuple({axis: found[d]} for axis, d in dims)
                     program = torch.onnx.export(model, args, dynamo=True, input_names=list(names),
                                                 output_names=["out"], dynamic_shapes=shapes)  # fmt: skip
                     program.save(str(path))
