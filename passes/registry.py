@@ -17,6 +17,7 @@ from passes.cleanup.common_subexpression_elimination import CommonSubexpressionE
 from passes.cleanup.constant_folding import ConstantFolding
 from passes.cleanup.dead_node_elimination import DeadNodeElimination
 from passes.cleanup.identity_elimination import IdentityElimination
+from passes.cleanup.initializer_inputs import InitializerInputs
 from passes.cleanup.shape_inference import ShapeInference
 from passes.compute_order.label_sparsity import LabelSparsity
 from passes.compute_order.padding_elimination import PaddingElimination
@@ -42,6 +43,7 @@ from passes.session.shape_profile import ShapeProfile
 from passes.session.tune_session import TuneSession
 
 PASSES: tuple[type[Pass], ...] = (
+    InitializerInputs,
     ShapeInference,
     IdentityElimination,
     ConstantFolding,
@@ -108,6 +110,7 @@ class Preset:
 
 
 _CLEANUP = [
+    "initializer_inputs",  # first: every later pass and ORT then read the weights as constants
     "shape_inference",
     "identity_elimination",
     "constant_folding",
