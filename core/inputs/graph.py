@@ -48,6 +48,7 @@ _TOKEN_TYPE_NAME = re.compile(r"token_type|segment_ids", re.IGNORECASE)
 _POSITION_NAME = re.compile(r"position_ids", re.IGNORECASE)
 _LABELS_NAME = re.compile(r"^labels?$|_labels?$", re.IGNORECASE)
 _OFFSETS_NAME = re.compile(r"(^|_)offsets?$", re.IGNORECASE)
+_LENGTHS_NAME = re.compile(r"(^|_)(lengths?|lens|seq_?lens?)$", re.IGNORECASE)
 _PAST_NAME = re.compile(r"^past|past_key|past_value|\.past|cache", re.IGNORECASE)
 _DECODER_NAME = re.compile(r"decoder", re.IGNORECASE)
 _ALIAS_OPS = frozenset({"Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
@@ -96,7 +97,7 @@ class InputRole:
 
     name: str
     role: str  # token_ids, attention_mask, token_type_ids, position_ids, labels, past_key_values,
-    #            pixel_values, audio, features, float, int, bool, strings, offsets
+    #            pixel_values, audio, features, float, int, bool, strings, offsets, lengths
     why: str
     high: int | None = None  # exclusive upper bound of integer values (vocabulary, type table, classes)
     markers: tuple[int, ...] = ()  # ids the graph selects positions by: one per row, at its last valid token
@@ -463,6 +464,9 @@ def _role(
             return InputRole(name, "token_type_ids", f"token types below {high}", high=high)
         if _POSITION_NAME.search(name):
             return InputRole(name, "position_ids", "positions 0..S-1 (after the past, when there is one)")
+        if _LENGTHS_NAME.search(name) and rank == 1:
+            why = "valid lengths per row (ASR encoders' length input): 1 to the other inputs' longest free axis"
+            return InputRole(name, "lengths", why)
         if _OFFSETS_NAME.search(name) and rank == 1:
             return InputRole(name, "offsets", "bag offsets (EmbeddingBag): ascending from 0, within the indices")
         if _LABELS_NAME.search(name) and kind == "i":

@@ -357,6 +357,7 @@ class InputSynthesis:
         feeds = {s.name: self._values(s, shapes[s.name], rng, guess, past, cache=cache) for s in self.specs}
         self._place_markers(feeds, guess)
         self._place_offsets(feeds, rng)
+        self._place_lengths(feeds, rng)
         if guess.ints_within_sizes:
             self._ints_within_sizes(feeds, rng)
         return feeds
@@ -376,6 +377,26 @@ class InputSynthesis:
         for name, role in self.facts.roles.items():
             if role.role == "int" and name in feeds:
                 feeds[name] = rng.integers(0, min(sizes), size=feeds[name].shape).astype(feeds[name].dtype)
+
+    def _place_lengths(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+        """A row's valid length (an ASR encoder's ``length`` beside its features) is at least 1 (a row of
+        none divides by zero and masks every position) and at most the longest free axis of the other inputs
+        past the batch (the time axis of ``[batch, features, time]`` or ``[batch, time, features]``)."""
+        for name, role in self.facts.roles.items():
+            lengths = feeds.get(name)
+            if role.role != "lengths" or lengths is None or lengths.ndim != 1 or not lengths.size:
+                continue
+            free = [
+                feeds[spec.name].shape[axis]
+                for spec in self.specs
+                if spec.name != name and spec.name in feeds
+                for axis, dim in enumerate(spec.dims)
+                if axis > 0 and not isinstance(dim, int)
+            ]
+            longest = max(free, default=1)
+            values = rng.integers(1, longest + 1, size=lengths.size)
+            values[0] = longest  # one full row, as a batch padded to its longest member has
+            feeds[name] = values.astype(lengths.dtype)
 
     def _place_offsets(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> None:
         """An EmbeddingBag's offsets start each bag in the flat indices: ascending from 0 and at most their
@@ -431,7 +452,7 @@ class InputSynthesis:
             labels = rng.integers(0, role.high or 10, size=shape)
             labels[rng.random(size=shape) < 0.2] = IGNORE_INDEX
             return labels.astype(dtype)
-        if kind in ("token_ids", "int", "position_ids", "offsets"):  # offsets: placed after every input
+        if kind in ("token_ids", "int", "position_ids", "offsets", "lengths"):  # the last two: placed after
             high = max(role.high or 1, 1)
             ids = rng.integers(0, high, size=shape)
             special = set(role.avoid) | set(role.markers)

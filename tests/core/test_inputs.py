@@ -390,3 +390,43 @@ def test_generated_sets_run_a_graph_network_when_its_edges_index_its_nodes(tmp_p
         assert s.feeds["edge_index"].max() < s.feeds["x"].shape[0]
         assert s.provenance["guess"].startswith("integers below the float inputs' free sizes")
         assert "below the smallest free axis" in s.provenance["inputs"]["edge_index"]["why"]
+
+
+def test_generated_lengths_are_within_the_time_axis_and_never_zero(tmp_path: Path) -> None:
+    # An ASR encoder's (features, length) pair, as NeMo's and torchaudio's exports take it: the length masks the
+    # frames and divides their sum. Drawn below 10 as a plain integer, a length of 0 made a row NaN.
+    value = helper.make_tensor_value_info
+    consts = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array(1, np.int64), "step"),
+        numpy_helper.from_array(np.array(2, np.int64), "time_axis"),
+        numpy_helper.from_array(np.array([-1, 1], np.int64), "column"),
+        numpy_helper.from_array(np.array([2], np.int64), "reduce_time"),
+    ]
+    nodes = [
+        helper.make_node("Shape", ["features"], ["shape"]),
+        helper.make_node("Gather", ["shape", "time_axis"], ["frames"]),
+        helper.make_node("Range", ["zero", "frames", "step"], ["positions"]),
+        helper.make_node("Reshape", ["length", "column"], ["length_column"]),
+        helper.make_node("Less", ["positions", "length_column"], ["valid"]),
+        helper.make_node("Cast", ["valid"], ["valid_f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["valid_f", "step"], ["valid_3d"]),
+        helper.make_node("Mul", ["features", "valid_3d"], ["masked"]),
+        helper.make_node("ReduceSum", ["masked", "reduce_time"], ["total"], keepdims=0),
+        helper.make_node("Cast", ["length_column"], ["count"], to=TensorProto.FLOAT),
+        helper.make_node("Div", ["total", "count"], ["pooled"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "asr_pool",
+        [value("features", TensorProto.FLOAT, ["batch", 16, "time"]), value("length", TensorProto.INT64, ["batch"])],
+        [value("pooled", TensorProto.FLOAT, ["batch", 16])],
+        consts,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert analyze(model).roles["length"].role == "lengths"
+    path = tmp_path / "asr_pool.onnx"
+    onnx.save(model, str(path))
+    for s in verified_sets(path):
+        length, frames = s.feeds["length"], s.feeds["features"].shape[2]
+        assert length.min() >= 1 and length.max() == frames, (length, frames)
