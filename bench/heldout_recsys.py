@@ -78,35 +78,15 @@ def _models():
 
 
 def build() -> None:
-    import onnx
     import torch
 
-    from bench.heldout_detection import _check
+    from bench._torch_export import export_both
 
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
     for name, model, example, names, dims in _models():  # dims: (axis, name) of each input's free axis
         model.eval()
-        args = example(2)
-        for form in ("ts", "dynamo"):
-            path = OUT / f"{name}_{form}.onnx"
-            try:
-                if form == "ts":
-                    axes = {n: {axis: d} for n, (axis, d) in zip(names, dims, strict=True)}
-                    torch.onnx.export(model, args, str(path), opset_version=17, dynamo=False, input_names=list(names),
-                                      output_names=["out"], dynamic_axes=axes)  # fmt: skip
-                else:
-                    found = {d: torch.export.Dim(d, max=4096) for _, d in dims}
-                    shapes = tuple({axis: found[d]} for axis, d in dims)
-                    program = torch.onnx.export(model, args, dynamo=True, input_names=list(names),
-                                                output_names=["out"], dynamic_shapes=shapes)  # fmt: skip
-                    program.save(str(path))
-                worst = _check(path, model, [list(example(3)), list(example(5))])
-                nodes = len(onnx.load(str(path)).graph.node)
-                print(path.stem, nodes, "nodes; max |ort - torch|", f"{worst:.2e}", flush=True)
-            except Exception as exc:  # a row of the table, not the end of the probe
-                path.unlink(missing_ok=True)
-                print(path.stem, "build failed:", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
+        export_both(model, example, names, dims, out=OUT, stem=name, sizes=(2, 3, 5))
 
 
 def run() -> None:

@@ -81,10 +81,8 @@ def _models():
 
 
 def build(only: list[str] | None = None) -> None:
-    import onnx
-    import torch
-
-    from bench.heldout_detection import _check, _perturb
+    from bench._torch_export import export_both
+    from bench.heldout_detection import _perturb
 
     OUT.mkdir(parents=True, exist_ok=True)
     for name, model, example, names in _models():
@@ -92,26 +90,7 @@ def build(only: list[str] | None = None) -> None:
             continue
         _perturb(model)
         model.eval()
-        args = example(2)  # batch 1 would be specialized by torch.export
-        for form in ("ts", "dynamo"):
-            path = OUT / f"{name}_{form}.onnx"
-            try:
-                if form == "ts":
-                    axes = {n: {0: "batch"} for n in (*names, "out")}
-                    torch.onnx.export(model, args, str(path), opset_version=17, dynamo=False, input_names=list(names),
-                                      output_names=["out"], dynamic_axes=axes)  # fmt: skip
-                else:
-                    batch = torch.export.Dim("batch", min=1, max=64)
-                    shapes = tuple({0: batch} for _ in names)
-                    program = torch.onnx.export(model, args, dynamo=True, opset_version=18, input_names=list(names),
-                                                output_names=["out"], dynamic_shapes=shapes)  # fmt: skip
-                    program.save(str(path))
-                worst = _check(path, model, [list(example(2)), list(example(3))])
-                nodes = len(onnx.load(str(path)).graph.node)
-                print(path.stem, nodes, "nodes; max |ort - torch|", f"{worst:.2e}", flush=True)
-            except Exception as exc:  # a row of the table, not the end of the probe
-                path.unlink(missing_ok=True)
-                print(path.stem, "build failed:", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
+        export_both(model, example, names, tuple((0, "batch") for _ in names), out=OUT, stem=name)
 
 
 def run() -> None:

@@ -48,13 +48,13 @@ MODELS: list[tuple[str, dict, int]] = [
 
 def build(only: list[str] | None = None) -> None:
     sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
-    import onnx
     import timm
     import torch
 
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from bench.heldout_detection import _check, _perturb
+    from bench._torch_export import export_both
+    from bench.heldout_detection import _perturb
 
     OUT.mkdir(parents=True, exist_ok=True)
     for name, kwargs, side in MODELS:
@@ -70,27 +70,11 @@ def build(only: list[str] | None = None) -> None:
         if hasattr(model, "distilled_training"):
             model.set_distilled_training(False)
         short = name.split("_patch")[0].split("_224")[0]
-        example = (torch.rand(2, 3, side, side),)  # batch 1 would be specialized by torch.export
-        for form in ("ts", "dynamo"):
-            path = OUT / f"{short}_{form}.onnx"
-            try:
-                if form == "ts":
-                    torch.onnx.export(model, example, str(path), opset_version=17, dynamo=False,
-                                      input_names=["pixel_values"], output_names=["logits"],
-                                      dynamic_axes={"pixel_values": {0: "batch"}})  # fmt: skip
-                else:
-                    batch = torch.export.Dim("batch", min=1, max=64)
-                    program = torch.onnx.export(model, example, dynamo=True, opset_version=18,
-                                                input_names=["pixel_values"], output_names=["logits"],
-                                                dynamic_shapes=({0: batch},))  # fmt: skip
-                    program.save(str(path))
-                rand = [[torch.rand(2, 3, side, side)], [torch.rand(3, 3, side, side)]]
-                worst = _check(path, model, rand)
-                nodes = len(onnx.load(str(path)).graph.node)
-                print(path.stem, nodes, "nodes; max |ort - torch|", f"{worst:.2e}", flush=True)
-            except Exception as exc:  # a row of the table, not the end of the probe
-                path.unlink(missing_ok=True)
-                print(path.stem, "build failed:", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
+
+        def example(batch: int, side: int = side) -> tuple:
+            return (torch.rand(batch, 3, side, side),)
+
+        export_both(model, example, ("pixel_values",), ((0, "batch"),), out=OUT, stem=short, output="logits")
 
 
 def run() -> None:

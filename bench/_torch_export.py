@@ -1,0 +1,56 @@
+"""The export loop the torch-built held-out probes share (timm, diffusers, time series, recommenders).
+
+Imports torch, onnx and onnxruntime only, so that it runs in the probes' own venvs (a CPU torch with timm or
+diffusers beside it), where the project's dependencies are not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.heldout_detection import _check
+
+# (axis, name) of each input's free axis, in input order
+Dims = Sequence[tuple[int, str]]
+
+
+def export_both(
+    model: Any,
+    example: Callable[[int], tuple],
+    names: Sequence[str],
+    dims: Dims,
+    *,
+    out: Path,
+    stem: str,
+    output: str = "out",
+    sizes: tuple[int, int, int] = (2, 2, 3),
+) -> None:
+    """``model`` exported with the TorchScript exporter (opset 17) and dynamo (opset 18) to ``out/stem_ts.onnx``
+    and ``out/stem_dynamo.onnx``, the free axes ``dims`` dynamic; each checked in ONNX Runtime against torch.
+    ``example(n)`` gives the inputs at size ``n``: ``sizes[0]`` for the export (not 1, which torch.export
+    specializes), the other two for the check. A line per file; a failure is printed, not raised."""
+    import onnx
+    import torch
+
+    free = {name: torch.export.Dim(name, min=1, max=4096) for _, name in dims}
+    for form in ("ts", "dynamo"):
+        path = out / f"{stem}_{form}.onnx"
+        try:
+            if form == "ts":
+                axes = {n: {axis: d} for n, (axis, d) in zip(names, dims, strict=True)}
+                torch.onnx.export(model, example(sizes[0]), str(path), opset_version=17, dynamo=False,
+                                  input_names=list(names), output_names=[output], dynamic_axes=axes)  # fmt: skip
+            else:
+                shapes = tuple({axis: free[d]} for axis, d in dims)
+                program = torch.onnx.export(model, example(sizes[0]), dynamo=True, opset_version=18,
+                                            input_names=list(names), output_names=[output],
+                                            dynamic_shapes=shapes)  # fmt: skip
+                program.save(str(path))
+            worst = _check(path, model, [list(example(sizes[1])), list(example(sizes[2]))])
+            nodes = len(onnx.load(str(path)).graph.node)
+            print(path.stem, nodes, "nodes; max |ort - torch|", f"{worst:.2e}", flush=True)
+        except Exception as exc:  # a row of the table, not the end of the probe
+            path.unlink(missing_ok=True)
+            print(path.stem, "build failed:", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
