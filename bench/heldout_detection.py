@@ -1,7 +1,9 @@
 """Held-out probe (issue 17): torchvision detectors and classifiers, graphs with control flow and vision ops.
 
 Two steps, two Pythons (torchvision's wheels need a torch of their own build; the project's CPU torch 2.13 has
-no torchvision that imports beside it):
+no torchvision that imports beside it, and its detectors need torchvision's compiled ops). Note that PyPI's
+torch 2.14.1 for Linux is the CUDA build and pulls NVIDIA's libraries into that venv; the probes that need no
+torchvision op (``bench/heldout_timm.py``, ``bench/heldout_diffusers.py``) run on the CPU torch instead:
 
     python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install torch==2.14.1 torchvision==0.29.1 onnx onnxscript
     /tmp/tvenv/bin/python bench/heldout_detection.py build      # writes bench/out/heldout/detection/*.onnx
