@@ -16,6 +16,7 @@ Only a ZipMap whose output is a graph output read by nothing else is detached; a
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +50,13 @@ class DetachedOutputs:
             "timing compared the probabilities tensor it reads; the model handed back ends in the same ZipMap, "
             "its maps checked equal to the upload's"
         )
+
+
+def count_zipmaps(histogram: Counter[str], taken: DetachedOutputs | None) -> Counter[str]:
+    """``histogram`` (``op_histogram`` of a model without its trailing ZipMaps) with them counted back in."""
+    if taken is not None:
+        histogram[f"{ML_DOMAIN}::ZipMap"] += len(taken.nodes)
+    return histogram
 
 
 def detach(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, DetachedOutputs | None]:
@@ -115,7 +123,7 @@ def check_reattached(upload: Path, returned: Path, feeds: dict[str, np.ndarray],
         return dict(zip(names, session.run(None, feeds), strict=True))
 
     want, got = run(upload), run(returned)
-    for name in taken_names(want, got):
+    for name in [n for n, v in want.items() if isinstance(v, list) and n in got]:  # the sequences of maps
         rows_want, rows_got = want[name], got[name]
         if len(rows_want) != len(rows_got) or any(set(a) != set(b) for a, b in zip(rows_want, rows_got, strict=True)):
             raise VerificationError(f"ZipMap output {name!r}: the optimized model's maps have other rows or keys")
@@ -125,11 +133,6 @@ def check_reattached(upload: Path, returned: Path, feeds: dict[str, np.ndarray],
         if not np.allclose(b, a, atol=tolerance.atol, rtol=tolerance.rtol):
             worst = float(np.max(np.abs(a - b))) if a.size else 0.0
             raise VerificationError(f"ZipMap output {name!r}: the maps differ from the upload's by up to {worst:.3g}")
-
-
-def taken_names(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
-    """The outputs of both runs that are sequences of maps."""
-    return [n for n, v in want.items() if isinstance(v, list) and n in got]
 
 
 def _copy(message: _Message) -> _Message:

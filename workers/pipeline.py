@@ -245,9 +245,7 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
         if request.input_root is not None:
             for p in every:
                 p.confine_paths(request.input_root)
-        hist_before = op_histogram(ir.serde.deserialize_model(proto))
-        if zipmaps is not None:
-            hist_before[f"{output_adapters.ML_DOMAIN}::ZipMap"] += len(zipmaps.nodes)
+        hist_before = output_adapters.count_zipmaps(op_histogram(ir.serde.deserialize_model(proto)), zipmaps)
         dynamic_axes = artifacts.proto_dynamic_axes(proto)
     upload = source
     try:

@@ -83,9 +83,7 @@ def build_report(
     # type in onnx-ir: workers/output_adapters.py)
     final_proto, zipmaps = output_adapters.detach(onnx.load(str(final_path), load_external_data=False))
     final_ir = ir.serde.deserialize_model(final_proto)
-    hist_after = op_histogram(final_ir)
-    if zipmaps is not None:
-        hist_after[f"{output_adapters.ML_DOMAIN}::ZipMap"] += len(zipmaps.nodes)
+    hist_after = output_adapters.count_zipmaps(op_histogram(final_ir), zipmaps)
     statuses = Counter(r.status for r in ledger.records)
     if benchmark is not None:
         p50_before, p50_after = benchmark["p50_ms_original"], benchmark["p50_ms_optimized"]
