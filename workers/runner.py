@@ -449,11 +449,7 @@ def prune_attempt_dirs(settings: Settings, store: JobStore) -> int:
         return 0
     removed = 0
     for job_dir in job_dirs:
-        attempts = [
-            (int(d.name.removeprefix("attempt-")), Path(d.path))
-            for d in os.scandir(job_dir.path)
-            if d.name.startswith("attempt-") and d.name.removeprefix("attempt-").isdigit()
-        ]
+        attempts = _attempt_dirs(Path(job_dir.path))
         if not attempts:
             continue
         try:
@@ -472,12 +468,17 @@ def prune_attempt_dirs(settings: Settings, store: JobStore) -> int:
     return removed
 
 
+def _attempt_dirs(job_dir: Path) -> list[tuple[int, Path]]:
+    """``(n, path)`` of each ``attempt-<n>`` directory in ``job_dir`` (``attempt_dir``'s layout)."""
+    found = [(p.name.removeprefix("attempt-"), p) for p in job_dir.glob("attempt-*")]
+    return [(int(suffix), path) for suffix, path in found if suffix.isdigit()]
+
+
 def _remove_earlier_attempts(job_dir: Path, attempt: int) -> None:
     """Delete the directories of attempts killed before they could clean up. Safe: once this attempt holds
     the claim, an earlier attempt can never commit (succeed/fail are compare-and-set on the attempt)."""
-    for earlier in job_dir.glob("attempt-*"):
-        suffix = earlier.name.removeprefix("attempt-")
-        if suffix.isdigit() and int(suffix) < attempt:
+    for number, earlier in _attempt_dirs(job_dir):
+        if number < attempt:
             shutil.rmtree(earlier, ignore_errors=True)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -362,16 +362,21 @@ class InputSynthesis:
             self._ints_within_sizes(feeds, rng)
         return feeds
 
+    def _free_sizes(self, feeds: Mapping[str, np.ndarray], keep: Callable[[InputSpec, int], bool]) -> list[int]:
+        """The sizes ``feeds`` give the free (not fixed by the graph) axes of the inputs that ``keep(spec, axis)``
+        accepts."""
+        return [
+            feeds[spec.name].shape[axis]
+            for spec in self.specs
+            if spec.name in feeds
+            for axis, dim in enumerate(spec.dims)
+            if not isinstance(dim, int) and keep(spec, axis)
+        ]
+
     def _ints_within_sizes(self, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> None:
         """Every plain integer input (no table bounds it) redrawn below the smallest free axis of the float
         inputs (``Guess.ints_within_sizes``); nothing when no float input has a free axis."""
-        sizes = [
-            feeds[spec.name].shape[axis]
-            for spec in self.specs
-            if spec.dtype.kind == "f" and spec.name in feeds
-            for axis, dim in enumerate(spec.dims)
-            if not isinstance(dim, int)
-        ]
+        sizes = self._free_sizes(feeds, lambda spec, _axis: spec.dtype.kind == "f")
         if not sizes or min(sizes) < 1:
             return
         for name, role in self.facts.roles.items():
@@ -386,13 +391,7 @@ class InputSynthesis:
             lengths = feeds.get(name)
             if role.role != "lengths" or lengths is None or lengths.ndim != 1 or not lengths.size:
                 continue
-            free = [
-                feeds[spec.name].shape[axis]
-                for spec in self.specs
-                if spec.name != name and spec.name in feeds
-                for axis, dim in enumerate(spec.dims)
-                if axis > 0 and not isinstance(dim, int)
-            ]
+            free = self._free_sizes(feeds, lambda spec, axis, name=name: spec.name != name and axis > 0)
             longest = max(free, default=1)
             values = rng.integers(1, longest + 1, size=lengths.size)
             values[0] = longest  # one full row, as a batch padded to its longest member has
