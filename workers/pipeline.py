@@ -46,7 +46,7 @@ from core.precision import compute_precision
 from passes._infra import Pass, op_histogram
 from workers import artifacts, auto_search, gate, output_adapters
 from workers import report as report_mod
-from workers.benchmark import BenchmarkParams, SessionPool, measure
+from workers.benchmark import BenchmarkParams, Runs, SessionPool, measure
 from workers.decoder_benchmark import decoder_section
 from workers.gate import GateResult
 from workers.ledger import Ledger, Setup
@@ -275,8 +275,8 @@ def run_pipeline(request: PipelineRequest) -> PipelineResult:
     try:
         # baseline: the session now; the latency from the gate, which times the upload anyway (_baseline)
         with stages("baseline"):
-            runs, _ = pool.runs(source, [s.feeds for s in inputs.sets], quick)
-            upload_drift = _drift(verifier, runs.session)
+            runs, _ = pool.runs(source, [s.feeds for s in inputs.sets], quick, keep_outputs=True)
+            upload_drift = _drift(verifier, runs)
         setup = Setup(
             source=source,
             input_sets=inputs.sets,
@@ -408,12 +408,15 @@ UNSTABLE = (
 )
 
 
-def _drift(verifier: Verifier, session: Any) -> dict[str, Any]:
-    """``Verifier.drift`` of the baseline's session; a failure to measure it is reported, never the job's end."""
+def _drift(verifier: Verifier, runs: Runs) -> dict[str, Any]:
+    """``Verifier.drift`` of the baseline's session, from the outputs of its first runs (no run more); a failure
+    to measure it is reported, never the job's end."""
     try:
-        return verifier.drift(session)
+        return verifier.drift(runs.first_run_outputs)
     except Exception as exc:  # the upload ran at this level in the baseline already: reported, not raised
         return {"ok": None, "reason": f"not measured: {type(exc).__name__}: {str(exc)[:200]}"}
+    finally:
+        runs.first_outputs.clear()  # a language model's logits: not held until the gate
 
 
 def _baseline(
