@@ -515,7 +515,6 @@ class Runs:
         return list(kept) if kept is not None else self.outputs(index)
 
 
-
 def warmed(previous_ms: float | None, ms: float) -> bool:
     """A run of ``ms`` after one of ``previous_ms`` (None: no run timed before it) shows a settled session: it is
     not faster than that run by more than ``WARMUP_SETTLE``. Warming up (the arena, ORT's memory pattern for the
@@ -563,7 +562,8 @@ def _prepared(
         run = runs.select(index)
         start = time.perf_counter_ns()
         result = run()
-        runs.last_ms[index] = (time.perf_counter_ns() - start) / 1e6  # the cold run: what the first warm-up is compared to
+        # the cold run: what the first warm-up is compared to
+        runs.last_ms[index] = (time.perf_counter_ns() - start) / 1e6
         if keep_outputs and not runs.bound:
             runs.first_outputs[index] = list(result)
         runs.count(index, 1)

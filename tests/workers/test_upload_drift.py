@@ -20,9 +20,9 @@ from core.inputs import make_input_sets
 from core.settings import PipelineSettings
 from tests.workers.conftest import DropReluChain, resolver
 from workers import pipeline
+from workers.benchmark import BenchmarkParams, SessionPool
 from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
 from workers.report import validate_report
-from workers.benchmark import BenchmarkParams, SessionPool
 from workers.verify import Verifier
 
 
