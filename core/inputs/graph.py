@@ -61,7 +61,10 @@ _CONV_PATH_OPS = frozenset(
         "Conv", "Relu", "Gelu", "Erf", "Mul", "Add", "Div", "Sub", "Sqrt", "Pow", "Tanh", "Sigmoid", "Cast",
         "InstanceNormalization", "GroupNormalization", "BatchNormalization", "Reshape", "Unsqueeze",
         "MaxPool", "AveragePool", "LeakyRelu", "HardSwish", "Clip", "Pad", "ReduceMean",
-        "Transpose", "LayerNormalization",
+        "Transpose", "LayerNormalization", "Elu", "Selu", "Softplus", "PRelu", "Identity", "Squeeze",
+        # a waveform codec's encoder (EnCodec, DAC) crops the padded signal back to its length between its
+        # reflect-padded convolutions
+        "Slice",
         # an upload quantized by ORT's tools: quantize_dynamic's DynamicQuantizeLinear -> ConvInteger, and the
         # QuantizeLinear -> DequantizeLinear pairs of a QDQ model before each Conv
         "ConvInteger", "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear",
@@ -496,10 +499,14 @@ def _role(
         if rank == 2:  # raw audio [batch, samples] reaches its Conv1d through an Unsqueeze
             start = value
         steps, channels, last = _conv_steps(start, spatial)
-        if steps and rank == 2:
+        # [batch, 1, samples] into a Conv1d stack is a waveform with its channel (EnCodec, DAC, HiFi-GAN's
+        # discriminators), not one frame of features: sized, like [batch, samples], so that the stack yields
+        # the sequence's frames (its strides multiply the length, and reflect pads inside need room).
+        if steps and (rank == 2 or (rank == 3 and channels == 1)):
             role = InputRole(name, "audio", "", convs=tuple(steps), channels=channels)
             role.why = (
-                f"raw audio into a {len(steps)}-step convolution stack (kernels "
+                f"raw audio{' [batch, 1, samples]' if rank == 3 else ''} into a {len(steps)}-step convolution "
+                "stack (kernels "
                 f"{[s.kernel[0] for s in steps]}, strides {[s.stride[0] for s in steps]}): "
                 f">= {role.min_length()} samples"
             )

@@ -325,7 +325,7 @@ class InputSynthesis:
     ) -> int:
         if axis == 0 and dim_role(dim, axis) == "batch":
             return batch
-        spatial = {"audio": 1, "features": 2, "pixel_values": 2}.get(role.role)
+        spatial = _spatial_start(role, spec.rank)
         if spatial == 2 and axis == 1 and role.channels:
             return role.channels
         if spatial is not None and axis >= spatial:
@@ -681,7 +681,7 @@ class InputSynthesis:
                     else:
                         derived.add(dim)
                     continue
-                spatial = {"audio": 1, "features": 2, "pixel_values": 2}.get(role.role)
+                spatial = _spatial_start(role, spec.rank)
                 if _EXPR.match(dim) or (spatial is not None and axis >= spatial and role.exact_out):
                     derived.add(dim)
                     continue
@@ -696,6 +696,14 @@ class InputSynthesis:
                 else:
                     out[dim] = {"role": dim_role(dim, axis).replace("seq", "sequence"), "min": 1}
         return out
+
+
+def _spatial_start(role: InputRole, rank: int) -> int | None:
+    """The first axis a convolution stack slides over: raw audio's last ([batch, samples], or [batch, 1,
+    samples] with its channel), the axes after [batch, channels] of features and pixels; None for other roles."""
+    if role.role == "audio":
+        return rank - 1
+    return 2 if role.role in ("features", "pixel_values") else None
 
 
 def _mask(shape: tuple[int, ...], rng: np.random.Generator, past: int, padding: bool) -> np.ndarray:

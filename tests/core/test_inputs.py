@@ -430,3 +430,53 @@ def test_generated_lengths_are_within_the_time_axis_and_never_zero(tmp_path: Pat
     for s in verified_sets(path):
         length, frames = s.feeds["length"], s.feeds["features"].shape[2]
         assert length.min() >= 1 and length.max() == frames, (length, frames)
+
+
+def _waveform_codec(tmp_path: Path) -> Path:
+    """EnCodec's encoder as its TorchScript export writes it: a mono waveform ``[batch, 1, samples]``, each
+    convolution behind a reflect Pad (which fails unless the signal is longer than the pad) and a Slice that
+    crops it, an Elu between, strides 4 and 8. Sized as one frame of features (8 samples), it failed."""
+    nodes, inits = [], []
+    x = "input_values"
+    for i, (kernel, stride, channels_in, channels_out) in enumerate([(7, 1, 1, 4), (8, 4, 4, 8), (16, 8, 8, 8)]):
+        pad = kernel - stride
+        inits += [
+            numpy_helper.from_array(np.array([0, 0, pad, 0, 0, 0], np.int64), f"pads{i}"),
+            numpy_helper.from_array(np.array([0], np.int64), f"start{i}"),
+            numpy_helper.from_array(np.array([1 << 30], np.int64), f"end{i}"),
+            numpy_helper.from_array(np.array([2], np.int64), f"axis{i}"),
+            numpy_helper.from_array(
+                np.random.default_rng(i).normal(size=(channels_out, channels_in, kernel)).astype(np.float32), f"w{i}"
+            ),
+        ]
+        nodes += [
+            helper.make_node("Pad", [x, f"pads{i}"], [f"padded{i}"], mode="reflect"),
+            helper.make_node("Slice", [f"padded{i}", f"start{i}", f"end{i}", f"axis{i}"], [f"cropped{i}"]),
+            helper.make_node("Conv", [f"cropped{i}", f"w{i}"], [f"conv{i}"], kernel_shape=[kernel], strides=[stride]),
+            helper.make_node("Elu", [f"conv{i}"], [f"act{i}"]),
+        ]
+        x = f"act{i}"
+    graph = helper.make_graph(
+        nodes,
+        "codec",
+        [helper.make_tensor_value_info("input_values", TensorProto.FLOAT, ["batch", 1, "samples"])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)],
+        inits,
+    )
+    path = tmp_path / "codec.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_a_mono_waveform_with_its_channel_axis_is_sized_for_its_strided_conv_stack(tmp_path: Path) -> None:
+    path = _waveform_codec(tmp_path)
+    role = analyze(onnx.load(str(path))).roles["input_values"]
+    assert role.role == "audio" and role.channels == 1 and len(role.convs) == 3
+    assert "[batch, 1, samples]" in role.why
+    sets = verified_sets(path)
+    for input_set in sets:
+        _batch, channels, samples = input_set.feeds["input_values"].shape
+        assert channels == 1 and samples >= role.min_length(8)  # at least 8 frames out of the stride-32 stack
+    assert sets[0].provenance["guess"] == "role-based"
+    free = InputSynthesis(onnx.load(str(path))).free_dims()
+    assert free["samples"] == {"role": "sequence", "min": role.min_length(1)}
