@@ -281,13 +281,35 @@ def achieved_fusions(model: ir.Model) -> dict[str, int]:
 def count_layers(model: ir.Model) -> int:
     """Attention blocks: each ``Softmax`` left, plus each attention an earlier pass (``fuse_gqa``) fused. A
     Softmax over a product with a weight is no attention: a mixture of experts' router (Mixtral, Qwen2-MoE,
-    OLMoE: ``softmax(x @ W_gate)`` per layer) counted as one doubled the attention (and residual norm) expected."""
+    OLMoE: ``softmax(x @ W_gate)`` per layer) counted as one doubled the attention (and residual norm) expected.
+    Nor is one whose probabilities no product reads (``multiplied``): a spline flow's bin widths (VITS's
+    duration predictor), a classifier's output."""
     return sum(
         1
         for node in model.graph
-        if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx") and not _router(node))
+        if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx") and not _router(node) and multiplied(node))
         or (node.domain == "com.microsoft" and node.op_type in GROUPS["attention"])
     )
+
+
+_PRODUCTS = frozenset({"MatMul", "Einsum", "Gemm", "FusedMatMul"})
+
+
+def multiplied(softmax: ir.Node, depth: int = 3) -> bool:
+    """Whether a product (MatMul, Einsum, Gemm) reads the Softmax's probabilities, directly or through
+    ``_PROBS_STEPS`` and re-layouts (a one-row query's probabilities are unsqueezed before their product):
+    attention's ``probs @ V`` does, whatever V is."""
+    frontier = [softmax.outputs[0]]
+    for _ in range(depth + 1):
+        following = []
+        for value in frontier:
+            for use in value.uses():
+                if use.node.op_type in _PRODUCTS:
+                    return True
+                if use.node.op_type in (*_PROBS_STEPS, "Transpose", "Unsqueeze", "Squeeze", "Expand"):
+                    following.extend(use.node.outputs)
+        frontier = following
+    return False
 
 
 def _router(softmax: ir.Node) -> bool:

@@ -130,6 +130,12 @@ def _attention_left_by_design(softmax: ir.Node) -> str | None:
             f"its probabilities are the model's output {shown!r} (output_attentions): a fused attention kernel "
             "does not return them, so this layer stays unfused"
         )
+    if (second := _probabilities_reread(softmax)) is not None:
+        return (
+            f"its probabilities are also read by {second} besides their product with V (relative position values "
+            "added to the output: VITS's windowed attention), which a fused attention kernel does not expose, so "
+            "this layer stays unfused"
+        )
     if (values := _tensor_scale(softmax)) is not None:
         return (
             f"its scores are scaled by a tensor of {values} distinct values (a learned temperature per head: "
@@ -155,6 +161,24 @@ def _probabilities_shown(softmax: ir.Node) -> str | None:
         if len(readers) != 1:
             return None
         value = readers[0].outputs[0]
+    return None
+
+
+def _probabilities_reread(softmax: ir.Node) -> str | None:
+    """The other reader (``op 'name'``) of the Softmax's probabilities (through Cast/Identity/Dropout), when
+    something besides one product reads them; shapes do not count."""
+    value = softmax.outputs[0]
+    for _ in range(3):
+        readers = [u.node for u in value.uses() if u.node.op_type != "Shape"]
+        if len(readers) == 1 and readers[0].op_type in ("Cast", "Identity", "Dropout"):
+            value = readers[0].outputs[0]
+            continue
+        products = [n for n in readers if n.op_type in ("MatMul", "Einsum")]
+        others = [n for n in readers if n not in products]
+        if products and (others or len(products) > 1):
+            other = others[0] if others else products[1]
+            return f"{other.op_type} {other.name!r}"
+        return None
     return None
 
 

@@ -157,3 +157,46 @@ def test_layer_whose_scores_are_scaled_per_head_is_named_left_unfused_by_design(
     assert f"scaled by a tensor of {heads} distinct values" in reason
     assert "left unfused by design" in result.notes["missing"]["attention"]
     assert_same_as(original, result.model)
+
+
+def test_layer_whose_probabilities_feed_a_second_product_is_named_left_unfused_by_design():
+    # setup: layer 0's probabilities also multiply a table of relative position values, the result added to
+    # the attention's output (VITS / MMS-TTS's windowed attention): no attention kernel exposes them
+    model = ir.load(MODELS / "ts_bert_eager.onnx")
+    ShapeInferencePass()(model)
+    softmax = next(n for n in model.graph if n.op_type == "Softmax")
+    product = next(u.node for u in softmax.outputs[0].uses() if u.node.op_type == "MatMul")
+    scores = softmax.inputs[0]
+    # softmax @ softmax^T-shaped values: [B, H, S, S] @ [B, H, S, S] -> [B, H, S, S]; its row sums, scaled, add to
+    # the context, a stand-in for the relative values' product (a Pad and a Reshape in VITS)
+    readers = [(u.node, u.idx) for u in product.outputs[0].uses()]
+    relative = ir.node("MatMul", [softmax.outputs[0], scores], name="probe/relative_values")
+    summed = ir.node("ReduceMean", [relative.outputs[0]], {"axes": [-1], "keepdims": 1}, name="probe/mean")
+    added = ir.node("Add", [product.outputs[0], summed.outputs[0]], name="probe/add")
+    model.graph.insert_after(product, [relative, summed, added])
+    for node, idx in readers:
+        node.replace_input_with(idx, added.outputs[0])
+    original = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    fuse_transformer._LAST.clear()
+    # execute
+    result = FuseTransformer({"pack_qkv": True})(model)
+    # assert
+    assert result.counts["fused_attention"] == 1  # the other layer still fuses
+    (reason,) = [m.reason for m in result.non_matches if m.node == softmax.name]
+    assert "its probabilities are also read by MatMul 'probe/relative_values'" in reason
+    assert "left unfused by design" in result.notes["missing"]["attention"]
+    assert_same_as(original, result.model)
+
+
+def test_a_softmax_no_product_reads_is_not_counted_as_an_attention_block():
+    # setup: a spline flow's bin widths (VITS's duration predictor): softmax over computed logits, read by a Mul
+    model = ir.load(MODELS / "ts_bert_eager.onnx")
+    ShapeInferencePass()(model)
+    layers = fuse_transformer.fam.count_layers(model)
+    hidden = next(n for n in model.graph if n.op_type in {"LayerNormalization", "ReduceMean"})
+    widths = ir.node("Softmax", [hidden.outputs[0]], {"axis": -1}, name="probe/widths")
+    scaled = ir.node("Mul", [widths.outputs[0], hidden.outputs[0]], name="probe/scaled")
+    model.graph.insert_after(hidden, [widths, scaled])
+    model.graph.outputs.append(scaled.outputs[0])
+    # execute / assert
+    assert fuse_transformer.fam.count_layers(model) == layers == 2

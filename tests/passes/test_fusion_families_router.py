@@ -45,5 +45,10 @@ def test_every_attention_softmax_still_counts() -> None:
     text = text.replace(
         "logits = MatMul (x, x_t)", "x_t = Transpose <perm = [0, 2, 1]> (x_t_in)\n    logits = MatMul (x, x_t)"
     )
+    # a Softmax over a product of two activations whose probabilities nothing multiplies is no attention block
+    # either (a spline flow's bin widths: VITS's duration predictor)
+    assert fam.count_layers(ir.serde.deserialize_model(parse(text, check=False))) == 1
+    softmax = "gate = Softmax <axis = -1> (logits32)"
+    text = text.replace(softmax, f"{softmax}\n    mixed = MatMul (gate, x)")
     model = ir.serde.deserialize_model(parse(text, check=False))
-    assert fam.count_layers(model) == 2  # a Softmax over a product of two activations is attention
+    assert fam.count_layers(model) == 2  # a Softmax over a product of two activations, times V, is attention
