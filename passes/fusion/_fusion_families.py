@@ -324,7 +324,7 @@ def _score_products(value: ir.Value | None, depth: int) -> list[ir.Node]:
     node = value.producer() if value is not None else None
     if node is None or depth < 0:
         return []
-    if node.op_type in ("MatMul", "Gemm"):
+    if node.op_type in ("MatMul", "Gemm", "Einsum"):
         return [node]
     if node.op_type not in _SCORE_STEPS:
         return []
@@ -479,7 +479,7 @@ def _activation_product(value: ir.Value | None, depth: int) -> bool:
     node = value.producer() if value is not None else None
     if node is None or depth < 0:
         return False
-    if node.op_type == "MatMul":
+    if node.op_type == "MatMul" or (node.op_type == "Einsum" and len(node.inputs) == 2):  # XLNet's, Keras's
         return all(v is not None and v.const_value is None and not v.is_initializer() for v in node.inputs)
     return node.op_type in _SCORE_STEPS and any(_activation_product(v, depth - 1) for v in node.inputs)
 
@@ -487,7 +487,7 @@ def _activation_product(value: ir.Value | None, depth: int) -> bool:
 def _read_by_product(value: ir.Value, depth: int = 2) -> bool:
     for use in value.uses():
         node = use.node
-        if node.op_type == "MatMul":
+        if node.op_type == "MatMul" or (node.op_type == "Einsum" and len(node.inputs) == 2):
             other = node.inputs[1 - use.idx] if use.idx < 2 else None
             if other is not None and other.const_value is None and not other.is_initializer():
                 return True

@@ -156,3 +156,38 @@ def test_detect_family_says_no_attention_when_every_softmax_is_a_gate():
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     family, why = detect_family(model)
     assert family == "unknown" and "no attention block" in why and "gated attention" in why
+
+
+def test_detect_family_reads_attention_written_with_einsums():
+    # XLNet's attention (``einsum("ibnd,jbnd->bnij", q, k)``, then ``einsum("bnij,jbnd->ibnd", probs, v)``, as
+    # Keras's MultiHeadAttention writes it too): the family was "unknown", so nothing fused, not even its GELU
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32) / 3, f"w_{name}") for name in "qkvo"
+    ] + [
+        numpy_helper.from_array(np.ones(8, np.float32), "gamma"),
+        numpy_helper.from_array(np.zeros(8, np.float32), "beta"),
+        numpy_helper.from_array(np.array([0, 0, 2, 4], np.int64), "heads"),  # [i, b, 2 heads, 4]
+        numpy_helper.from_array(np.array([0, 0, 8], np.int64), "merged"),
+    ]
+    nodes = [helper.make_node("MatMul", ["x", f"w_{name}"], [f"{name}_flat"]) for name in "qkv"]
+    nodes += [helper.make_node("Reshape", [f"{name}_flat", "heads"], [name]) for name in "qkv"]
+    nodes += [
+        helper.make_node("Einsum", ["q", "k"], ["scores"], equation="ibnd,jbnd->bnij"),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        helper.make_node("Einsum", ["probs", "v"], ["context"], equation="bnij,jbnd->ibnd"),
+        helper.make_node("Reshape", ["context", "merged"], ["context_flat"]),
+        helper.make_node("MatMul", ["context_flat", "w_o"], ["attended"]),
+        helper.make_node("Add", ["attended", "x"], ["residual"]),
+        helper.make_node("LayerNormalization", ["residual", "gamma", "beta"], ["y"], axis=-1),
+    ]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes, "einsum_attention", [value("x", TensorProto.FLOAT, ["s", "b", 8])], [value("y", TensorProto.FLOAT, None)],
+        inits,
+    )  # fmt: skip
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    family, why = detect_family(model)
+    assert family != "unknown" and "is a Softmax of a product of two activations (attention)" in why
