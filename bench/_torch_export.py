@@ -12,8 +12,12 @@ from typing import Any
 
 from bench.heldout_detection import _check
 
-# (axis, name) of each input's free axis, in input order
-Dims = Sequence[tuple[int, str]]
+# (axis, name) of each input's free axis, in input order; or a sequence of them for an input with several
+Dims = Sequence[tuple[int, str] | Sequence[tuple[int, str]]]
+
+
+def _axes(dim: tuple[int, str] | Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
+    return [dim] if isinstance(dim[0], int) else list(dim)  # type: ignore[list-item]
 
 
 def export_both(
@@ -34,16 +38,16 @@ def export_both(
     import onnx
     import torch
 
-    free = {name: torch.export.Dim(name, min=1, max=4096) for _, name in dims}
+    free = {name: torch.export.Dim(name, min=1, max=4096) for dim in dims for _, name in _axes(dim)}
     for form in ("ts", "dynamo"):
         path = out / f"{stem}_{form}.onnx"
         try:
             if form == "ts":
-                axes = {n: {axis: d} for n, (axis, d) in zip(names, dims, strict=True)}
+                axes = {n: dict(_axes(dim)) for n, dim in zip(names, dims, strict=True)}
                 torch.onnx.export(model, example(sizes[0]), str(path), opset_version=17, dynamo=False,
                                   input_names=list(names), output_names=[output], dynamic_axes=axes)  # fmt: skip
             else:
-                shapes = tuple({axis: free[d]} for axis, d in dims)
+                shapes = tuple({axis: free[d] for axis, d in _axes(dim)} for dim in dims)
                 program = torch.onnx.export(model, example(sizes[0]), dynamo=True, opset_version=18,
                                             input_names=list(names), output_names=[output],
                                             dynamic_shapes=shapes)  # fmt: skip

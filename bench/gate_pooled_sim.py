@@ -7,6 +7,9 @@ the gate's parameters of a ``fast`` job (floor of 10 blocks or 5 s, 10 s per set
 the median blocks, how often the gate refuses the artifact (``Comparison.slower``) and how often it hands it
 back (neither slower nor a tie): the figures behind the pooled stop's paragraph in workers/benchmark.py.
 
+``--floor S`` compares the floor in time (``benchmark_min_seconds``, 5 s) with ``S`` seconds, each session started
+cold as with ``--warmup`` and warmed up as ``workers.benchmark`` does.
+
 ``--warmup`` compares the warm-up instead, the pooled stop on in both: ``before``, each model's untimed runs until
 one is within 10% of the run before it, spent (the rule up to this change), against ``after``, the warm-up of
 ``workers.benchmark._first_block`` (untimed runs until one is no faster than the run before it beyond 10%, that
@@ -163,13 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", action="store_true", help="compare the warm-up rules (module docstring)")
     parser.add_argument("--cold", type=float, default=1.5, help="--warmup: the build run's factor")
     parser.add_argument("--curve", default="", help="--warmup: factors of the runs after the build, e.g. 1.2")
+    parser.add_argument(
+        "--floor", type=float, default=None, help="compare the floor in time (benchmark_min_seconds) with this one"
+    )
     args = parser.parse_args(argv)
     CENTERS[:] = [float(c) for c in args.centers.split(",")]
     clock = _fake_clock()
     pooled = dataclasses.replace(GATE, pooled_stop=True)
     scenarios = dict(SCENARIOS)
     variants: dict[str, tuple[BenchmarkParams, dict[str, Any]]]
-    if args.warmup:
+    if args.floor is not None:
+        session = {"cold": args.cold, "curve": tuple(float(f) for f in args.curve.split(",") if f)}
+        lower = dataclasses.replace(pooled, min_seconds=args.floor)
+        variants = {f"floor {GATE.min_seconds:g} s": (pooled, session), f"floor {args.floor:g} s": (lower, session)}
+        scenarios.update({"set 1 +15%": [1.15, 1.0, 1.0], "set 1 +25%": [1.25, 1.0, 1.0]})
+    elif args.warmup:
         curve = tuple(float(f) for f in args.curve.split(",") if f)
         session = {"cold": args.cold, "curve": curve}
         variants = {"before": (pooled, {**session, "legacy": True}), "after": (pooled, session)}
