@@ -63,6 +63,12 @@ declaration                           default     what the engine does with it
                                                   ``verified_inputs`` (or the user's raw samples)
 ``PassContext.measure``               None        set by the engine: times two sessions interleaved and gives the
                                                   noise-aware verdict (``Measure``); passes never import workers
+``PassContext.references``            empty       set by the engine while the model a pass gets computes what the
+                                                  upload computes (every pass before it exact, no input change,
+                                                  side file or valid positions): the upload's outputs on each of
+                                                  ``samples`` (ORT, optimizations off), named by
+                                                  ``reference_names``; a pass checking its candidates against its
+                                                  input may check them against these instead of running it
 ====================================  ==========  ==================================================================
 """
 
@@ -174,6 +180,10 @@ class PassContext:
     side_files: dict[str, bytes] = dataclasses.field(default_factory=dict)
     # The engine's latency measurement; None outside the engine (a pass that needs it then declines).
     measure: Measure | None = None
+    # The upload's outputs on ``samples`` (one list per sample, in ``reference_names`` order), given only while
+    # the model a pass gets computes what the upload computes (module docstring's table); empty otherwise.
+    references: list[Sequence[np.ndarray]] = dataclasses.field(default_factory=list)
+    reference_names: list[str] = dataclasses.field(default_factory=list)
 
 
 OptionsT = TypeVar("OptionsT", bound=PassOptions)

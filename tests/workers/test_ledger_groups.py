@@ -253,3 +253,39 @@ def test_grouped_and_per_pass_ledgers_keep_the_same_passes_when_each_pass_is_rig
     groups = [r["latency"]["group"] for r in records.values()]
     together = [["test_not_exact"], *[["test_drop_relu_chain", "test_doc_string"]] * 2]
     assert groups == (together if group_passes else [[n] for n in records])
+
+
+class SeesReferences(Idle):
+    """Idle, recording the references the context gave it (``PassContext.references``)."""
+
+    seen: list[tuple[int, list[str]]]
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name  # type: ignore[misc]
+        self.seen = []
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        self.seen.append((len(ctx.references), list(ctx.reference_names)))
+        if ctx.references:  # the upload's outputs on the very samples the pass gets, by output name
+            session = __import__("onnxruntime").InferenceSession(
+                ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"]
+            )
+            for feeds, outputs in zip(ctx.samples, ctx.references, strict=False):
+                for got, want in zip(session.run(ctx.reference_names, feeds), outputs, strict=True):
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        return super().call(model, ctx)
+
+
+def test_passes_get_the_uploads_outputs_only_while_every_pass_before_them_is_exact(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    # fuse_transformer checks its candidates against these instead of running its input on every sample; after
+    # a pass that is not exact (or leaves a side file), its input may compute something else
+    first, second, third = SeesReferences("test_sees_1"), SeesReferences("test_sees_2"), SeesReferences("test_sees_3")
+    result = _run(slow_mlp_path, tmp_path, fast_settings, first, DropReluChain(), second, NotExact(), third)
+    assert result.report["verification"]["ok"] is True
+    sets = len(result.report["input_sets"])
+    names = [o.name for o in onnx.load(str(slow_mlp_path)).graph.output]
+    assert first.seen == [(sets, names)] and second.seen == [(sets, names)]
+    assert third.seen == [(0, [])]  # after test_not_exact
