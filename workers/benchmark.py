@@ -559,13 +559,12 @@ def _prepared(
     runs = Runs(session, feeds, params)
     peak = max(peak, _rss())
     for index in range(len(feeds)):
-        run = runs.select(index)
-        start = time.perf_counter_ns()
-        result = run()
+        run, results = runs.select(index), []
+        keep = keep_outputs and not runs.bound
         # the cold run: what the first warm-up is compared to
-        runs.last_ms[index] = (time.perf_counter_ns() - start) / 1e6
-        if keep_outputs and not runs.bound:
-            runs.first_outputs[index] = list(result)
+        runs.last_ms[index] = _time_one((lambda run=run, results=results: results.append(run())) if keep else run)
+        if keep and results:
+            runs.first_outputs[index] = list(results[0])
         runs.count(index, 1)
         peak = max(peak, _rss())
     return runs, (peak - base) / (1 << 20)
