@@ -104,8 +104,9 @@ def test_corpus_committed_subset_matches_its_build_records_when_loaded_without_t
         assert [o.name for o in session.get_outputs()] == list(corpus.ARCHS[arch].outputs)
         assert all(np.isfinite(o).all() and o.shape[0] == 2 for o in outputs)
     assert len(BUILT) >= 15
-    # 6.0 MB held the corpus until DeBERTa-v3 (0.44 MB, most of it the relative-position index graph per layer)
-    assert total < 6_500_000, f"the committed corpus is {total / 1e6:.1f} MB"
+    # 6.0 MB held the corpus until DeBERTa-v3 (0.44 MB, most of it the relative-position index graph per layer);
+    # DeBERTa (v1) added 0.55 MB
+    assert total < 7_500_000, f"the committed corpus is {total / 1e6:.1f} MB"
 
 
 def test_coverage_doc_has_a_row_when_a_committed_export_exists() -> None:

@@ -17,7 +17,8 @@ torch exporters write, whatever the opset), ``_merge_heads`` (keeps onnxscript's
 flattening Reshape), ``_attention_bias`` (T5's relative position bias and mask as one ``attention_bias``),
 ``_concat_shape`` (a length read off a grown cache, ``Shape(Concat(past, new))``, read off its parts, so the
 with-past MHA rule can take the Concat without a cycle), ``_heads_3d`` (``torch.nn.MultiheadAttention``'s
-sequence-first folded heads, which no SDPA rule reads, straight to ``MultiHeadAttention``), ``_tanh_gelu``
+sequence-first folded heads, which no SDPA rule reads, straight to ``MultiHeadAttention``), ``_shared_scale``
+(a scaled query another product reads too, DeBERTa's, copied for the scores), ``_tanh_gelu``
 (GPT-2's GELU with its bias) and ``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step
 it feeds.
 After every onnxscript step, a constant its rewriter unregistered while nodes still read it is registered
@@ -47,6 +48,7 @@ from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _mha_bias_order as mha_bias_order
 from passes.fusion import _mha_kv_layout as mha_kv_layout
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
+from passes.fusion import _shared_scale as shared_scale
 from passes.fusion import _tanh_gelu as tanh_gelu
 
 # The onnxscript releases whose unexported names below were checked; pyproject.toml pins the same range.
@@ -161,6 +163,9 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     # Ours: attention on heads folded into the batch, sequence first (F.multi_head_attention_forward's bmm), which
     # the SDPA rule reads in 4-D only, straight to MultiHeadAttention (_heads_3d); constants are folded by now.
     counts["folded_heads_mha"] = 0 if "sdpa" in cut else settled(heads_3d.fuse_folded_heads(model))
+    # Ours: a scaled query another product reads too (DeBERTa's content-to-position term) gets a copy of its
+    # scaling for the scores, which the SDPA rule otherwise refuses to replace (_shared_scale); after the CSE above.
+    counts["scores_scale_copied"] = 0 if "sdpa" in cut else shared_scale.give_scores_their_own_scale(model)
     fuse("sdpa", shape_inference=True)
     # onnxscript's GQA rewrite computes seqlens_k as the row maximum of the RotaryEmbedding's [batch, sequence]
     # position_ids; fuse_rotary gives a rotation whose table is cut to the sequence the kernel's one-element

@@ -31,6 +31,7 @@ ARCHS: dict[str, Arch] = {
         Arch("roberta", "text", _TEXT, _HID, "bert"),
         Arch("distilbert", "text", _TEXT, _HID, "bert"),
         Arch("albert", "text", _TEXT3, _HID, "bert"),
+        Arch("deberta", "text", _TEXT, _HID, "bert"),
         Arch("deberta_v2", "text", _TEXT, _HID, "bert"),
         Arch("deberta_v3", "text", _TEXT, _HID, "bert"),
         Arch("electra", "text", _TEXT3, _HID, "bert"),
@@ -134,6 +135,16 @@ def _config(arch: str, size: str, attention: str | None) -> Any:
         "xlm_roberta": lambda: tf.XLMRobertaConfig(**bert_like, bos_token_id=0, eos_token_id=2),
         "electra": lambda: tf.ElectraConfig(**bert_like, embedding_size=d.hidden // 2),
         "albert": lambda: tf.AlbertConfig(**bert_like, embedding_size=d.hidden // 2),
+        # microsoft/deberta-base's (v1) attention: one packed in_proj per head, q and v biases after the split, c2p
+        # and p2c terms over relative positions, the query scaled once for the scores and c2p, no token types
+        "deberta": lambda: tf.DebertaConfig(
+            **bert_like,
+            relative_attention=True,
+            pos_att_type=["c2p", "p2c"],
+            max_relative_positions=-1,
+            position_biased_input=False,
+            type_vocab_size=0,
+        ),
         "deberta_v2": lambda: tf.DebertaV2Config(**bert_like, relative_attention=True, position_buckets=64),
         # microsoft/deberta-v3-*'s attention: disentangled c2p and p2c terms on shared q/k projections of
         # layer-normed relative embeddings, log-bucketed positions (tiny: 16 buckets, so that the test lengths
@@ -284,6 +295,7 @@ def _model(arch: str, size: str, attention: str | None) -> Any:
         "xlm_roberta": tf.XLMRobertaModel,
         "electra": tf.ElectraModel,
         "albert": tf.AlbertModel,
+        "deberta": tf.DebertaModel,
         "deberta_v2": tf.DebertaV2Model,
         "deberta_v3": tf.DebertaV2Model,
         "mpnet": tf.MPNetModel,

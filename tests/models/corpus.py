@@ -1,4 +1,4 @@
-"""The coverage corpus (issue 17 item 3): 26 models of 24 transformers architectures, each exported three ways.
+"""The coverage corpus (issue 17 item 3): 27 models of 25 transformers architectures, each exported three ways.
 
 Run ``python -m tests.models.corpus`` to rebuild the tiny subset committed under ``tests/models/corpus/``
 (``COMMITTED``; ``tests/test_coverage.py`` reads it, never torch), or ``python -m tests.models.corpus
@@ -74,7 +74,8 @@ DYNAMO_ATTENTION = {"swin": "eager", "t5": "eager"}
 
 # The committed tiny subset: one architecture per family the fusions target (a post-norm encoder with token
 # types, ViT, CLIP's text tower with its causal mask and EOS pooling, a pre-norm GPT decoder, a GQA/RMSNorm
-# decoder, an encoder-decoder, DeBERTa-v2's bmm-heads attention and DeBERTa-v3's relative c2p/p2c terms, the
+# decoder, an encoder-decoder, DeBERTa (v1)'s packed projection and shared scaled query, DeBERTa-v2's bmm-heads
+# attention and DeBERTa-v3's relative c2p/p2c terms, the
 # audio encoders, Swin's window attention with its relative-position bias), each under the three exporters,
 # small enough that tests/test_coverage.py stays minutes.
 COMMITTED = (
@@ -84,6 +85,7 @@ COMMITTED = (
     "gpt2",
     "llama",
     "bart",
+    "deberta",
     "deberta_v2",
     "deberta_v3",
     "whisper_encoder",

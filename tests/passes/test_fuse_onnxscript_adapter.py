@@ -62,6 +62,7 @@ OURS = (
     "attention_biases_grouped",
     "concat_shapes_split",
     "folded_heads_mha",
+    "scores_scale_copied",
     "tanh_gelu",
     "erf_gelu_half_first",
     "noop_bias_expands",
