@@ -184,10 +184,8 @@ def test_detect_family_reads_attention_written_with_einsums():
         helper.make_node("LayerNormalization", ["residual", "gamma", "beta"], ["y"], axis=-1),
     ]
     value = helper.make_tensor_value_info
-    graph = helper.make_graph(
-        nodes, "einsum_attention", [value("x", TensorProto.FLOAT, ["s", "b", 8])], [value("y", TensorProto.FLOAT, None)],
-        inits,
-    )  # fmt: skip
+    inputs, outputs = [value("x", TensorProto.FLOAT, ["s", "b", 8])], [value("y", TensorProto.FLOAT, None)]
+    graph = helper.make_graph(nodes, "einsum_attention", inputs, outputs, inits)
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     family, why = detect_family(model)
     assert family != "unknown" and "is a Softmax of a product of two activations (attention)" in why
