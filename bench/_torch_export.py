@@ -6,7 +6,8 @@ diffusers beside it), where the project's dependencies are not installed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +59,34 @@ def export_both(
         except Exception as exc:  # a row of the table, not the end of the probe
             path.unlink(missing_ok=True)
             print(path.stem, "build failed:", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
+
+
+def build_models(models: Iterable[tuple[str, Any, Callable[[int], tuple], Sequence[str], Dims]], out: Path,
+                 only: list[str] | None = None) -> None:  # fmt: skip
+    """Each of ``models`` (name, module, example, input names, free axes) perturbed as every probe's are
+    (``bench.heldout_detection._perturb``), in eval mode, and exported both ways into ``out``; ``only``: those
+    names."""
+    from bench.heldout_detection import _perturb
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, model, example, names, dims in models:
+        if only and name not in only:
+            continue
+        _perturb(model)
+        model.eval()
+        export_both(model, example, names, dims, out=out, stem=name)
+
+
+def probe_main(out: Path, build: Callable[[list[str] | None], None], *, attention: bool = True) -> None:
+    """A torch-built probe's command line: ``build [NAME ...]`` (in the probe's venv), or ``run`` (the default,
+    in the project's): a ``fast`` job on each export in ``out``, with the attention column unless told not."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:  # probes run as files too
+        sys.path.insert(0, repo)
+    command = sys.argv[1] if len(sys.argv) > 1 else "run"
+    if command == "build":
+        build(sys.argv[2:] or None)
+        return
+    from bench import _heldout
+
+    _heldout.run_exports(sorted(out.glob("*.onnx")), _heldout.ATTENTION_COLUMN if attention else None)

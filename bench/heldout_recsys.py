@@ -77,7 +77,7 @@ def _models():
     yield "gcn", GCN(), gcn_example, ("x", "edge_index"), ((0, "num_nodes"), (1, "num_edges"))
 
 
-def build() -> None:
+def build(only: list[str] | None = None) -> None:
     import torch
 
     from bench._torch_export import export_both
@@ -85,17 +85,15 @@ def build() -> None:
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
     for name, model, example, names, dims in _models():  # dims: (axis, name) of each input's free axis
+        if only and name not in only:
+            continue
         model.eval()
         export_both(model, example, names, dims, out=OUT, stem=name, sizes=(2, 3, 5))
-
-
-def run() -> None:
-    from bench import _heldout
-
-    _heldout.run_exports(sorted(OUT.glob("*.onnx")))
 
 
 if __name__ == "__main__":
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    {"build": build, "run": run}[sys.argv[1] if len(sys.argv) > 1 else "run"]()
+    from bench._torch_export import probe_main
+
+    probe_main(OUT, build, attention=False)

@@ -217,26 +217,14 @@ class _Hidden:
 
 
 def build(only: list[str] | None = None) -> None:
-    from bench._torch_export import export_both
-    from bench.heldout_detection import _perturb
+    from bench._torch_export import build_models
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name, model, example, names, dims in _models():
-        if only and name not in only:
-            continue
-        _perturb(model)
-        model.eval()
-        export_both(model, example, names, dims, out=OUT, stem=name)
-
-
-def run() -> None:
-    from bench import _heldout
-
-    _heldout.run_exports(sorted(OUT.glob("*.onnx")), _heldout.ATTENTION_COLUMN)
+    build_models(_models(), OUT, only)
 
 
 if __name__ == "__main__":
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    command = sys.argv[1] if len(sys.argv) > 1 else "run"
-    build(sys.argv[2:] or None) if command == "build" else run()
+    from bench._torch_export import probe_main
+
+    probe_main(OUT, build)

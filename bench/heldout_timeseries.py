@@ -45,8 +45,8 @@ def _models():
     def past_example(batch):
         return (torch.randn(batch, CONTEXT, CHANNELS),)
 
-    yield "patchtst", PastOnly(patchtst), past_example, ("past_values",)
-    yield "patchtsmixer", PastOnly(mixer), past_example, ("past_values",)
+    yield "patchtst", PastOnly(patchtst), past_example, ("past_values",), ((0, "batch"),)
+    yield "patchtsmixer", PastOnly(mixer), past_example, ("past_values",), ((0, "batch"),)
 
     seq2seq = {
         "prediction_length": HORIZON, "context_length": CONTEXT, "input_size": 1, "lags_sequence": list(LAGS),
@@ -75,32 +75,21 @@ def _models():
 
     names = ("past_values", "past_time_features", "past_observed_mask", "future_time_features")
     tst = tf.TimeSeriesTransformerModel(tf.TimeSeriesTransformerConfig(**seq2seq))
-    yield "time_series_transformer", Forecaster(tst), forecaster_example, names
+    batch = tuple((0, "batch") for _ in names)
+    yield "time_series_transformer", Forecaster(tst), forecaster_example, names, batch
     informer = tf.InformerModel(tf.InformerConfig(**seq2seq, attention_type="prob"))
-    yield "informer", Forecaster(informer), forecaster_example, names
+    yield "informer", Forecaster(informer), forecaster_example, names, batch
 
 
 def build(only: list[str] | None = None) -> None:
-    from bench._torch_export import export_both
-    from bench.heldout_detection import _perturb
+    from bench._torch_export import build_models
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name, model, example, names in _models():
-        if only and name not in only:
-            continue
-        _perturb(model)
-        model.eval()
-        export_both(model, example, names, tuple((0, "batch") for _ in names), out=OUT, stem=name)
-
-
-def run() -> None:
-    from bench import _heldout
-
-    _heldout.run_exports(sorted(OUT.glob("*.onnx")), _heldout.ATTENTION_COLUMN)
+    build_models(_models(), OUT, only)
 
 
 if __name__ == "__main__":
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    command = sys.argv[1] if len(sys.argv) > 1 else "run"
-    build(sys.argv[2:] or None) if command == "build" else run()
+    from bench._torch_export import probe_main
+
+    probe_main(OUT, build)

@@ -77,14 +77,9 @@ def build(only: list[str] | None = None) -> None:
         export_both(model, example, ("pixel_values",), ((0, "batch"),), out=OUT, stem=short, output="logits")
 
 
-def run() -> None:
+if __name__ == "__main__":
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from bench import _heldout
+    from bench._torch_export import probe_main
 
-    _heldout.run_exports(sorted(OUT.glob("*.onnx")), _heldout.ATTENTION_COLUMN)
-
-
-if __name__ == "__main__":
-    command = sys.argv[1] if len(sys.argv) > 1 else "run"
-    build(sys.argv[2:] or None) if command == "build" else run()
+    probe_main(OUT, build)
