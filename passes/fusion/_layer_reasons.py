@@ -35,6 +35,7 @@ from passes.fusion import _fusion_families as fam
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _onnxscript_adapter as adapter
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
+from passes.fusion import _shared_scale as shared_scale
 from passes.fusion import _tanh_gelu as tanh_gelu
 from passes.fusion._decoder_structure import attention_kinds
 
@@ -275,11 +276,12 @@ def _ranks(model: ir.Model) -> dict[tuple[str, str], tuple[str | None, int]]:
 
 def _before_sdpa(model: ir.Model) -> ir.Model:
     """A copy with the steps fuse_for_ort runs before the SDPA rules (the head-merge guard, T5's bias and mask
-    grouped into one): traced without them, a T5 attention would be reported as stopped by its second
-    additive term, a form the pipeline does fuse."""
+    grouped into one, the scores' own copy of a shared query scaling): traced without them, a T5 attention
+    would be reported as stopped by its second additive term, a form the pipeline does fuse."""
     copy = model.clone()  # shares the weights: the rules rewrite nodes, never a tensor
     merge_heads.rules.apply_to_model(copy)
     attention_bias.rules.apply_to_model(copy)
+    shared_scale.give_scores_their_own_scale(copy)
     return copy
 
 
