@@ -234,6 +234,11 @@ def closest_match(model: ir.Model, step: str) -> str:
     result = best.match_result
     if best.status.name == "SUCCESS":
         return f"onnxscript's {step} rule matches at {best.root_node.name!r}: the onnxscript engine fuses it"
+    if len(result.nodes) <= 1:  # any MatMul is a root the SDPA rule tries: naming one (an FFN's) misleads
+        return (
+            f"onnxscript {step}: no partial match beyond the pattern's first node ({best.root_node.op_type}): no "
+            "block of this graph is written in a form the rule reads"
+        )
     return (
         f"closest onnxscript {step} match: {len(result.nodes)} nodes matched at {best.root_node.name!r} "
         f"({best.status.name}): {result.reason or 'pattern diverges there'}"

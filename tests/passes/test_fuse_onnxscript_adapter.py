@@ -16,7 +16,7 @@ from packaging.specifiers import SpecifierSet
 from passes._infra import op_histogram
 from passes.fusion import _onnxscript_adapter as adapter
 from passes.fusion.fuse_transformer import gemm_to_matmul
-from tests.passes._util import MODELS
+from tests.passes._util import MODELS, parse
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -109,3 +109,22 @@ def test_closest_match_names_the_diverging_node_when_gelu_form_unknown():
     model = ir.load(MODELS / "hf_gpt2.onnx")
     reason = adapter.closest_match(model, "gelu")
     assert reason.startswith("closest onnxscript gelu match:") and "nodes matched at" in reason
+
+
+def test_closest_match_names_no_node_when_only_a_patterns_first_node_matched():
+    # Any MatMul is a root the SDPA rule tries; on a graph with no attention it named an FFN's MatMul as the
+    # "closest match" (XLNet's and Funnel's reports did), which sent a reader to the wrong place.
+    model = ir.serde.deserialize_model(
+        parse("""
+        <ir_version: 10, opset_import: ["" : 18]>
+        g (float[2,4,8] x) => (float[2,4,8] y) {
+            w = Constant <value = float[8,8] {1,0,0,0,0,0,0,0, 0,1,0,0,0,0,0,0, 0,0,1,0,0,0,0,0, 0,0,0,1,0,0,0,0,
+                                              0,0,0,0,1,0,0,0, 0,0,0,0,0,1,0,0, 0,0,0,0,0,0,1,0, 0,0,0,0,0,0,0,1}> ()
+            h = MatMul (x, w)
+            y = Relu (h)
+        }
+        """)
+    )
+    reason = adapter.closest_match(model, "sdpa")
+    assert reason.startswith("onnxscript sdpa: no partial match beyond the pattern's first node (MatMul)")
+    assert "matched at" not in reason  # no node named
