@@ -22,6 +22,11 @@ matches nothing. ``Where`` broadcasts its inputs itself, and ``Expand`` broadcas
 ``Where(cond, a, b)``: the Expand is dropped with the rest of the rewrite::
 
     Softmax(Where(Expand(masked, Shape(s)), fill, s))   ==>   Softmax(Add(s, Where(masked, fill, 0)))
+
+A mask subtracted from the scores (``scores - 10000 * (1 - mask)``, hand-written attention's and XLNet's) is
+added negated, bit-exact (``SubtractedMask``)::
+
+    Softmax(Sub(s, m))   ==>   Softmax(Add(s, Neg(m)))
 """
 
 from __future__ import annotations
@@ -97,7 +102,34 @@ class ExpandedFillSecond(WhereFillSecond):
     expanded = True
 
 
+class SubtractedMask(pattern.RewriteRuleClassBase):
+    """``Softmax(Sub(s, m))`` as ``Softmax(Add(s, Neg(m)))``: a mask subtracted from the scores (``scores -
+    10000 * (1 - mask)`` in hand-written attention, XLNet's and Funnel's ``- INF * mask``). Bit-exact: IEEE
+    subtraction is the addition of the negated operand, and negation is exact. ``s`` must be attention scores
+    (a MatMul, possibly scaled or biased), as for the Where forms."""
+
+    def pattern(self, op, scores, mask):
+        return op.Softmax(op.Sub(scores, mask), _allow_other_attributes=True, _outputs=["probs"])
+
+    def check(self, context, scores: ir.Value, mask: ir.Value, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        producer = scores.producer()
+        if producer is None or producer.op_type not in _SCORE_OPS or producer.domain not in ("", "ai.onnx"):
+            return result.fail("what the mask is subtracted from is not attention scores (MatMul, scaled)", scores)
+        return result
+
+    def rewrite(self, op, scores, mask, probs, **_):
+        axis = probs.producer().attributes.get_int("axis", -1)
+        return op.Softmax(op.Add(scores, op.Neg(mask)), axis=axis)
+
+
 # the expanded forms first: the plain ones would take the Expand as the condition and keep the second read
 rules = pattern.RewriteRuleSet(
-    [ExpandedFillFirst.rule(), ExpandedFillSecond.rule(), WhereFillFirst.rule(), WhereFillSecond.rule()]
+    [
+        ExpandedFillFirst.rule(),
+        ExpandedFillSecond.rule(),
+        WhereFillFirst.rule(),
+        WhereFillSecond.rule(),
+        SubtractedMask.rule(),
+    ]
 )

@@ -18,6 +18,9 @@ Run ``python -m tests.models.build_heldout_own_models`` (needs torch); the .onnx
 * ``own_vit_dynamo.onnx``: a timm-style ViT (2 blocks, hidden 32, 4 heads, 8-pixel patches of a 32 px image: 16
   patches and a CLS token; ``qkv(x).reshape(B, N, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)``, eager attention
   with q scaled first, a linear head on the CLS token): ``pixel_values -> logits [B, 10]``.
+* ``own_subtracted_mask_{ts,dynamo}.onnx``: a BERT-style encoder written by hand (2 post-norm layers, hidden 32,
+  4 heads, GELU MLP), its padding mask subtracted from the scaled scores (``scores - 10000 * (1 - mask)``):
+  ``(input_ids, attention_mask) -> hidden [B, S, 32]``; TorchScript opset 17 and dynamo opset 18.
 """
 
 from __future__ import annotations
@@ -255,6 +258,82 @@ def build_vit() -> Path:
     return path
 
 
+def build_subtracted_mask() -> list[Path]:
+    """A BERT-style encoder written by hand: its padding mask subtracted from the scores."""
+    import math
+
+    import onnxruntime as ort
+    import torch
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, heads: int = 4) -> None:
+            super().__init__()
+            self.heads = heads
+            self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+            self.layers = torch.nn.ModuleList(
+                torch.nn.ModuleDict(
+                    {
+                        "q": torch.nn.Linear(HIDDEN, HIDDEN),
+                        "k": torch.nn.Linear(HIDDEN, HIDDEN),
+                        "v": torch.nn.Linear(HIDDEN, HIDDEN),
+                        "o": torch.nn.Linear(HIDDEN, HIDDEN),
+                        "up": torch.nn.Linear(HIDDEN, 2 * HIDDEN),
+                        "down": torch.nn.Linear(2 * HIDDEN, HIDDEN),
+                        "norm1": torch.nn.LayerNorm(HIDDEN),
+                        "norm2": torch.nn.LayerNorm(HIDDEN),
+                    }
+                )
+                for _ in range(2)
+            )
+
+        def _heads(self, x: torch.Tensor) -> torch.Tensor:
+            batch, seq, _ = x.shape
+            return x.view(batch, seq, self.heads, HIDDEN // self.heads).transpose(1, 2)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            x = self.embed(input_ids)
+            dropped = 1.0 - attention_mask[:, None, None, :].float()
+            for layer in self.layers:
+                q, k, v = (self._heads(layer[name](x)) for name in ("q", "k", "v"))
+                scores = q @ k.transpose(-1, -2) / math.sqrt(HIDDEN // self.heads)
+                scores = scores - 10000.0 * dropped
+                context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(x.shape)
+                x = layer["norm1"](x + layer["o"](context))
+                x = layer["norm2"](x + layer["down"](torch.nn.functional.gelu(layer["up"](x))))
+            return x
+
+    torch.manual_seed(0)
+    module = Encoder().eval()
+    example = feeds(2, 9)
+    args = tuple(torch.from_numpy(example[n]) for n in ("input_ids", "attention_mask"))
+    names = ["input_ids", "attention_mask"]
+    paths = []
+    for exporter in ("ts", "dynamo"):
+        path = DIR / f"own_subtracted_mask_{exporter}.onnx"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if exporter == "ts":
+                axes = {n: {0: "batch", 1: "sequence"} for n in names}
+                torch.onnx.export(module, args, str(path), input_names=names, output_names=["hidden"],
+                                  dynamic_axes=axes, opset_version=17, dynamo=False)  # fmt: skip
+                proto = onnx.load(str(path))
+            else:
+                dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence", min=2, max=POSITIONS)}
+                proto = torch.onnx.export(
+                    module, args, input_names=names, output_names=["hidden"], dynamic_shapes=(dims, dims),
+                    opset_version=18, dynamo=True, optimize=True, verbose=False,
+                ).model_proto  # fmt: skip
+        onnx.save(_strip(proto, {"source": "tests/models/build_heldout_own_models.py"}), str(path))
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        for b, t in ((1, 5), (3, 12)):
+            x = feeds(b, t, seed=t)
+            with torch.no_grad():
+                want = module(*(torch.from_numpy(x[n]) for n in names)).numpy()
+            np.testing.assert_allclose(session.run(None, x)[0], want, rtol=1e-4, atol=1e-5)
+        paths.append(path)
+    return paths
+
+
 if __name__ == "__main__":
-    for built in [*build(), build_llama(), build_vit()]:
+    for built in [*build(), build_llama(), build_vit(), *build_subtracted_mask()]:
         print(built, built.stat().st_size, "bytes")

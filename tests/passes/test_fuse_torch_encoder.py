@@ -45,3 +45,17 @@ def test_gemm_rewrite_transposes_a_weight_two_gemms_share_once() -> None:
     assert gemm_to_matmul(model) == 2
     readers = [n for n in model.graph if n.op_type == "MatMul" and n.inputs[1].name == f"{shared}_t"]
     assert len(readers) == 2 and readers[0].inputs[1] is readers[1].inputs[1]
+
+
+@pytest.mark.parametrize("exporter", ["ts", "dynamo"])
+def test_hand_written_attention_with_a_subtracted_mask_fuses(exporter: str) -> None:
+    # ``scores - 10000 * (1 - mask)``: fused 0/2 under both exporters before _where_mask.SubtractedMask
+    path = HELDOUT / f"own_subtracted_mask_{exporter}.onnx"
+    ft._LAST.clear()
+    model, counts = fast_upto(path, through="fuse_transformer")
+    assert counts["fuse_transformer.fused_attention"] == 2
+    assert "Softmax" not in op_histogram(model)
+    reference, fused = session(path), session(model, optimized=True)
+    for batch, seq in ((1, 4), (3, 23), (2, 64)):
+        x = feeds(batch, seq, seed=seq)  # rows after the first half padding
+        np.testing.assert_allclose(fused.run(None, x)[0], reference.run(None, x)[0], rtol=1e-4, atol=1e-5)

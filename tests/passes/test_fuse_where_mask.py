@@ -69,3 +69,40 @@ def test_where_mask_is_left_when_fill_is_not_large_negative(fill):
     model = _model(fill, "masked, fill, s")
     assert _where_mask.rules.apply_to_model(model) == 0
     assert next(n for n in model.graph if n.op_type == "Softmax").inputs[0].producer().op_type == "Where"
+
+
+SUBTRACTED = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[B, H, S, D] q, float[B, H, D, S] kt, float[B, 1, 1, S] keep) => (float[B, H, S, S] p) {
+    scale = Constant <value = float {0.35}> ()
+    big = Constant <value = float {10000.0}> ()
+    one = Constant <value = float {1.0}> ()
+    s = MatMul(q, kt)
+    scaled = Mul(s, scale)
+    dropped = Sub(one, keep)
+    m = Mul(dropped, big)
+    w = Sub(%s, m)
+    p = Softmax <axis = -1> (w)
+}
+"""
+
+
+def test_a_subtracted_mask_is_added_negated_and_bit_exact():
+    # hand-written attention's ``scores - 10000 * (1 - mask)`` (XLNet's and Funnel's ``- INF * mask`` too): a
+    # model a team wrote this way fused no attention under either exporter (0/2)
+    original, model = (ir.serde.deserialize_model(parse(SUBTRACTED % "scaled")) for _ in range(2))
+    assert _where_mask.rules.apply_to_model(model) == 1
+    softmax = next(n for n in model.graph if n.op_type == "Softmax")
+    added = softmax.inputs[0].producer()
+    assert added.op_type == "Add" and added.inputs[1].producer().op_type == "Neg"
+    assert "Sub" in [n.op_type for n in model.graph]  # 1 - keep stays: only the subtraction from the scores goes
+    reference, candidate = session(original), session(model)
+    for batch, seq in ((1, 3), (2, 9)):
+        feeds = _feeds(batch, seq, seed=seq)
+        feeds = {"q": feeds["q"], "kt": feeds["kt"], "keep": (feeds["masked"][:, :, :1, :] == 0).astype(np.float32)}
+        np.testing.assert_array_equal(candidate.run(None, feeds)[0], reference.run(None, feeds)[0])
+
+
+def test_a_subtraction_from_something_other_than_scores_is_left():
+    model = ir.serde.deserialize_model(parse(SUBTRACTED % "keep"))  # keep - m: no product of q and k
+    assert _where_mask.rules.apply_to_model(model) == 0
