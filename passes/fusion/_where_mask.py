@@ -46,6 +46,13 @@ def _fill(value: ir.Value) -> float | None:
     return float(tensor.numpy().reshape(-1)[0])
 
 
+def _is_scores(value: ir.Value) -> bool:
+    """``value`` is attention scores: made by a MatMul, possibly scaled or biased (what every mask form here
+    must be applied to)."""
+    producer = value.producer()
+    return producer is not None and producer.op_type in _SCORE_OPS and producer.domain in ("", "ai.onnx")
+
+
 class _WhereMask(pattern.RewriteRuleClassBase):
     fill_first: bool  # Where(cond, fill, scores) when True, Where(cond, scores, fill) otherwise
     expanded = False  # the condition is Expand(cond, Shape(scores))
@@ -60,8 +67,7 @@ class _WhereMask(pattern.RewriteRuleClassBase):
             return result.fail("the masked fill is not a one-element constant", fill)
         if not (np.isneginf(number) or number <= _LARGE_NEGATIVE):
             return result.fail(f"the masked fill {number} is not -inf or a large negative number", fill)
-        producer = scores.producer()
-        if producer is None or producer.op_type not in _SCORE_OPS or producer.domain not in ("", "ai.onnx"):
+        if not _is_scores(scores):
             return result.fail("the unmasked branch is not attention scores (MatMul, scaled)", scores)
         return result
 
@@ -113,8 +119,7 @@ class SubtractedMask(pattern.RewriteRuleClassBase):
 
     def check(self, context, scores: ir.Value, mask: ir.Value, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        producer = scores.producer()
-        if producer is None or producer.op_type not in _SCORE_OPS or producer.domain not in ("", "ai.onnx"):
+        if not _is_scores(scores):
             return result.fail("what the mask is subtracted from is not attention scores (MatMul, scaled)", scores)
         return result
 

@@ -424,12 +424,9 @@ def _reference(raw: bytes, base: ir.Model, ctx: PassContext) -> tuple[list[Any],
     given = ctx.references if ctx.reference_names == wanted and len(complete) == len(ctx.samples) else []
     if complete and len(given) >= min(3, len(complete)):
         return complete[:3], wanted, [list(outputs) for outputs in given[:3]]
-    reference = _session(raw)
-    names = _names(reference)
-    complete = [f for f in ctx.samples if all(name in f for name in names)]
     feeds = complete[:3] or fam.verification_feeds(base)
-    wanted = [o.name for o in reference.get_outputs()]
-    return feeds, wanted, [reference.run(None, {k: f[k] for k in names}) for f in feeds]
+    reference = _session(raw)  # the same inputs and outputs as ``base``, which inference and unfolding renamed none of
+    return feeds, wanted, [reference.run(wanted, {k: f[k] for k in inputs}) for f in feeds]
 
 
 def _session(model: onnx.ModelProto | bytes) -> ort.InferenceSession:
