@@ -81,15 +81,9 @@ def _models():
     yield "informer", Forecaster(informer), forecaster_example, names, batch
 
 
-def build(only: list[str] | None = None) -> None:
-    from bench._torch_export import build_models
-
-    build_models(_models(), OUT, only)
-
-
 if __name__ == "__main__":
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from bench._torch_export import probe_main
+    from bench._torch_export import build_models, probe_main
 
-    probe_main(OUT, build)
+    probe_main(OUT, lambda only: build_models(_models(), OUT, only))
