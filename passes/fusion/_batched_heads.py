@@ -346,7 +346,9 @@ def unfold_batched_heads(model: ir.Model) -> int:
         other = _dims(rhs[0])
         if target is None or folded is None or len(target) != 4 or len(folded) != 3 or other is None:
             continue
-        lead_ok = all(same_dim(target[i], source[i]) and same_dim(other[i], source[i]) for i in (0, 1))
+        # The unfold's batch needs no proof of its own: with its other three dims proven, the element count
+        # fixes it (an unfold to [-1, h, S, d] leaves symbolic inference a quotient it cannot simplify: SEW-D).
+        lead_ok = same_dim(target[1], source[1]) and all(same_dim(other[i], source[i]) for i in (0, 1))
         if lead_ok and same_dim(target[2], folded[1]) and same_dim(target[3], folded[2]):
             sites.append((matmul, after, unfold, lhs, rhs))
     for index, (matmul, after, unfold, lhs, (source, transposed, scalars)) in enumerate(sites):

@@ -23,6 +23,17 @@ matches nothing. ``Where`` broadcasts its inputs itself, and ``Expand`` broadcas
 
     Softmax(Where(Expand(masked, Shape(s)), fill, s))   ==>   Softmax(Add(s, Where(masked, fill, 0)))
 
+A mask applied again to the probabilities (``masked_fill(mask, 0)`` after the Softmax: the ``XSoftmax`` of SEW-D
+and of DeBERTa before transformers 4.40, hand-written attention that zeroes fully masked rows) is the -inf mask
+and the NaN guard the SDPA rule reads (``ZeroedMaskedRows``)::
+
+    Where(masked, 0, Softmax(Where(masked, fill, s)))   ==>   Where(IsNaN(p), 0, p),
+                                                              p = Softmax(Where(masked, -inf, s))
+
+Where a row has a valid key, both zero the masked positions (``exp(fill - max)`` underflows to 0) and agree
+on the rest; a fully masked row is uniform before the second mask zeroes it, and NaN before the guard
+zeroes it: 0 in both. The guard goes after the fused op (``_nan_guard.guard_fused_attention``).
+
 A mask subtracted from the scores (``scores - 10000 * (1 - mask)``, hand-written attention's and XLNet's) is
 added negated, bit-exact (``SubtractedMask``)::
 
@@ -128,8 +139,58 @@ class SubtractedMask(pattern.RewriteRuleClassBase):
         return op.Softmax(op.Add(scores, op.Neg(mask)), axis=axis)
 
 
+class _ZeroedMaskedRows(pattern.RewriteRuleClassBase):
+    """The masked fill before the Softmax and the zero fill after it, by the same condition, as the -inf
+    mask and the NaN guard (the module's docstring)."""
+
+    fill_first: bool
+
+    def _masked(self, op, cond, scores, fill):
+        return op.Where(cond, fill, scores) if self.fill_first else op.Where(cond, scores, fill)
+
+    def pattern(self, op, cond, scores, fill, zero):
+        # no output named inside: onnxscript would take a named inner value for a second output of the pattern
+        probs = op.Softmax(self._masked(op, cond, scores, fill), _allow_other_attributes=True)
+        return op.Where(cond, zero, probs) if self.fill_first else op.Where(cond, probs, zero)
+
+    def check(self, context, scores: ir.Value, fill: ir.Value, zero: ir.Value, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        number = _fill(fill)
+        if number is None or not (np.isneginf(number) or number <= _LARGE_NEGATIVE):
+            return result.fail("the masked fill is not -inf or a large negative constant", fill)
+        if _fill(zero) != 0:
+            return result.fail("the probabilities' fill is not a one-element zero", zero)
+        if not _is_scores(scores):
+            return result.fail("the unmasked branch is not attention scores (MatMul, scaled)", scores)
+        return result
+
+    def _axis(self, cond: ir.Value, scores: ir.Value) -> int:
+        """The matched Softmax's axis: the Softmax reading the masked Where of ``scores`` by ``cond``."""
+        for where, _ in scores.uses():
+            if where.op_type == "Where" and where.inputs[0] is cond:
+                for softmax, _ in where.outputs[0].uses():
+                    if softmax.op_type == "Softmax":
+                        return softmax.attributes.get_int("axis", -1)
+        raise AssertionError("the matched masked Softmax is gone")
+
+    def rewrite(self, op, cond, scores, fill, **_):
+        dtype = fill.const_value.dtype.numpy()
+        neg_inf = op.Constant(value=ir.tensor(np.array(-np.inf, dtype)))
+        axis = self._axis(cond, scores)
+        guarded = op.Softmax(self._masked(op, cond, scores, neg_inf), axis=axis)
+        return op.Where(op.IsNaN(guarded), op.Constant(value=ir.tensor(np.array(0, dtype))), guarded)
+
+
+class ZeroedMaskedRowsFillFirst(_ZeroedMaskedRows):
+    fill_first = True
+
+
+class ZeroedMaskedRowsFillSecond(_ZeroedMaskedRows):
+    fill_first = False
+
+
 # the expanded forms first: the plain ones would take the Expand as the condition and keep the second read
-rules = pattern.RewriteRuleSet(
+_masks = pattern.RewriteRuleSet(
     [
         ExpandedFillFirst.rule(),
         ExpandedFillSecond.rule(),
@@ -138,3 +199,11 @@ rules = pattern.RewriteRuleSet(
         SubtractedMask.rule(),
     ]
 )
+_zeroed_rows = pattern.RewriteRuleSet([ZeroedMaskedRowsFillFirst.rule(), ZeroedMaskedRowsFillSecond.rule()])
+
+
+def apply(model: ir.Model) -> int:
+    """Every mask form of this module rewritten in ``model``; how many. The zeroed rows go first, in a sweep of
+    their own: a rule set tries its rules node by node, and the Softmax, which the mask rules root at, comes
+    before the zeroing Where, which the zeroed-rows rules root at."""
+    return _zeroed_rows.apply_to_model(model) + _masks.apply_to_model(model)

@@ -95,6 +95,7 @@ from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
 from passes.fusion import _rms_norm as rms_norm
 from passes.fusion import _slice_dims as slice_dims
+from passes.fusion import _softmax_forms as softmax_forms
 from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion import _where_mask as where_mask
 from passes.fusion._batched_heads import fold_static_sizes, softmax_before_fold, unfold_batched_heads
@@ -555,7 +556,8 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["softmax_unfolded"] = softmax_before_fold(model)  # a Softmax on folded heads: after it, the folds go
     report["bmm_unfolded"] = unfold_batched_heads(model)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
-    report["where_masks"] = where_mask.rules.apply_to_model(model)
+    report["softmax_forms"] = softmax_forms.apply(model)  # before the masks: XSoftmax's axis 3, PB-Relax
+    report["where_masks"] = where_mask.apply(model)
     report["gemm"] = gemm_to_matmul(model)
     guarded = nan_guard.count_guards(model)
     report["nan_guards"] = nan_guard.rules.apply_to_model(model)

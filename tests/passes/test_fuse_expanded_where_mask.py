@@ -54,7 +54,7 @@ def _feeds(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
 def test_expanded_mask_loses_its_expand_and_stays_exact(order):
     text = EXPANDED % (MIN, order)
     model = ir.serde.deserialize_model(parse(text))
-    assert _where_mask.rules.apply_to_model(model) == 1
+    assert _where_mask.apply(model) == 1
     ops = op_histogram(model)
     assert "Expand" not in ops and "Shape" not in ops, ops  # the second read of the scores is gone
     reference, rewritten = session(ir.serde.deserialize_model(parse(text))), session(model)
@@ -69,7 +69,7 @@ def test_expand_to_another_shape_is_not_dropped():
     """Expand to a shape that is not the scores' own may widen the result: the rule must not fire."""
     text = (EXPANDED % (MIN, "wide, fill, s")).replace("shape = Shape(s)", "shape = Shape(q)")
     model = ir.serde.deserialize_model(parse(text))
-    _where_mask.rules.apply_to_model(model)
+    _where_mask.apply(model)
     assert "Expand" in op_histogram(model)  # the plain rule may take it as the condition, never drop it
 
 

@@ -48,7 +48,7 @@ def _feeds(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
 def test_where_mask_becomes_additive_and_exact_when_fill_is_large_negative(order, invert, fill):
     original = _model(fill, order)
     model = _model(fill, order)
-    assert _where_mask.rules.apply_to_model(model) == 1
+    assert _where_mask.apply(model) == 1
     ops = [n.op_type for n in model.graph]
     softmax = next(n for n in model.graph if n.op_type == "Softmax")
     assert softmax.inputs[0].producer().op_type == "Add"
@@ -67,7 +67,7 @@ def test_where_mask_becomes_additive_and_exact_when_fill_is_large_negative(order
 def test_where_mask_is_left_when_fill_is_not_large_negative(fill):
     """``masked_fill(x, 0)`` or -1e4 is not a mask that an addition reproduces: left as it is."""
     model = _model(fill, "masked, fill, s")
-    assert _where_mask.rules.apply_to_model(model) == 0
+    assert _where_mask.apply(model) == 0
     assert next(n for n in model.graph if n.op_type == "Softmax").inputs[0].producer().op_type == "Where"
 
 
@@ -91,7 +91,7 @@ def test_a_subtracted_mask_is_added_negated_and_bit_exact():
     # hand-written attention's ``scores - 10000 * (1 - mask)`` (XLNet's and Funnel's ``- INF * mask`` too): a
     # model a team wrote this way fused no attention under either exporter (0/2)
     original, model = (ir.serde.deserialize_model(parse(SUBTRACTED % "scaled")) for _ in range(2))
-    assert _where_mask.rules.apply_to_model(model) == 1
+    assert _where_mask.apply(model) == 1
     softmax = next(n for n in model.graph if n.op_type == "Softmax")
     added = softmax.inputs[0].producer()
     assert added.op_type == "Add" and added.inputs[1].producer().op_type == "Neg"
@@ -105,4 +105,4 @@ def test_a_subtracted_mask_is_added_negated_and_bit_exact():
 
 def test_a_subtraction_from_something_other_than_scores_is_left():
     model = ir.serde.deserialize_model(parse(SUBTRACTED % "keep"))  # keep - m: no product of q and k
-    assert _where_mask.rules.apply_to_model(model) == 0
+    assert _where_mask.apply(model) == 0
