@@ -1,6 +1,7 @@
 """Held-out probe (issue 17), round 4: architectures no probe had sent: mixture-of-experts encoders and
-decoders, a hybrid state-space decoder, document and vision-language encoders, depth estimators, conformer and
-disentangled-attention speech encoders, a speech encoder on raw audio and a deformable-attention detector.
+decoders, a hybrid state-space decoder, a document encoder (text, layout and image patches), a latent
+cross-attention encoder, a depth estimator, conformer and disentangled-attention speech encoders and a speech
+encoder on raw audio. (ViLT is left out: its patch selection samples with ``multinomial``.)
 
 Run ``python -m bench.heldout_round4 build [NAME ...]`` (the dev extra's torch and transformers), then ``run``.
 
