@@ -159,8 +159,8 @@ def fusable_sites(model: ir.Model) -> dict[str, int]:
     ``residual_norms_rank2`` (those counted in ``residual_norms`` that are 2-D: the CLS row once
     ``upstream_slice`` moved the slice above them, or tokens a graph flattens; ORT's kernel takes them,
     onnxscript's skip-norm rule, written for rank 3, does not) and
-    ``gelus`` (``Erf`` and ``Tanh``, the anchors of the exact and tanh GELUs, QuickGELU's ``Sigmoid(x * c)``,
-    and GELUs already fused)."""
+    ``gelus`` (``gelu_anchor``: ``Erf`` and the tanh GELU's ``Tanh``, QuickGELU's ``Sigmoid(x * c)``, and GELUs
+    already fused)."""
     norms = skips = gelus = 0
     sums: set[ir.Node] = set()  # the residual Adds normalized: one skip norm takes in each
     high: set[ir.Node] = set()  # the ones of a rank above 3
@@ -174,7 +174,7 @@ def fusable_sites(model: ir.Model) -> dict[str, int]:
             continue
         if node.domain not in ("", "ai.onnx"):
             continue
-        if node.op_type in ("Erf", "Tanh", "Gelu") or (node.op_type == "Sigmoid" and _scaled_sigmoid(node)):
+        if gelu_anchor(node):
             gelus += 1
         elif (normalized := _norm_input(node)) is not None:
             norms += 1
@@ -260,6 +260,41 @@ def _dims(value: ir.Value, depth: int = 4) -> list | None:
     return [r if isinstance(r, int) and not isinstance(d, int) else d for d, r in zip(known, refined, strict=True)]
 
 
+_TANH_GELU_CUBIC = 0.044715
+_TANH_GELU_DEPTH = 4
+
+
+def gelu_anchor(node: ir.Node) -> bool:
+    """Whether ``node`` is the op a GELU is anchored at: ``Erf``, ``Gelu``, QuickGELU's scaled ``Sigmoid``, or a
+    ``Tanh`` of the tanh GELU's cubic (``x + 0.044715 * x^3``, up to four ops above it: a ``Pow(x, 3)`` or the
+    0.044715 factor). A ``Tanh`` of anything else (a policy's action squashed to [-1, 1], an LSTM cell written
+    out) is no GELU, and counting it reported a GELU missing."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type in ("Erf", "Gelu"):
+        return True
+    if node.op_type == "Sigmoid":
+        return _scaled_sigmoid(node)
+    if node.op_type != "Tanh":
+        return False
+    frontier = [node.inputs[0]]
+    for _ in range(_TANH_GELU_DEPTH):
+        following = []
+        for value in frontier:
+            producer = value.producer() if value is not None else None
+            if producer is None:
+                continue
+            constants = [ir.convenience.get_const_tensor(v) for v in producer.inputs if v is not None]
+            numbers = [float(c.numpy().reshape(-1)[0]) for c in constants if c is not None and c.size == 1]
+            if producer.op_type == "Pow" and 3.0 in numbers:
+                return True
+            if producer.op_type == "Mul" and any(abs(n - _TANH_GELU_CUBIC) < 1e-4 for n in numbers):
+                return True
+            following.extend(producer.inputs)
+        frontier = following
+    return False
+
+
 def _scaled_sigmoid(node: ir.Node) -> bool:
     """``Sigmoid(x * c)`` for a scalar constant ``c`` multiplied back by ``x``: QuickGELU (``c`` = 1.702, CLIP);
     SiLU's ``Sigmoid(x)`` has no scale."""
@@ -313,18 +348,20 @@ def multiplied(softmax: ir.Node, depth: int = 3) -> bool:
 
 
 def _router(softmax: ir.Node) -> bool:
-    """Logits of weight products only: each MatMul/Gemm the scores come from (through score steps) multiplies
-    by a constant. DeBERTa's scores add a product with a folded position table to q @ k^T: attention still."""
+    """Logits of weight products only: each MatMul/Gemm/Conv the scores come from (through score steps)
+    multiplies by a constant: a router, or a token learner's pooling weights (MGP-STR's A3 module: a 1x1 Conv
+    per output token, no keys). DeBERTa's scores add a product with a folded position table to q @ k^T:
+    attention still."""
     products = _score_products(softmax.inputs[0], 4)
     return bool(products) and all(any(v is not None and is_constant(v) for v in node.inputs[:2]) for node in products)
 
 
 def _score_products(value: ir.Value | None, depth: int) -> list[ir.Node]:
-    """The MatMul/Gemm nodes ``value`` is computed from through at most ``depth`` score steps."""
+    """The MatMul/Gemm/Einsum/Conv nodes ``value`` is computed from through at most ``depth`` score steps."""
     node = value.producer() if value is not None else None
     if node is None or depth < 0:
         return []
-    if node.op_type in ("MatMul", "Gemm", "Einsum"):
+    if node.op_type in ("MatMul", "Gemm", "Einsum", "Conv"):
         return [node]
     if node.op_type not in _SCORE_STEPS:
         return []

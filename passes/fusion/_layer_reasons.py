@@ -238,7 +238,7 @@ def _groups_of(node: ir.Node) -> list[str]:
         return []
     if node.op_type == "Softmax":
         return ["attention"]
-    if node.op_type in ("Erf", "Tanh"):
+    if node.op_type in ("Erf", "Tanh") and fam.gelu_anchor(node):
         return ["gelu"]
     if node.op_type == "LayerNormalization" and _is_residual(node.inputs[0]):
         return ["skip_layer_norm"]

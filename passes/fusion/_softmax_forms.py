@@ -1,6 +1,7 @@
-"""Softmax forms of attention that onnxscript's SDPA rule (0.7.2) does not read, written in the one it does.
+"""Softmax and score forms of attention that onnxscript's SDPA rule (0.7.2) does not read, written in the one it
+does.
 
-The rule wants ``Softmax(axis=-1)`` of the scores. Two forms of the same function miss it:
+The rule wants ``Softmax(axis=-1)`` of the scaled scores plus a bias. Three forms of the same function miss it:
 
 * **The last axis by number.** An exporter that writes a custom ``softmax`` symbolic (SEW-D's and older
   DeBERTa's ``XSoftmax``) gives the axis as ``3`` on rank-4 scores; the rule compares the attribute with -1.
@@ -13,8 +14,16 @@ The rule wants ``Softmax(axis=-1)`` of the scores. Two forms of the same functio
   A Softmax is unchanged by a shift constant along its axis, and the shift here is the row maximum (a
   ``ReduceMax`` over the Softmax's axis, kept or unsqueezed); ``(s / a) * a`` is ``s`` up to one rounding,
   exactly ``s`` where ``a`` is a power of two (LayoutLMv3's 32) and the scores are normal numbers. The
-  scaling may also be written ``Mul(s, 1 / a)``. Built with onnxscript's exported pattern API
-  (``RewriteRuleClassBase``, ``MatchResult.fail``).
+  scaling may also be written ``Mul(s, 1 / a)``.
+* **The scale over a biased product** (BROS: ``(q @ k^T + q . bbox) / sqrt(d) + mask``; XLNet-like relative
+  terms): the rule reads a scaled product with additive terms after the scale, so the scale is distributed::
+
+      Div(Add(MatMul(q, kT), b), c)   ==>   Add(Div(MatMul(q, kT), c), Div(b, c))      (Mul by c alike)
+
+  within one rounding of each term; only where the sum goes to a Softmax (directly or through one more
+  ``Add``, the mask), so that only attention scores are touched.
+
+Built with onnxscript's exported pattern API (``RewriteRuleClassBase``, ``MatchResult.fail``).
 """
 
 from __future__ import annotations
@@ -121,6 +130,51 @@ class RelaxedSoftmaxReciprocalUnsqueezed(_RelaxedSoftmax):
     unsqueezed = True
 
 
+class _ScaleOverBias(pattern.RewriteRuleClassBase):
+    op_type: str  # Div or Mul
+    product_first: bool  # Add(MatMul, bias) when True, Add(bias, MatMul) otherwise
+
+    def pattern(self, op, product, bias, scale):
+        total = op.Add(product, bias) if self.product_first else op.Add(bias, product)
+        return op.Div(total, scale) if self.op_type == "Div" else op.Mul(total, scale)
+
+    def check(self, context, *, product, scale, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        c = _scalar(scale)
+        if c is None or not math.isfinite(c) or c <= 0:
+            return result.fail("the scale is not one positive finite constant", scale)
+        maker = product.producer()
+        if maker is None or maker.op_type != "MatMul" or maker.domain not in _ONNX:
+            return result.fail("the scaled sum holds no MatMul product", product)
+        readers = [use for use, _ in context.root.outputs[0].uses()]
+        if len(readers) == 1 and readers[0].op_type == "Add":  # the mask
+            readers = [use for use, _ in readers[0].outputs[0].uses()]
+        if not readers or any(r.op_type != "Softmax" or r.domain not in _ONNX for r in readers):
+            return result.fail("the scaled sum does not go to a Softmax: not attention scores", scale)
+        return result
+
+    def rewrite(self, op, product, bias, scale, **_):
+        if self.op_type == "Div":
+            return op.Add(op.Div(product, scale), op.Div(bias, scale))
+        return op.Add(op.Mul(product, scale), op.Mul(bias, scale))
+
+
+class DivOverBias(_ScaleOverBias):
+    op_type, product_first = "Div", True
+
+
+class DivOverBiasFirst(_ScaleOverBias):
+    op_type, product_first = "Div", False
+
+
+class MulOverBias(_ScaleOverBias):
+    op_type, product_first = "Mul", True
+
+
+class MulOverBiasFirst(_ScaleOverBias):
+    op_type, product_first = "Mul", False
+
+
 relaxed_rules = pattern.RewriteRuleSet(
     [
         RelaxedSoftmax.rule(),
@@ -131,6 +185,11 @@ relaxed_rules = pattern.RewriteRuleSet(
 )
 
 
+scale_rules = pattern.RewriteRuleSet(
+    [DivOverBias.rule(), DivOverBiasFirst.rule(), MulOverBias.rule(), MulOverBiasFirst.rule()]
+)
+
+
 def apply(model: ir.Model) -> int:
-    """Both forms rewritten in ``model``; how many Softmax nodes changed."""
-    return relaxed_rules.apply_to_model(model) + softmax_last_axis(model)
+    """Every form rewritten in ``model``; how many rewrites."""
+    return relaxed_rules.apply_to_model(model) + softmax_last_axis(model) + scale_rules.apply_to_model(model)

@@ -6,8 +6,10 @@ round 4: SEW-D and LayoutLMv3 fused 0/2 under both exporters).
   dynamo folds its heads into the batch and unfolds the product to ``[-1, h, S, d]``, a batch symbolic
   inference leaves unsimplified (``_batched_heads.unfold_batched_heads``).
 * LayoutLMv3's CogView PB-Relax: ``Softmax((s / 32 - max(s / 32)) * 32)`` (``_softmax_forms``).
+* BROS (round 5) scales the sum of ``q @ k^T`` and a box term, then adds the mask (``_softmax_forms``'s scale
+  over a biased product).
 
-The exports are ``tests/models/build_heldout_round4.py``'s; compared with the original under ORT, graph
+The exports are ``tests.models.build_heldout_score_forms.py``'s; compared with the original under ORT, graph
 optimizations off, at shapes other than the export's, rows of padding (SEW-D: padded frames' queries, whose
 rows the model zeroes) included. Hand-written graphs pin each rewrite and its refusals.
 """
@@ -23,7 +25,7 @@ import pytest
 from passes._infra import PassContext, op_histogram
 from passes.fusion import _softmax_forms, _where_mask
 from passes.fusion.fuse_transformer import FuseTransformer
-from tests.models.build_heldout_round4 import layoutlmv3_feeds, sewd_feeds
+from tests.models.build_heldout_score_forms import bros_feeds, layoutlmv3_feeds, sewd_feeds
 from tests.passes._decoder_replay import fast_upto
 from tests.passes._util import parse, session
 
@@ -35,6 +37,8 @@ EXPORTS = {
     "sewd_dynamo": lambda b, n, seed: {"input_values": sewd_feeds(b, 40 * n, seed)["input_values"]},
     "layoutlmv3_text_ts": layoutlmv3_feeds,
     "layoutlmv3_text_dynamo": layoutlmv3_feeds,
+    "bros_ts": bros_feeds,
+    "bros_dynamo": bros_feeds,
 }
 
 
@@ -195,3 +199,51 @@ def test_a_softmax_over_the_last_axis_by_number_is_given_minus_one() -> None:
     )
     assert _softmax_forms.softmax_last_axis(model) == 1
     assert [n.attributes.get_int("axis") for n in model.graph] == [-1, 1]  # the axis-1 Softmax is not the last
+
+
+SCALED_SUM = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[B, H, S, D] q, float[B, H, D, S] kt, float[B, H, S, S] rel, float[B, 1, 1, S] mask)
+  => (float[B, H, S, S] p) <float c = {%s}> {
+    s = MatMul(q, kt)
+    total = Add(%s)
+    scaled = %s(total, c)
+    %s
+}
+"""
+
+
+def _scaled_sum(op: str, order: str, masked: bool, scale: float = 8.0) -> ir.Model:
+    tail = "biased = Add(scaled, mask)\n    p = Softmax <axis = -1> (biased)" if masked else "p = Softmax(scaled)"
+    return ir.serde.deserialize_model(parse(SCALED_SUM % (repr(scale), order, op, tail)))
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["then-mask", "softmax"])
+@pytest.mark.parametrize("order", ["s, rel", "rel, s"])
+@pytest.mark.parametrize(("op", "scale"), [("Div", 8.0), ("Mul", 0.125)])
+def test_a_scale_over_the_product_and_its_bias_is_distributed(op, scale, order, masked):
+    original, model = _scaled_sum(op, order, masked, scale), _scaled_sum(op, order, masked, scale)
+    assert _softmax_forms.scale_rules.apply_to_model(model) == 1
+    matmul = next(n for n in model.graph if n.op_type == "MatMul")
+    (scaled,) = [use for use, _ in matmul.outputs[0].uses()]
+    assert scaled.op_type == op and [u.op_type for u, _ in scaled.outputs[0].uses()] == ["Add"]
+    rng = np.random.default_rng(0)
+    feeds = {"q": rng.standard_normal((2, 2, 5, 4), dtype=np.float32),
+             "kt": rng.standard_normal((2, 2, 4, 5), dtype=np.float32),
+             "rel": rng.standard_normal((2, 2, 5, 5), dtype=np.float32),
+             "mask": np.where(rng.random((2, 1, 1, 5)) < 0.3, MIN, 0).astype(np.float32)}  # fmt: skip
+    np.testing.assert_allclose(session(model).run(None, feeds)[0], session(original).run(None, feeds)[0], atol=1e-6)
+
+
+def test_a_scaled_sum_that_is_not_attention_scores_is_left_alone() -> None:
+    model = ir.serde.deserialize_model(
+        parse("""
+        <ir_version: 9, opset_import: ["" : 18]>
+        g (float[2, 4] x, float[4, 3] w, float[2, 3] b) => (float[2, 3] y) <float c = {8.0}> {
+            s = MatMul(x, w)
+            total = Add(s, b)
+            y = Div(total, c)
+        }
+        """)
+    )
+    assert _softmax_forms.scale_rules.apply_to_model(model) == 0

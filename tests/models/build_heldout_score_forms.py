@@ -1,6 +1,7 @@
-"""Build the round-4 held-out exports under ``tests/models/heldout/`` (``tests/passes/test_fuse_softmax_forms.py``).
+"""Build the held-out exports of rounds 4 and 5 whose attention scores or Softmax are written in forms the SDPA
+rule did not read, under ``tests/models/heldout/`` (``tests/passes/test_fuse_softmax_forms.py``).
 
-Run ``python -m tests.models.build_heldout_round4`` (needs torch and transformers); the .onnx files are
+Run ``python -m tests.models.build_heldout_score_forms`` (needs torch and transformers); the .onnx files are
 committed so the tests need neither. Both are exported by the TorchScript exporter (opset 17) and dynamo
 (opset 18), every axis dynamic, weights perturbed, and checked against torch at other shapes:
 
@@ -13,6 +14,9 @@ committed so the tests need neither. Both are exported by the TorchScript export
 * ``layoutlmv3_text_{ts,dynamo}.onnx``: ``LayoutLMv3Model`` without the visual branch (1 layer, hidden 32),
   ``input_ids``, ``bbox [batch, sequence, 4]`` and ``attention_mask``: CogView's PB-Relax Softmax
   (``(s / 32 - max(s / 32)) * 32``) over scores carrying 1-D and 2-D relative position biases.
+* ``bros_{ts,dynamo}.onnx``: ``BrosModel`` (1 layer, hidden 64), ``input_ids``, ``bbox [batch, sequence, 8]``
+  (float corners in 0-1) and ``attention_mask``: the scale applied to the sum of ``q @ k^T`` and the query's
+  product with the boxes' relative embeddings, then the mask.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ SAMPLES_PER_FRAME = 10  # the SEW-D feature encoder's total stride below (5 * 2)
 
 
 def _meta() -> dict[str, str]:
-    return {"source": "tests/models/build_heldout_round4.py"}
+    return {"source": "tests/models/build_heldout_score_forms.py"}
 
 
 def sewd_feeds(batch: int, samples: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -56,6 +60,21 @@ def layoutlmv3_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarra
     return {
         "input_ids": rng.integers(3, 100, (batch, seq)).astype(np.int64),
         "bbox": np.concatenate([corners, corners + rng.integers(0, 500, (batch, seq, 2))], -1).astype(np.int64),
+        "attention_mask": mask,
+    }
+
+
+def bros_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    corners = rng.random((batch, seq, 2)) * 0.5
+    far = corners + rng.random((batch, seq, 2)) * 0.5
+    (x0, y0), (x1, y1) = np.moveaxis(corners, -1, 0), np.moveaxis(far, -1, 0)
+    mask = np.ones((batch, seq), np.int64)
+    if batch > 1:
+        mask[-1, seq // 2 :] = 0
+    return {
+        "input_ids": rng.integers(3, 100, (batch, seq)).astype(np.int64),
+        "bbox": np.stack([x0, y0, x1, y0, x1, y1, x0, y1], -1).astype(np.float32),
         "attention_mask": mask,
     }
 
@@ -114,8 +133,24 @@ def _modules():
                      "attention_mask": ("batch", "sequence")}  # fmt: skip
     yield "layoutlmv3_text", Document(), text_feeds, document_axes, ("ts", "dynamo")
 
+    class Boxes(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tf.BrosModel(tf.BrosConfig(
+                vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=128, dim_bbox=8,  # hidden 64: its 1-D box sinusoid is hidden / 32 wide
+            ))  # fmt: skip
 
-def build() -> list[Path]:
+        def forward(self, input_ids, bbox, attention_mask):
+            return self.inner(input_ids=input_ids, bbox=bbox, attention_mask=attention_mask).last_hidden_state
+
+    def box_feeds(batch: int) -> dict[str, np.ndarray]:
+        return bros_feeds(batch, 5 + 3 * batch, seed=batch)
+
+    yield "bros", Boxes(), box_feeds, document_axes, ("ts", "dynamo")
+
+
+def build(only: list[str] | None = None) -> list[Path]:
     import torch
 
     from bench.heldout_detection import _perturb
@@ -123,6 +158,8 @@ def build() -> list[Path]:
     torch.manual_seed(0)
     paths = []
     for stem, module, feeds, axes, tags in _modules():
+        if only and stem not in only:
+            continue
         _perturb(module)  # Unmasked shares Audio's weights: perturbed twice, still one model for both exports
         module.eval()
         example = tuple(torch.from_numpy(v) for v in feeds(2).values())
@@ -163,5 +200,5 @@ def _check(module, path: Path, feeds) -> None:
 
 
 if __name__ == "__main__":
-    for built in build():
+    for built in build(sys.argv[1:] or None):
         print(built, built.stat().st_size, "bytes")
