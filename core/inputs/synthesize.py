@@ -24,8 +24,9 @@ masks (optimum #978 and ORT #18945: random masks give false alarms), ones over t
 the type table; positions counting on from the past; labels with 20% -100; N(0, 1) floats.
 
 Guesses. When the original model refuses a generated set, ``InputSet.next_guess`` gives the next plausible
-one: longer sequences, then every compared id as a row-end marker, then no padding. Each set records the
-guess that ran and the ones refused (``InputSet.provenance``).
+one: longer sequences, then every compared id as a row-end marker, then no padding, then integers below the
+float inputs' sizes, then one row per set (an export that runs at batch 1 only). Each set records the guess
+that ran and the ones refused (``InputSet.provenance``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Guess:
     # Integers not read from a table are drawn below the smallest free axis of the float inputs: they index
     # rows of those inputs (a graph network's edge_index into its nodes, gathered and scattered).
     ints_within_sizes: bool = False
+    one_row: bool = False  # every set at batch 1: an export that runs at its example's batch of 1 only
 
 
 GUESSES = (
@@ -68,6 +70,9 @@ GUESSES = (
     Guess("every compared id at each row's end", seq_scale=4, all_markers=True, empty_past=False),
     Guess("no padding", seq_scale=4, all_markers=True, padding=False, empty_past=False),
     Guess("integers below the float inputs' free sizes (indices into their rows)", ints_within_sizes=True),
+    # torch's opset-23 Llama export runs at batch 1 only: its RotaryEmbedding's cos/sin caches keep the
+    # example's batch of 1, which ONNX's op must match to the input's
+    Guess("one row (the model refused every batch above 1)", one_row=True),
 )
 _EXPR = re.compile(r"^[\w.]+(\s+[+\-]\s+[\w.]+)+$")  # exporters write sums with spaces: "past + sequence"
 
@@ -186,7 +191,7 @@ class InputSynthesis:
                 if isinstance(dim, str):
                     bound.setdefault(dim, int(size))
         seq, past = self._lengths(index, guess)
-        batch = 1 << index
+        batch = 1 if guess.one_row else 1 << index
         no_cache = (self.cache_branch(index) if cache is None else cache) is False
         if no_cache:  # dummy caches, the cross-attention one too; the encoder's length binds the rest
             past = NO_CACHE_PAST

@@ -309,8 +309,25 @@ def _scaled_sigmoid(node: ir.Node) -> bool:
 
 
 def achieved_fusions(model: ir.Model) -> dict[str, int]:
+    """Fused ops by group: ORT's contrib ops, and ONNX's own ``Attention`` (opset 23), which torch's exporter
+    writes for scaled_dot_product_attention at that opset: attention fused before the upload."""
     ops = Counter(node.op_type for node in model.graph if node.domain == "com.microsoft")
+    ops["Attention"] += sum(1 for node in model.graph if _onnx_attention(node))
     return {group: sum(ops[op] for op in members) for group, members in GROUPS.items()}
+
+
+def residual_rms_ops(model: ir.Model) -> int:
+    """ONNX ``RMSNormalization`` ops (opset 23) whose input is a residual sum: norms a skip norm would take in,
+    written as the op onnxscript's skip-norm rule does not read."""
+    return sum(
+        1
+        for node in model.graph
+        if node.op_type == "RMSNormalization" and node.domain in ("", "ai.onnx") and is_residual(node.inputs[0])
+    )
+
+
+def _onnx_attention(node: ir.Node) -> bool:
+    return node.op_type == "Attention" and node.domain in ("", "ai.onnx")
 
 
 def count_layers(model: ir.Model) -> int:
@@ -324,6 +341,7 @@ def count_layers(model: ir.Model) -> int:
         for node in model.graph
         if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx") and not _router(node) and multiplied(node))
         or (node.domain == "com.microsoft" and node.op_type in GROUPS["attention"])
+        or _onnx_attention(node)
     )
 
 
@@ -417,8 +435,11 @@ def detect_family(model: ir.Model) -> tuple[str, str]:
     causal = _causal_mask(model)
     if not causal and ops["GroupQueryAttention"]:
         causal = "GroupQueryAttention (causal by construction; fused by an earlier pass)"
+    if not causal and any(_onnx_attention(n) and n.attributes.get_int("is_causal", 0) for n in graph):
+        causal = "ONNX Attention with is_causal (opset 23)"
     if not ops["LayerNormalization"]:
-        if ops["Sqrt"] and ops["ReduceMean"] and ops["Pow"]:
+        rms_ops = ops["RMSNormalization"] + ops["SimplifiedLayerNormalization"]  # opset 23's op, or ORT's
+        if rms_ops or (ops["Sqrt"] and ops["ReduceMean"] and ops["Pow"]):
             if causal:
                 return "llama", f"a decoder: RMS normalization, no LayerNormalization, {causal}"
             return "t5", "RMS normalization (Pow, ReduceMean, Sqrt), no LayerNormalization, no causal mask"

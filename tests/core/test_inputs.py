@@ -99,6 +99,33 @@ def test_verifier_asks_for_shapes_after_every_guess_when_none_runs(tmp_path: Pat
     assert info.value.code == "MODEL_RUN_FAILED"
 
 
+def _batch_one_only() -> onnx.ModelProto:
+    """y = reshape(x, [1, -1]) + x: runs only on one row (torch's opset-23 Llama export is so: its rotary caches
+    keep the example's batch of 1, and ONNX's RotaryEmbedding refuses any other batch)."""
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "flat"], ["row"]), helper.make_node("Add", ["row", "x"], ["y"])],
+        "batch_one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence"])],
+        [numpy_helper.from_array(np.array([1, -1], np.int64), "flat")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_verifier_falls_back_to_one_row_when_the_model_refuses_every_batch_above_one(tmp_path: Path) -> None:
+    path = tmp_path / "batch_one.onnx"
+    onnx.save(_batch_one_only(), str(path))
+    sets = generate_input_sets(onnx.load(str(path)), 3)
+    assert [s.feeds["x"].shape[0] for s in sets] == [1, 2, 4]
+    Verifier(path, sets, Tolerance())
+    assert [s.feeds["x"].shape[0] for s in sets] == [1, 1, 1]
+    lengths = [s.feeds["x"].shape[1] for s in sets]
+    assert len(set(lengths)) == 3  # still three shapes: the sets differ in length
+    assert sets[0].provenance["guess"] == "role-based"  # one row ran at once
+    assert sets[1].provenance["guess"] == "one row (the model refused every batch above 1)"
+    assert sets[1].provenance["attempts"][0]["guess"] == "role-based"
+
+
 def _conv_features_model() -> onnx.ModelProto:
     """Whisper's encoder in small: [batch, 4 mels, frames] -> Conv(k3, p1) -> Conv(k3, s2, p1) -> Transpose ->
     + a 6-row position table: only 11 or 12 frames give the 6 positions the table needs."""
