@@ -24,9 +24,9 @@ masks (optimum #978 and ORT #18945: random masks give false alarms), ones over t
 the type table; positions counting on from the past; labels with 20% -100; N(0, 1) floats.
 
 Guesses. When the original model refuses a generated set, ``InputSet.next_guess`` gives the next plausible
-one: longer sequences, then every compared id as a row-end marker, then no padding, then integers below the
-float inputs' sizes, then one row per set (an export that runs at batch 1 only). Each set records the guess
-that ran and the ones refused (``InputSet.provenance``).
+one: longer sequences, larger images, then every compared id as a row-end marker, then no padding, then
+integers below the float inputs' sizes, then one row per set (an export that runs at batch 1 only). Each set
+records the guess that ran and the ones refused (``InputSet.provenance``).
 """
 
 from __future__ import annotations
@@ -62,11 +62,14 @@ class Guess:
     # rows of those inputs (a graph network's edge_index into its nodes, gathered and scattered).
     ints_within_sizes: bool = False
     one_row: bool = False  # every set at batch 1: an export that runs at its example's batch of 1 only
+    image_scale: int = 1  # free sides of an image input times this (a pyramid pooled to 6 bins at 1/32 scale)
 
 
 GUESSES = (
     Guess("role-based"),
     Guess("longer sequences", seq_scale=4, empty_past=False),
+    # UperNet's pyramid pooling exported by dynamo needs 128 pixels a side; the first guess gives 64
+    Guess("larger images (each free side 4x)", image_scale=4),
     Guess("every compared id at each row's end", seq_scale=4, all_markers=True, empty_past=False),
     Guess("no padding", seq_scale=4, all_markers=True, padding=False, empty_past=False),
     Guess("integers below the float inputs' free sizes (indices into their rows)", ints_within_sizes=True),
@@ -244,7 +247,9 @@ class InputSynthesis:
                 elif encoder.get(spec.name) == axis:
                     shape.append(enc_len)
                 else:
-                    size = self._size(role, spec, axis, dim, batch=batch, seq=seq, past=past_len)
+                    size = self._size(
+                        role, spec, axis, dim, batch=batch, seq=seq, past=past_len, image_scale=guess.image_scale
+                    )
                     if isinstance(dim, str):
                         bound[dim] = size
                     shape.append(size)
@@ -326,7 +331,16 @@ class InputSynthesis:
         return default
 
     def _size(
-        self, role: InputRole, spec: InputSpec, axis: int, dim: str | None, *, batch: int, seq: int, past: int
+        self,
+        role: InputRole,
+        spec: InputSpec,
+        axis: int,
+        dim: str | None,
+        *,
+        batch: int,
+        seq: int,
+        past: int,
+        image_scale: int = 1,
     ) -> int:
         if axis == 0 and dim_role(dim, axis) == "batch":
             return batch
@@ -339,7 +353,7 @@ class InputSynthesis:
                 return role.min_length(role.exact_out, step_axis)
             if role.role == "audio":
                 return role.min_length(seq, step_axis)
-            return max(seq, role.min_length(1, step_axis))
+            return max(seq, role.min_length(1, step_axis)) * image_scale
         if role.role == "attention_mask" and self.facts.has_past and axis == spec.rank - 1:
             return seq + past
         if role.role == "past_key_values" and axis == role.past_axis:

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from core.config import Tolerance
 from core.errors import InvalidInputError
-from core.inputs import InputSynthesis, analyze, generate_input_sets
+from core.inputs import GUESSES, InputSynthesis, analyze, generate_input_sets
 from workers.verify import Verifier
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -124,6 +124,42 @@ def test_verifier_falls_back_to_one_row_when_the_model_refuses_every_batch_above
     assert sets[0].provenance["guess"] == "role-based"  # one row ran at once
     assert sets[1].provenance["guess"] == "one row (the model refused every batch above 1)"
     assert sets[1].provenance["attempts"][0]["guess"] == "role-based"
+
+
+def _pyramid_pooled(row: int) -> onnx.ModelProto:
+    """A patch stem (16x16, stride 16) and the pooled map's row ``row`` read: runs only on images ``16 * (row +
+    1)`` pixels high or more, as UperNet's pyramid pooling exported by dynamo needs 128."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["pixel_values", "w"], ["f"], kernel_shape=[16, 16], strides=[16, 16]),
+            helper.make_node("Gather", ["f", "row"], ["y"], axis=2),
+        ],
+        "pyramid",
+        [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, "height", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 4])],
+        [
+            numpy_helper.from_array(rng.standard_normal((8, 3, 16, 16)).astype(np.float32), "w"),
+            numpy_helper.from_array(np.array(row, np.int64), "row"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_verifier_tries_larger_images_when_the_model_needs_more_pixels(tmp_path: Path) -> None:
+    synthesis = InputSynthesis(_pyramid_pooled(0))
+    longer = next(g for g in GUESSES if g.seq_scale > 1)
+    larger = next(g for g in GUESSES if g.image_scale > 1)
+    first = synthesis.bind(0)["pixel_values"]
+    assert synthesis.bind(0, larger)["pixel_values"] == (first[0], 3, first[2] * 4, 64)  # the free side only
+    side = max(synthesis.bind(0, longer)["pixel_values"][2], first[2])
+    assert side < first[2] * 4  # so that the model below needs the larger images
+    path = tmp_path / "pyramid.onnx"
+    onnx.save(_pyramid_pooled(first[2] * 4 // 16 - 1), str(path))
+    sets = generate_input_sets(onnx.load(str(path)), 1)
+    Verifier(path, sets, Tolerance())
+    assert sets[0].feeds["pixel_values"].shape[2] == first[2] * 4
+    assert sets[0].provenance["guess"] == larger.name
 
 
 def _conv_features_model() -> onnx.ModelProto:
