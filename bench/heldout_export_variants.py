@@ -9,7 +9,10 @@ Models (tiny transformers configs, every parameter perturbed; ``tests.models.cor
 ================  =========================================================================================
 ts_op11/13/14/..  TorchScript (``dynamo=False``) at that opset (11, 13, 14, 17, 18, 20), dynamic batch and sequence
 ts_op23           TorchScript at opset 23, the newest onnx 1.23 and torch 2.13 allow
-dynamo            ``dynamo=True`` at its default opset (20); ``dynamo_op17`` written at 18, converted to 17
+dynamo            ``dynamo=True`` at its default opset (20); ``dynamo_op17`` written at 18, converted to 17;
+                ``dynamo_op23`` at opset 23 (ONNX's Attention, RMSNormalization, RotaryEmbedding ops);
+                ``dynamo_noopt`` with ``optimize=False`` (the exporter's graph before its own optimizer)
+ts_functions    ``export_modules_as_functions=True``: every module an ONNX local function
 ts_static       no ``dynamic_axes`` at all; ``ts_batch`` dynamic batch only
 ts_fp16         ``model.half()`` exported (float inputs fp16 too); ``ts_bf16`` ``model.to(torch.bfloat16)``
 ext_data        weights as external data beside the .onnx (``save_as_external_data=True``), the CLI given
@@ -71,6 +74,9 @@ VARIANTS = (
     "ts_op23",
     "dynamo",
     "dynamo_op17",
+    "dynamo_op23",
+    "dynamo_noopt",
+    "ts_functions",
     "ts_static",
     "ts_batch",
     "ts_fp16",
@@ -176,7 +182,7 @@ def _ts_export(s: Spec, mod: Any, dtype: Any, path: Path, *, opset: int, axes: A
     return onnx.load(str(path))
 
 
-def _dynamo_export(s: Spec, mod: Any, opset: int | None) -> onnx.ModelProto:
+def _dynamo_export(s: Spec, mod: Any, opset: int | None, *, optimize: bool = True) -> onnx.ModelProto:
     import torch
 
     args = _torch_in(s.feeds(s.example, 0), torch.float32)
@@ -196,7 +202,7 @@ def _dynamo_export(s: Spec, mod: Any, opset: int | None) -> onnx.ModelProto:
             output_names=list(s.outputs),
             dynamic_shapes=tuple(shapes),
             dynamo=True,
-            optimize=True,
+            optimize=optimize,
             verbose=False,
             **kw,
         )
@@ -239,7 +245,8 @@ def export(variant: str, s: Spec, mod: Any, tmp: Path) -> tuple[onnx.ModelProto,
     if variant in half:
         mod = mod.to(dtype)
     if variant.startswith("dynamo"):
-        return _dynamo_export(s, mod, 17 if variant == "dynamo_op17" else None), dtype
+        opset = {"dynamo_op17": 17, "dynamo_op23": 23}.get(variant)
+        return _dynamo_export(s, mod, opset, optimize=variant != "dynamo_noopt"), dtype
     opset = int(variant[5:]) if variant.startswith("ts_op") else 17
     axes: Any = s.axes
     if variant == "ts_static":
@@ -250,6 +257,7 @@ def export(variant: str, s: Spec, mod: Any, tmp: Path) -> tuple[onnx.ModelProto,
         "ts_nofold": {"do_constant_folding": False},
         "ts_kiai": {"keep_initializers_as_inputs": True},
         "ts_eval": {"export_params": True, "training": torch.onnx.TrainingMode.EVAL},
+        "ts_functions": {"export_modules_as_functions": True},
     }.get(variant, {})
     proto = _ts_export(s, mod, dtype, tmp, opset=opset, axes=axes, **kw)
     if variant in ("ort_opt", "onnxsim", "ort_saved"):
