@@ -317,12 +317,32 @@ def _folded_transpose(kt: ir.Value) -> ir.Value | None:
     return k
 
 
+_WHOLE_END = 2**62  # an end at or past this keeps the rest of the axis (torch writes INT64_MAX for ``x[:, :]``)
+
+
+def _whole(value: ir.Value) -> ir.Value:
+    """``value`` under any ``Slice`` that keeps everything (every start 0, every end unbounded, every step 1):
+    the dynamo exporter's ``x[:, :, None, :, :]`` without its optimizer (``optimize=False``) writes them around
+    repeat_kv's Unsqueeze."""
+    node = _producer(value, "Slice")
+    while node is not None:
+        starts, ends = (const_array(v) if v is not None else None for v in node.inputs[1:3])
+        steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+        if starts is None or ends is None or starts.any() or (ends < _WHOLE_END).any():
+            break
+        if steps is not None and (steps != 1).any():
+            break
+        value = node.inputs[0]
+        node = _producer(value, "Slice")
+    return value
+
+
 def _unrepeat(value: ir.Value, which: str) -> ir.Value:
     """The kv-head tensor under repeat_kv ``Reshape(Expand(Unsqueeze(x, 2)))``, else the value itself (the
-    probe then checks it has as many heads as q)."""
+    probe then checks it has as many heads as q). Slices that keep everything are read through."""
     reshape = _producer(value, "Reshape")
     expand = _producer(reshape.inputs[0], "Expand") if reshape is not None else None
-    unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    unsqueeze = _producer(_whole(expand.inputs[0]), "Unsqueeze") if expand is not None else None
     if unsqueeze is None:
         return value
     axes = const_array(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else None
@@ -330,7 +350,7 @@ def _unrepeat(value: ir.Value, which: str) -> ir.Value:
         axes = np.array(unsqueeze.attributes.get_ints("axes", []))
     if axes is None or axes.reshape(-1).tolist() != [2]:
         raise Declined(f"found repeat_kv of {which} unsqueezing axes {None if axes is None else axes.tolist()}, not 2")
-    return unsqueeze.inputs[0]
+    return _whole(unsqueeze.inputs[0])
 
 
 def _cache_concat(value: ir.Value) -> bool:
