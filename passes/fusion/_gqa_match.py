@@ -34,6 +34,7 @@ import onnx_ir as ir
 
 from core.inputs.graph import const_array
 from passes._infra import NonMatch
+from passes.fusion._slice_dims import keeps_everything
 
 _ONNX = ("", "ai.onnx")
 EXPECTED = (
@@ -317,21 +318,12 @@ def _folded_transpose(kt: ir.Value) -> ir.Value | None:
     return k
 
 
-_WHOLE_END = 2**62  # an end at or past this keeps the rest of the axis (torch writes INT64_MAX for ``x[:, :]``)
-
-
 def _whole(value: ir.Value) -> ir.Value:
-    """``value`` under any ``Slice`` that keeps everything (every start 0, every end unbounded, every step 1):
-    the dynamo exporter's ``x[:, :, None, :, :]`` without its optimizer (``optimize=False``) writes them around
+    """``value`` under any ``Slice`` that keeps everything (``_slice_dims.keeps_everything``): the dynamo
+    exporter's ``x[:, :, None, :, :]`` without its optimizer (``optimize=False``) writes them around
     repeat_kv's Unsqueeze."""
     node = _producer(value, "Slice")
-    while node is not None:
-        starts, ends = (const_array(v) if v is not None else None for v in node.inputs[1:3])
-        steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-        if starts is None or ends is None or starts.any() or (ends < _WHOLE_END).any():
-            break
-        if steps is not None and (steps != 1).any():
-            break
+    while node is not None and keeps_everything(node):
         value = node.inputs[0]
         node = _producer(value, "Slice")
     return value

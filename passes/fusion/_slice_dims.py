@@ -48,6 +48,13 @@ def _cut_axes(node: ir.Node, rank: int) -> list[int]:
     return [a for a, s, e, t in zip(axes, starts, ends, steps, strict=False) if s != 0 or e < _WHOLE_END or t != 1]
 
 
+def keeps_everything(node: ir.Node) -> bool:
+    """Whether the Slice ``node`` provably keeps every axis of its input whole (``x[:, :]``); False where its
+    input's rank is unknown."""
+    shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
+    return shape is not None and not _cut_axes(node, shape.rank())
+
+
 def crop_source(value: ir.Value | None, keep: int) -> ir.Value | None:
     """The graph input ``x`` (a cache) of ``value = Slice(x, [-C], [to the end], [2 | -2], [1])`` that keeps
     the last ``C >= keep`` positions of the cache axis, through single-input Concat and Identity copies

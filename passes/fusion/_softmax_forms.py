@@ -33,6 +33,9 @@ import math
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from passes.fusion._rotary_eval import axes_of
+from passes.fusion._rotary_eval import scalar as _scalar
+
 _ONNX = ("", "ai.onnx")
 _RECIPROCAL_RTOL = 1e-6  # 1 / a written as a float32 constant
 
@@ -50,22 +53,6 @@ def softmax_last_axis(model: ir.Model) -> int:
             node.attributes["axis"] = ir.AttrInt64("axis", -1)
             changed += 1
     return changed
-
-
-def _scalar(value: ir.Value) -> float | None:
-    tensor = value.const_value
-    if tensor is None or tensor.size != 1:
-        return None
-    return float(tensor.numpy().reshape(-1)[0])
-
-
-def _axes(node: ir.Node) -> list[int] | None:
-    """A ReduceMax's or Unsqueeze's axes, from its attribute (before opset 18/13) or constant input."""
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        tensor = node.inputs[1].const_value
-        return None if tensor is None else [int(a) for a in tensor.numpy().reshape(-1)]
-    attribute = node.attributes.get("axes")
-    return None if attribute is None else [int(a) for a in attribute.as_ints()]
 
 
 class _RelaxedSoftmax(pattern.RewriteRuleClassBase):
@@ -96,7 +83,7 @@ class _RelaxedSoftmax(pattern.RewriteRuleClassBase):
         rank = shape.rank()
         softmax_axis = probs.producer().attributes.get_int("axis", -1) % rank
         reduce = row_max.producer()
-        axes = _axes(reduce)
+        axes = axes_of(reduce)
         keep = reduce.attributes.get_int("keepdims", 1)
         if axes is None or [a % rank for a in axes] != [softmax_axis]:
             return result.fail(f"the maximum is taken over axes {axes}, not the Softmax's {softmax_axis}", row_max)
@@ -104,7 +91,7 @@ class _RelaxedSoftmax(pattern.RewriteRuleClassBase):
             return result.fail("the maximum does not keep the reduced axis for the subtraction", row_max)
         if self.unsqueezed:
             (unsqueeze,) = [use for use, _ in row_max.uses() if use.op_type == "Unsqueeze"]
-            restored = _axes(unsqueeze)
+            restored = axes_of(unsqueeze)
             if restored is None or [a % rank for a in restored] != [softmax_axis]:
                 return result.fail(f"the maximum is unsqueezed at {restored}, not at {softmax_axis}", row_max)
         return result

@@ -139,44 +139,27 @@ class SubtractedMask(pattern.RewriteRuleClassBase):
         return op.Softmax(op.Add(scores, op.Neg(mask)), axis=axis)
 
 
-class _ZeroedMaskedRows(pattern.RewriteRuleClassBase):
+class _ZeroedMaskedRows(_WhereMask):
     """The masked fill before the Softmax and the zero fill after it, by the same condition, as the -inf
     mask and the NaN guard (the module's docstring)."""
-
-    fill_first: bool
 
     def _masked(self, op, cond, scores, fill):
         return op.Where(cond, fill, scores) if self.fill_first else op.Where(cond, scores, fill)
 
     def pattern(self, op, cond, scores, fill, zero):
-        # no output named inside: onnxscript would take a named inner value for a second output of the pattern
-        probs = op.Softmax(self._masked(op, cond, scores, fill), _allow_other_attributes=True)
+        probs = op.Softmax(self._masked(op, cond, scores, fill), _allow_other_attributes=True, _outputs=["probs"])
         return op.Where(cond, zero, probs) if self.fill_first else op.Where(cond, probs, zero)
 
     def check(self, context, scores: ir.Value, fill: ir.Value, zero: ir.Value, **_) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        number = _fill(fill)
-        if number is None or not (np.isneginf(number) or number <= _LARGE_NEGATIVE):
-            return result.fail("the masked fill is not -inf or a large negative constant", fill)
-        if _fill(zero) != 0:
+        result = super().check(context, scores=scores, fill=fill)
+        if result and _fill(zero) != 0:
             return result.fail("the probabilities' fill is not a one-element zero", zero)
-        if not _is_scores(scores):
-            return result.fail("the unmasked branch is not attention scores (MatMul, scaled)", scores)
         return result
 
-    def _axis(self, cond: ir.Value, scores: ir.Value) -> int:
-        """The matched Softmax's axis: the Softmax reading the masked Where of ``scores`` by ``cond``."""
-        for where, _ in scores.uses():
-            if where.op_type == "Where" and where.inputs[0] is cond:
-                for softmax, _ in where.outputs[0].uses():
-                    if softmax.op_type == "Softmax":
-                        return softmax.attributes.get_int("axis", -1)
-        raise AssertionError("the matched masked Softmax is gone")
-
-    def rewrite(self, op, cond, scores, fill, **_):
+    def rewrite(self, op, cond, scores, fill, probs, **_):
         dtype = fill.const_value.dtype.numpy()
         neg_inf = op.Constant(value=ir.tensor(np.array(-np.inf, dtype)))
-        axis = self._axis(cond, scores)
+        axis = probs.producer().attributes.get_int("axis", -1)
         guarded = op.Softmax(self._masked(op, cond, scores, neg_inf), axis=axis)
         return op.Where(op.IsNaN(guarded), op.Constant(value=ir.tensor(np.array(0, dtype))), guarded)
 
