@@ -241,6 +241,11 @@ def _Audio(model):
     return _module(lambda m, x: m(input_values=x).last_hidden_state, 1)(model)
 
 
+def vision(model):
+    """``model``'s ``last_hidden_state`` from ``pixel_values`` (the round-5 and round-6 probes' image towers)."""
+    return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+
+
 def built(models, only: list[str] | None):
     """``models`` (name, module maker, example, input names, free axes) with each module made, those of ``only``
     if given; a config the installed transformers refuses is a printed row (the round-5 probe's too)."""

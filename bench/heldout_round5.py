@@ -46,7 +46,7 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module
+    from bench.heldout_round4 import _module, vision
 
     batch_seq = ((0, "batch"), (1, "sequence"))
     small = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -140,7 +140,7 @@ def _models():
             hidden_size=HIDDEN, output_channels=32, num_hidden_layers=2, num_attention_heads=4, image_size=64,
             patch_size=8, window_size=4, global_attn_indexes=[1], mlp_dim=128, use_rel_pos=True,
         ))  # fmt: skip
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+        return vision(model)
 
     yield "sam_vision", sam_vision, image_fixed(64), ("pixel_values",), ((0, "batch"),)
 
@@ -165,7 +165,7 @@ def _models():
 
     def swiftformer():
         model = tf.SwiftFormerModel(tf.SwiftFormerConfig(depths=[1, 1, 1, 1], embed_dims=[16, 24, 32, 48]))
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+        return vision(model)
 
     def image_free(batch: int) -> tuple:
         return (torch.randn(batch, 3, 64 + 32 * batch, 64),)
@@ -174,7 +174,7 @@ def _models():
 
     def mobilevitv2():
         model = tf.MobileViTV2Model(tf.MobileViTV2Config(image_size=64, width_multiplier=0.5))
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+        return vision(model)
 
     yield "mobilevitv2", mobilevitv2, image_free, ("pixel_values",), (((0, "batch"), (2, "height")),)
 
@@ -183,14 +183,14 @@ def _models():
             hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
             patch_size=8,
         ))  # fmt: skip
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+        return vision(model)
 
     yield "aimv2_vision", aimv2_vision, image_fixed(32), ("pixel_values",), ((0, "batch"),)
 
     def ijepa():
         model = tf.IJepaModel(tf.IJepaConfig(**{k: v for k, v in small.items() if k != "vocab_size"}, image_size=32,
                                              patch_size=8))  # fmt: skip
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+        return vision(model)
 
     yield "ijepa", ijepa, image_fixed(32), ("pixel_values",), ((0, "batch"),)
 

@@ -34,7 +34,7 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module
+    from bench.heldout_round4 import _module, vision
 
     def dac():
         model = tf.DacModel(tf.DacConfig(
@@ -108,7 +108,7 @@ def _models():
             image_size=32, patch_size=8, num_frames=2, hidden_size=HIDDEN, num_hidden_layers=2,
             num_attention_heads=2, intermediate_size=64,
         ))  # fmt: skip
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+        return vision(model)
 
     def video(batch: int) -> tuple:
         return (torch.randn(batch, 2, 3, 32, 32),)
@@ -120,7 +120,7 @@ def _models():
             hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
             patch_size=8,
         ))  # fmt: skip
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)
+        return vision(model)
 
     yield "owlv2_vision", owlv2_vision, image(32), ("pixel_values",), ((0, "batch"),)
 
