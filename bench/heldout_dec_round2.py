@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -229,9 +230,18 @@ SPECS = {name: m.spec() for name, m in MODELS.items()}
 PROBES = {name: m.probe() for name, m in MODELS.items()}
 
 
-def nocache_row(name: str, exporter: str, out: Path, reuse: bool) -> dict[str, Any]:
+def register(models: Iterable[Model]) -> list[str]:
+    """Adds a later round's models to this round's registry (its builders, jobs and tables serve both)."""
+    names = []
+    for m in models:
+        MODELS[m.name], SPECS[m.name], PROBES[m.name] = m, m.spec(), m.probe()
+        names.append(m.name)
+    return names
+
+
+def nocache_row(name: str, exporter: str, out: Path, reuse: bool, script: str = SCRIPT) -> dict[str, Any]:
     def build(n: str, e: str, o: Path) -> dict[str, Any]:
-        return nocache.build(n, e, o, SPECS, SCRIPT)
+        return nocache.build(n, e, o, SPECS, script)
 
     return _heldout.probe(
         name, exporter, out, reuse, version=nocache.BUILDER_VERSION, build=build, counts=nocache._structure
@@ -239,10 +249,17 @@ def nocache_row(name: str, exporter: str, out: Path, reuse: bool) -> dict[str, A
 
 
 def past_rows(
-    name: str, exporter: str, out: Path, reuse: bool, presets: list[str], *, tiny: bool = False
+    name: str,
+    exporter: str,
+    out: Path,
+    reuse: bool,
+    presets: list[str],
+    *,
+    tiny: bool = False,
+    script: str = SCRIPT,
 ) -> tuple[dict, list[dict]]:
     probe = MODELS[name].probe(tiny)
-    info = past.build(probe, PAST_EXPORTERS[exporter], reuse, out, SCRIPT + (" --tiny" if tiny else ""))
+    info = past.build(probe, PAST_EXPORTERS[exporter], reuse, out, script + (" --tiny" if tiny else ""))
     rows = []
     if info["ok"]:
         for preset in presets:
@@ -349,8 +366,16 @@ def compact(out: Path) -> str:
     return _heldout.table(COMPACT_HEAD, lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _heldout.arguments(f"python -m {SCRIPT}", __doc__, MODELS, EXPORTERS)
+def main(
+    argv: list[str] | None = None,
+    *,
+    names: Iterable[str] | None = None,
+    script: str = SCRIPT,
+    doc: str | None = __doc__,
+    out: Path = OUT,
+) -> int:
+    """``names``, ``script``, ``doc`` and ``out``: a later round's (its models ``register``-ed first)."""
+    parser = _heldout.arguments(f"python -m {script}", doc, list(names) if names else MODELS, EXPORTERS)
     parser.add_argument("--forms", nargs="+", choices=("nocache", "past"), default=["nocache", "past"])
     parser.add_argument(
         "--presets", nargs="*", default=["fast", "int4"], help="for the cached form (none: export only)"
@@ -359,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="keep exports and rows already recorded")
     parser.add_argument("--table", action="store_true", help="only print the tables of the rows recorded")
     parser.add_argument("--compact", action="store_true", help="with --table: one row per model and exporter")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--tiny", action="store_true", help="the cached form at hidden 32, vocabulary 256")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -370,12 +395,12 @@ def main(argv: list[str] | None = None) -> int:
             result: dict[str, Any] = {"model": name, "nocache": [], "past_builds": [], "past": []}
             for exporter in args.exporters:
                 if "nocache" in args.forms:
-                    row = nocache_row(name, exporter, args.out, args.reuse)
+                    row = nocache_row(name, exporter, args.out, args.reuse, script)
                     print("| " + " | ".join(nocache._cells(row, SPECS)) + " |", flush=True)
                     result["nocache"].append(row)
                 if "past" in args.forms:
                     presets = [p for p in args.presets if p != "int4" or exporter in args.int4_exporters]
-                    info, rows = past_rows(name, exporter, args.out, args.reuse, presets, tiny=args.tiny)
+                    info, rows = past_rows(name, exporter, args.out, args.reuse, presets, tiny=args.tiny, script=script)
                     result["past_builds"].append(info)
                     result["past"] += rows
                     for row in rows:

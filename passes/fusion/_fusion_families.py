@@ -339,7 +339,7 @@ def count_layers(model: ir.Model) -> int:
     return sum(
         1
         for node in model.graph
-        if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx") and not _router(node) and multiplied(node))
+        if (node.op_type == "Softmax" and node.domain in ("", "ai.onnx") and not is_router(node) and multiplied(node))
         or (node.domain == "com.microsoft" and node.op_type in GROUPS["attention"])
         or _onnx_attention(node)
     )
@@ -365,7 +365,7 @@ def multiplied(softmax: ir.Node, depth: int = 3) -> bool:
     return False
 
 
-def _router(softmax: ir.Node) -> bool:
+def is_router(softmax: ir.Node) -> bool:
     """Logits of weight products only: each MatMul/Gemm/Conv the scores come from (through score steps)
     multiplies by a constant: a router, or a token learner's pooling weights (MGP-STR's A3 module: a 1x1 Conv
     per output token, no keys). DeBERTa's scores add a product with a folded position table to q @ k^T:

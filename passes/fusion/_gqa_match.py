@@ -18,10 +18,12 @@ and the ``Transpose``, its target computed from the product's own ``Shape``: loo
 the probe proving it keeps every dim. Without a cache, ``k_all`` is ``k_new`` itself; with as many kv heads as
 heads (GPT-2), ``k_rep`` is ``k_all``.
 The scale may also sit on q and k^T (one Mul each). Soft-capped scores (Gemma 2: ``cap * tanh(scores /
-cap)`` before the mask) are read as the scores and the cap (``Site.softcap``). Casts between float types
-around the Softmax (a float16 export's softmax in float32) and single-input Concat/Identity copies are
-looked through. q, k_new and v_new are opaque values, so
-rotary embedding, fused (``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads,
+cap)`` before the mask) are read as the scores and the cap (``Site.softcap``). Attention sinks (GPT-OSS: a
+learned logit per head joins each row, ``Softmax(Concat(scores + mask, sink))[..., :-1]``, the row's max
+subtracted first) are read as the scores and the sinks (``Site.sink``), GroupQueryAttention's ``head_sink``.
+Casts between float types around the Softmax (a float16 export's softmax in float32) and single-input
+Concat/Identity copies are looked through. q, k_new and v_new are opaque values, so rotary embedding, fused
+(``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads,
 kv heads, head size) are not read here: ``_gqa_probe`` measures them, and also what the mask computes.
 """
 
@@ -34,6 +36,7 @@ import onnx_ir as ir
 
 from core.inputs.graph import const_array
 from passes._infra import NonMatch
+from passes.fusion._fusion_families import is_router
 from passes.fusion._slice_dims import keeps_everything
 
 _ONNX = ("", "ai.onnx")
@@ -73,6 +76,8 @@ class Site:
     # The probabilities went through the exporter's NaN guard (``Where(IsNaN(p), 0, p)``), which defines a
     # fully masked query's output as 0: a fused op that returns NaN there must get it back.
     guarded: bool = False
+    # Attention sinks: the logit each head's extra column holds (its softmax share is then dropped), else None
+    sink: np.ndarray | None = None
 
     def probed(self) -> list[ir.Value]:
         """The values whose run-time shapes ``_gqa_probe`` measures for this site."""
@@ -90,7 +95,10 @@ def match_sites(graph: ir.Graph) -> tuple[list[Site], list[NonMatch]]:
     sites: list[Site] = []
     declined: list[NonMatch] = []
     softmaxes = [n for n in graph if n.op_type == "Softmax" and n.domain in _ONNX]
-    for layer, node in enumerate(softmaxes):
+    for node in [n for n in softmaxes if is_router(n)]:  # numbered apart: the layers are the attentions
+        reason = f"node {node.name}: a mixture-of-experts router (its scores multiply weights only), not attention"
+        declined.append(NonMatch(reason, node=node.name, op_type="Softmax"))
+    for layer, node in enumerate(n for n in softmaxes if not is_router(n)):
         try:
             sites.append(_match(layer, node))
         except Declined as exc:
@@ -106,6 +114,9 @@ def _match(layer: int, softmax: ir.Node) -> Site:
         raise Declined(f"found Softmax over axis {axis}, not the keys (-1)")
     unguarded = _through_casts(softmax.outputs[0])
     probs = _through_nan_guard(unguarded)
+    guarded = probs is not unguarded
+    sunk = _sink_column_dropped(probs)
+    probs = probs if sunk is None else sunk
     context = _single_use(probs, "MatMul", "the Softmax's output")
     if context.inputs[0] is not probs:
         raise Declined("found the probabilities as the MatMul's second input, not its first")
@@ -113,7 +124,10 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     out_t = _single_use(reshaped or context.outputs[0], "Transpose", "MatMul(probs, v)")
     if list(out_t.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
         raise Declined(f"found Transpose perm {list(out_t.attributes.get_ints('perm', []))} after MatMul(probs, v)")
-    scores, mask = _strip_mask(_under_float_cast(softmax.inputs[0]))
+    scores, sink = _strip_max_shift(_under_float_cast(softmax.inputs[0])), None
+    if sunk is not None:
+        scores, sink = _strip_sink(scores)
+    scores, mask = _strip_mask(scores)
     scores, softcap = _strip_softcap(scores)
     q, kt, scale = _strip_scale(scores)
     k_rep, k_bsnd = _transposed_keys(kt)
@@ -126,7 +140,7 @@ def _match(layer: int, softmax: ir.Node) -> Site:
         raise Declined("found a cache Concat on one of key and value only")
     return Site(
         layer, softmax, q, k_new, v_new, k_past, v_past, k_all, v_all, k_rep, context.inputs[1], mask, scale,
-        context, out_t.outputs[0], k_bsnd, reshaped, softcap, probs is not unguarded,
+        context, out_t.outputs[0], k_bsnd, reshaped, softcap, guarded, sink,
     )  # fmt: skip
 
 
@@ -213,6 +227,54 @@ def _through_nan_guard(probs: ir.Value) -> ir.Value:
     if condition is not isnan.outputs[0] or other is not probs or constant is None or constant.numpy().any():
         return probs
     return _through_casts(where.outputs[0])
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    array = const_array(value)
+    return None if array is None or not np.issubdtype(array.dtype, np.integer) else array.reshape(-1).tolist()
+
+
+def _sink_column_dropped(probs: ir.Value) -> ir.Value | None:
+    """The probabilities without their last column, ``Slice(p, 0, -1, axis=-1)`` (the sink's share, which no
+    value reads), through float Casts; None when ``probs`` is not so cut."""
+    uses = _live_uses(probs)
+    cut = uses[0].node if len(uses) == 1 else None
+    if cut is None or cut.op_type != "Slice" or cut.domain not in _ONNX or len(cut.inputs) < 4:
+        return None
+    steps = _ints(cut.inputs[4]) if len(cut.inputs) > 4 and cut.inputs[4] is not None else [1]
+    if _ints(cut.inputs[1]) != [0] or _ints(cut.inputs[2]) != [-1] or _ints(cut.inputs[3]) not in ([-1], [3]):
+        return None
+    return _through_casts(cut.outputs[0]) if steps == [1] else None
+
+
+def _strip_max_shift(value: ir.Value) -> ir.Value:
+    """x of ``Sub(x, ReduceMax(x, axis=-1, keepdims=1))``, which only does what the Softmax does inside (the
+    shifted row's max is exactly 0, so its exponentials are the same), else ``value``."""
+    sub = _producer(value, "Sub")
+    top = _producer(sub.inputs[1], "ReduceMax") if sub is not None else None
+    if top is None or top.inputs[0] is not sub.inputs[0] or top.attributes.get_int("keepdims", 1) != 1:
+        return value
+    axes = _ints(top.inputs[1]) if len(top.inputs) > 1 else top.attributes.get_ints("axes", None)
+    return sub.inputs[0] if axes is not None and list(axes) in ([-1], [3]) else value
+
+
+def _strip_sink(value: ir.Value) -> tuple[ir.Value, np.ndarray]:
+    """(scores, sink per head) of ``Concat(scores, broadcast(sink), axis=-1)`` whose last column the probabilities
+    drop: the sink a constant broadcast to one column ([1, H, 1, 1] or one value), through Expand, Reshape,
+    Unsqueeze and float Casts."""
+    concat = _producer(value, "Concat")
+    if concat is None or len(concat.inputs) != 2 or concat.attributes.get_int("axis", 0) not in (-1, 3):
+        raise Declined("found the Softmax's last column dropped, but not over Concat(scores, sink, axis=-1)")
+    column = concat.inputs[1]
+    while (array := const_array(column)) is None:
+        node = _producer(column, "Expand", "Reshape", "Unsqueeze", "Cast")
+        if node is None or (node.op_type == "Cast" and not _float_cast(node.inputs[0], node)):
+            found = column.producer().op_type if column.producer() is not None else "a graph input"
+            raise Declined(f"found the sink column computed by {found}, not a constant per head")
+        column = node.inputs[0]
+    if not np.issubdtype(array.dtype, np.floating) or sum(d > 1 for d in array.shape) > 1:
+        raise Declined(f"found a sink of shape {list(array.shape)}, not one value per head")
+    return concat.inputs[0], array.reshape(-1).astype(np.float32)
 
 
 def _single_use(value: ir.Value, op: str, what: str) -> ir.Node:

@@ -152,9 +152,14 @@ def rewrite_gqa(
     if window is not None:
         whole = [crop_source(value, window - 1) for value in past]
         past = [source or value for source, value in zip(whole, past, strict=True)]
+    sinks: list[ir.Value | None] = []
+    if site.sink is not None:  # head_sink is GQA's 12th input: cos/sin caches, position ids and bias unset
+        dtype = site.q.dtype if site.q.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else ir.DataType.FLOAT
+        sink = np.broadcast_to(site.sink, (heads,)).astype(dtype.numpy())
+        sinks = [None, None, None, None, const(graph, f"{prefix}/head_sink", sink)]
     gqa = ir.node(
         "GroupQueryAttention",
-        [*flat, *past, seqlens, total],
+        [*flat, *past, seqlens, total, *sinks],
         attributes,
         domain="com.microsoft",
         num_outputs=3,

@@ -1,4 +1,5 @@
-"""Matching DeepSeek's rope on channel pairs written as split halves, for fuse_rotary (issue 17/19, MLA).
+"""Matching rope written as ``Concat(x1*c - x2*s, x2*c + x1*s)`` with one angle per pair, for fuse_rotary
+(issues 17/19: DeepSeek's MLA, GPT-OSS).
 
 transformers' ``apply_rotary_pos_emb_interleave`` (DeepSeek-V2/V3's MLA, on the 64-wide rope slice of each head)
 rotates the pairs (2i, 2i+1) of x but writes the result de-interleaved, evens first::
@@ -8,6 +9,9 @@ rotates the pairs (2i, 2i+1) of x but writes the result de-interleaved, evens fi
 
 That is ``com.microsoft::RotaryEmbedding(interleaved=0)`` of ``Concat(x1, x2)``: the halves order the rotated
 key is cached in, so it is kept (``RotaryEmbedding(interleaved=1)`` of x would put the pairs back together).
+GPT-OSS's ``_apply_rotary_emb`` writes the same expression over ``torch.chunk(x, 2, dim=-1)``, the contiguous
+halves (two Slices from TorchScript, one two-way Split from dynamo): ``RotaryEmbedding(interleaved=0)`` of x
+itself, the rotate-half rope with a half-width cache (``Parts.halves``).
 c and s are read as the interleaved probe reads its factors (``_rotary_interleaved_probe``): run once at one
 row of the cache's length, their rows are the cache, then the whole rotation is checked on its own values at
 other shapes (``check``) before anything is rewritten.
@@ -15,10 +19,12 @@ other shapes (``check``) before anything is rewritten.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
-from passes.fusion._rotary_eval import int_attr
+from passes.fusion._rotary_eval import int_attr, one_int
 from passes.fusion._rotary_interleaved import (
     Candidate,
     NotInterleaved,
@@ -51,12 +57,59 @@ def _other(pair: tuple[ir.Value, ir.Value], value: ir.Value) -> ir.Value | None:
     return pair[1] if pair[0] is value else pair[0] if pair[1] is value else None
 
 
+class Parts(NamedTuple):
+    """``Concat(x1*c - x2*s, x2*c + x1*s, axis=-1)`` read: x1/x2 are x's even and odd channels, or its first and
+    second halves (``halves``), cut by ``cuts``."""
+
+    x: ir.Value
+    x1: ir.Value
+    x2: ir.Value
+    c: ir.Value
+    s: ir.Value
+    nodes: list[ir.Node]
+    halves: bool
+
+
 def looks_split_pairs(concat: ir.Node) -> bool:
     return concat.op_type == "Concat" and concat.domain in ("", "ai.onnx") and split_parts(concat) is not None
 
 
-def split_parts(concat: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, ir.Value, list[ir.Node]] | None:
-    """(x, x1, x2, c, s, nodes) of ``Concat(x1*c - x2*s, x2*c + x1*s, axis=-1)``, x1/x2 the even/odd channels."""
+def _last_axis_cut(node: ir.Node | None) -> ir.Value | None:
+    """The data of a unit-step ``Slice`` on the last axis of a rank-4 tensor, else None. Where it starts and ends
+    is not read (TorchScript computes chunk's bounds from the shape): ``check`` proves the halves on values."""
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 4:
+        return None
+    axes = one_int(node.inputs[3], {})
+    steps = one_int(node.inputs[4], {}) if len(node.inputs) > 4 and node.inputs[4] is not None else 1
+    return node.inputs[0] if axes in (-1, 3) and steps == 1 else None
+
+
+def _halves(x1: ir.Value, x2: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(x, the cutting nodes) where x1 and x2 are the two outputs of one ``Split(x, axis=-1)`` or two unit-step
+    Slices of x on its last axis."""
+    split = _producer(x1, "Split")
+    if split is not None and x2.producer() is split and len(split.outputs) == 2:
+        if int_attr(split, "axis", 0) in (-1, 3) and list(split.outputs) == [x1, x2] and split.inputs[0] is not None:
+            return split.inputs[0], [split]
+        return None
+    first, second = _producer(x1, "Slice"), _producer(x2, "Slice")
+    x = _last_axis_cut(first)
+    if x is None or x is not _last_axis_cut(second) or first is second:
+        return None
+    return x, [first, second]  # type: ignore[list-item]
+
+
+def _cut(x1: ir.Value, x2: ir.Value) -> tuple[ir.Value, list[ir.Node], bool] | None:
+    even, odd = _producer(x1, "Slice"), _producer(x2, "Slice")
+    x = _strided(even, 0)
+    if x is not None and x is _strided(odd, 1):
+        return x, [even, odd], False  # type: ignore[list-item]
+    halves = _halves(x1, x2)
+    return None if halves is None else (*halves, True)
+
+
+def split_parts(concat: ir.Node) -> Parts | None:
+    """``Concat(x1*c - x2*s, x2*c + x1*s, axis=-1)``, x1/x2 the even/odd channels or the halves, read."""
     if len(concat.inputs) != 2 or int_attr(concat, "axis", 0) not in (-1, 3):
         return None
     sub, add = _producer(concat.inputs[0], "Sub"), _producer(concat.inputs[1], "Add")
@@ -64,20 +117,19 @@ def split_parts(concat: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value
     if sub is None or add is None or minus is None or plus is None:
         return None
     for x1 in minus[0]:
-        even = _producer(x1, "Slice")
-        x = _strided(even, 0)
         c = _other(minus[0], x1)
         for x2 in minus[1]:
-            odd = _producer(x2, "Slice")
             s = _other(minus[1], x2)
-            if x is None or x is not _strided(odd, 1) or c is None or s is None:
+            cut = _cut(x1, x2)
+            if cut is None or c is None or s is None:
                 continue
             if _other(plus[0], x2) is not c and _other(plus[1], x2) is not c:
                 continue
             if _other(plus[0], x1) is not s and _other(plus[1], x1) is not s:
                 continue
             muls = [p for v in (*sub.inputs, *add.inputs) if (p := v.producer()) is not None]  # type: ignore[union-attr]
-            return x, x1, x2, c, s, [concat, sub, add, *muls, even, odd]  # type: ignore[list-item]
+            x, cuts, halves = cut
+            return Parts(x, x1, x2, c, s, [concat, sub, add, *muls, *cuts], halves)  # type: ignore[list-item]
     return None
 
 
@@ -85,8 +137,8 @@ def candidate(concat: ir.Node, graph: ir.Graph) -> Candidate:
     """The rotation ending at ``concat`` (unverified); ``rotated`` is its output, checked whole by ``check``."""
     found = split_parts(concat)
     if found is None:
-        raise NotInterleaved("not Concat(x1*c - x2*s, x2*c + x1*s) of x's even and odd channels")
-    x, _, _, c, s, nodes = found
+        raise NotInterleaved("not Concat(x1*c - x2*s, x2*c + x1*s) of x's even and odd channels or its halves")
+    x, c, s, nodes = found.x, found.c, found.s, found.nodes
     if x.dtype is not None and x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
         raise NotInterleaved(f"{x.name} is {x.dtype}; RotaryEmbedding takes float or float16")
     if _depends_on([c, s], x):
@@ -109,9 +161,10 @@ def rows(found: Candidate, got: dict[str, np.ndarray], count: int) -> tuple[np.n
     return tables[0], tables[1]
 
 
-def expected(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def expected(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, halves: bool = False) -> np.ndarray:
     """What the rotation must compute, from x and the cache rows broadcast as the graph's factors are."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    x1, x2 = (x[..., :half], x[..., half:]) if halves else (x[..., 0::2], x[..., 1::2])
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
@@ -137,7 +190,8 @@ def check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarray
         if not np.abs(np.broadcast_to(factor, shape) - np.broadcast_to(want, shape)).max() <= atol:
             raise NotInterleaved(f"{op} differs from its cache row at its position")
         factors.append(np.broadcast_to(want, (x.shape[0], 1, seq, table.shape[1])))
-    if not np.abs(y - expected(x, *factors)).max() <= 10 * atol:
+    parts = split_parts(found.anchor)
+    if not np.abs(y - expected(x, *factors, halves=parts is not None and parts.halves)).max() <= 10 * atol:
         raise NotInterleaved("the output is not Concat(x1*cos - x2*sin, x2*cos + x1*sin) of the cache rows")
     return int(x.shape[-1]), int(x.shape[1])
 

@@ -43,9 +43,10 @@ at its edge (``PassResult.verify_inputs``: one token after a cache of W - 1 and 
 across it; up to ``window_edge_up_to`` positions), on which this and every later stage is verified too.
 
 Soft-capped scores (Gemma 2's ``cap * tanh(scores / cap)`` between the scale and the mask) become GQA's
-``softcap``; multi-query attention whose one kv head MatMul broadcasts over the query heads (Falcon's eager
-attention, no repeat_kv) becomes ``kv_num_heads=1``. MultiHeadAttention has neither, so the fallback
-declines both.
+``softcap``; attention sinks (GPT-OSS's learned logit per head in each row's softmax) its ``head_sink``;
+multi-query attention whose one kv head MatMul broadcasts over the query heads (Falcon's eager attention, no
+repeat_kv) becomes ``kv_num_heads=1``. MultiHeadAttention has none of them, so the fallback declines all
+three.
 
 Rotary inside GQA (``do_rotary=1`` on the packed QKV projection, as the model builder emits) is not done:
 the graphs take ``position_ids`` as an input, and ORT 1.32's CPU GroupQueryAttention ignores its
@@ -205,7 +206,8 @@ class FuseGqa(Pass[FuseGqaOptions]):
         model.opset_imports.setdefault("com.microsoft", 1)
         notes["layers"] = [
             {"layer": s.layer, "op": op, "heads": h, "kv_heads": kv, "head_size": d, "scale": s.scale,
-             "cache": s.k_past is not None, **({"softcap": s.softcap} if s.softcap else {})}
+             "cache": s.k_past is not None, **({"softcap": s.softcap} if s.softcap else {}),
+             **({"sinks": True} if s.sink is not None else {})}
             for s, (h, kv, d), op, _ in plans
         ]  # fmt: skip
         windows = {k.window for _, _, _, k in plans if k.window is not None}
@@ -399,6 +401,8 @@ def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], probe: tuple[int, int
         raise ProbeError(
             f"the attention output has shape {shapes[site.out.name]}, not [{batch}, {seq}, {heads}, {head_size}]"
         )
+    if site.sink is not None and site.sink.size not in (1, heads):
+        raise ProbeError(f"the attention sinks hold {site.sink.size} values for {heads} heads")
     return heads, kv_heads, head_size
 
 
@@ -409,6 +413,8 @@ def _mha_unfit(
     mask as attention_bias ([B|1, H|1, S, T]), else why not."""
     if site.softcap:
         return f"the scores are soft-capped ({site.softcap:g} * tanh(scores / {site.softcap:g})), which it cannot"
+    if site.sink is not None:
+        return "the softmax has a learned sink logit per head (attention sinks), which it cannot take"
     kv = shapes[site.k_rep.name][2 if site.k_bsnd else 1]
     if kv != sizes[0]:
         return (

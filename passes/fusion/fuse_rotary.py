@@ -17,9 +17,10 @@ Cohere, RoFormer: ``rotate_every_two``, channel pairs (2i, 2i+1)) becomes ``Rota
 (``_rotary_interleaved``: its caches are what the graph's own cos/sin compute, run once and then checked at
 other shapes, ``_rotary_interleaved_probe``). DeepSeek's MLA rotates pairs too but writes them evens first,
 ``cat([x1*c - x2*s, x2*c + x1*s])`` (``_rotary_split_pairs``): ``RotaryEmbedding(interleaved=0)`` of
-``Concat(x[..., 0::2], x[..., 1::2])``, its caches read and proven the same way. A rotation of [B, S, N, D]
-(GPT-J, before its head transpose) goes in flat, [B, S, N*D] with ``num_heads``, and comes back to its four
-dims. The consumers of the rotated
+``Concat(x[..., 0::2], x[..., 1::2])``, its caches read and proven the same way; GPT-OSS writes that expression
+over x's contiguous halves, which is ``RotaryEmbedding(interleaved=0)`` of x with a half-width cache. A
+rotation of [B, S, N, D] (GPT-J, before its head transpose) goes in flat, [B, S, N*D] with ``num_heads``, and
+comes back to its four dims. The consumers of the rotated
 q and k are unchanged (an attention fusion after this one sees opaque values). Nodes left without a
 consumer are removed; the trigonometry disappears with the last layer's use of it. A rotated key that is a
 graph output itself (the present of a decoder without a past: Optimum's no-cache branch) is rotated on its
@@ -50,8 +51,8 @@ from passes.fusion._rotary_cache import DEFAULT_MAX_POSITIONS, metadata_max_posi
 from passes.fusion._rotary_interleaved import Candidate, NotInterleaved, candidate, looks_interleaved
 from passes.fusion._rotary_interleaved_probe import Verified, verify
 from passes.fusion._rotary_match import CosSin, Declined, RotaryMatch, layer_of, looks_rotary, match
+from passes.fusion._rotary_split_pairs import Parts, looks_split_pairs, separate, split_parts
 from passes.fusion._rotary_split_pairs import candidate as split_candidate
-from passes.fusion._rotary_split_pairs import looks_split_pairs, separate, split_parts
 
 _MS = "com.microsoft"
 
@@ -184,19 +185,24 @@ def _split_pairs(model: ir.Model, max_positions: int, declined: list[NonMatch]) 
     declined += [_non_match(found.anchor, f"rotary on split pairs: {reason}") for found, reason in refused]
     matches = []
     for found, proof, cos, sin in _proven_tables(graph, proven):
-        _, even, odd, *_ = split_parts(found.anchor)  # type: ignore[misc]
-        halves = ir.node("Concat", [even, odd], {"axis": -1}, name=f"{found.anchor.name}/rotary_halves")
-        if found.x.dtype is not None:
-            halves.outputs[0].dtype = found.x.dtype
-        halves.outputs[0].shape = found.x.shape
-        halves.outputs[0].name = f"{found.anchor.name}/rotary_halves_0"
-        graph.insert_before(found.anchor, halves)
+        parts = split_parts(found.anchor)
+        assert parts is not None
+        rotated = found.x if parts.halves else _evens_then_odds(graph, found.anchor, parts)
         matches.append(
-            RotaryMatch(
-                found.anchor, halves.outputs[0], proof.rotary_dim, False, proof.num_heads, cos, sin, found.nodes
-            )
+            RotaryMatch(found.anchor, rotated, proof.rotary_dim, False, proof.num_heads, cos, sin, found.nodes)
         )
     return matches
+
+
+def _evens_then_odds(graph: ir.Graph, anchor: ir.Node, parts: Parts) -> ir.Value:
+    """``Concat(x[..., 0::2], x[..., 1::2])``: what RotaryEmbedding(interleaved=0) rotates for DeepSeek's pairs."""
+    halves = ir.node("Concat", [parts.x1, parts.x2], {"axis": -1}, name=f"{anchor.name}/rotary_halves")
+    if parts.x.dtype is not None:
+        halves.outputs[0].dtype = parts.x.dtype
+    halves.outputs[0].shape = parts.x.shape
+    halves.outputs[0].name = f"{anchor.name}/rotary_halves_0"
+    graph.insert_before(anchor, halves)
+    return halves.outputs[0]
 
 
 def _proven_tables(

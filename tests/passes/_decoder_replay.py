@@ -29,13 +29,14 @@ def fast_upto(path: Path, through: str = "fuse_gqa") -> tuple[ir.Model, dict[str
     return model, counts
 
 
-def assert_decodes_like_export(path: Path, model: ir.Model, steps: int = 5, batch: int = 2) -> None:
-    """A prefill of ``batch`` x 6 tokens on an empty cache, then one token at a time on the export's own cache:
-    every output of ``model`` (at ORT's default level) equal to the export's (optimizations off) at each step."""
+def assert_decodes_like_export(path: Path, model: ir.Model, steps: int = 5, batch: int = 2, prompt: int = 6) -> None:
+    """A prefill of ``batch`` x ``prompt`` tokens on an empty cache, then one token at a time on the export's own
+    cache: every output of ``model`` (at ORT's default level) equal to the export's (optimizations off) at each
+    step."""
     signature = Signature.of(path)
     reference, candidate = session(path), session(model, optimized=True)
     names = [o.name for o in reference.get_outputs()]
-    feeds = decoder_feeds(signature, batch, 6, 0, seed=3)
+    feeds = decoder_feeds(signature, batch, prompt, 0, seed=3)
     for step in range(steps):
         want = dict(zip(names, reference.run(names, feeds), strict=True))
         got = dict(zip(names, candidate.run(names, feeds), strict=True))
