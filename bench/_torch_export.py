@@ -18,6 +18,8 @@ Dims = Sequence[tuple[int, str] | Sequence[tuple[int, str]]]
 
 
 def _axes(dim: tuple[int, str] | Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
+    if not dim:  # an input with every axis fixed
+        return []
     return [dim] if isinstance(dim[0], int) else list(dim)  # type: ignore[list-item]
 
 
