@@ -73,7 +73,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import traceback
 from collections import Counter
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -275,7 +277,7 @@ class FuseTransformer(Pass):
                 report["nodes"] = len(fused.graph)
                 outputs[engine] = built[engine]  # kept when its check fails: onnxscript+ort starts from it
             except Exception as exc:  # a broken candidate is a finding for the report, not a pass failure
-                report |= {"verified": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                report |= {"verified": False, "error": _failure(exc)}
                 built.pop(engine, None)
 
         def check(engine: str) -> bool:
@@ -285,7 +287,7 @@ class FuseTransformer(Pass):
                     report["max_abs_diff"] = _verify(built[engine], feeds, ref_outputs, wanted, opts)
                     report["verified"] = True
                 except Exception as exc:
-                    report |= {"verified": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                    report |= {"verified": False, "error": _failure(exc)}
                     built.pop(engine, None)
             return bool(report["verified"])
 
@@ -397,6 +399,16 @@ class FuseTransformer(Pass):
         if opts.pack_qkv:
             counts["packed_qkv"] = candidates[best].get("packed_qkv", 0)
         return PassResult(result, True, counts, non_matches, notes), built[best]
+
+
+def _failure(exc: Exception) -> str:
+    """A candidate's error as the report shows it; one raised without a message (ORT's optimizer asserts bare)
+    names the line that raised it."""
+    text = str(exc)[:400]
+    if not text and exc.__traceback__ is not None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"raised without a message at {Path(frame.filename).name}:{frame.lineno} ({frame.name}: {frame.line})"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _per_layer(
