@@ -1,7 +1,8 @@
 """Held-out probe (issue 17), round 8: the encoders inside recent speech and multimodal models, and vision
 backbones no round had sent: Voxtral's and Qwen2-Audio's audio encoders (Whisper-like), Granite Speech's
-Conformer (block-local attention with Shaw relative positions), T5Gemma's encoder, a bidirectional Gemma 3 (EmbeddingGemma's form), V-JEPA 2 (3-D rope over video),
-Florence-2's DaViT (channel attention and window attention), HGNetV2 (a convolutional detector backbone).
+Conformer (block-local attention with Shaw relative positions), T5Gemma's encoder, a bidirectional Gemma 3
+(EmbeddingGemma's form), V-JEPA 2 (3-D rope over video), Florence-2's DaViT (channel attention and window
+attention), HGNetV2 (a convolutional detector backbone).
 
 Run ``python -m bench.heldout_round8 build [NAME ...]`` (the dev extra's torch and transformers), then ``run``.
 

@@ -90,6 +90,19 @@ def _rhs(value: ir.Value | None) -> tuple[ir.Value, bool, list[ir.Node]] | None:
     return (source, False, scalars) if source is not None else None
 
 
+def _lhs(value: ir.Value | None) -> tuple[ir.Value, list[ir.Node]] | None:
+    """The 4-D source of the MatMul's lhs and the scalar ops applied to it after its fold (ViTDet and SAM scale q
+    before the product: ``(q * scale) @ k^T``)."""
+    scalars: list[ir.Node] = []
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type in _SCALAR_OPS and node.domain in _ONNX and _scalar(node.inputs[1]):
+        scalars.insert(0, node)
+        value = node.inputs[0]
+        node = value.producer() if value is not None else None
+    source = _unfolded(value)
+    return (source, scalars) if source is not None else None
+
+
 def _reshape_readers(graph: ir.Graph, folded: ir.Value, product: ir.Node, before: ir.Node) -> None:
     """``Shape`` readers of the folded product read ``[B*h, X, Y]`` computed from the 4-D product's shape,
     so the 3-D MatMul is left without readers (it would otherwise run beside the 4-D one)."""
@@ -261,10 +274,93 @@ def _folded_product_heads(value: ir.Value) -> ir.Value | None:
     matmul = _product_of(value)
     if matmul is None:
         return None
-    lhs = _unfolded(matmul.inputs[0])
-    if lhs is None or _rhs(matmul.inputs[1]) is None or not isinstance(list(lhs.shape)[1], int):
+    found = _lhs(matmul.inputs[0])
+    if found is None or _rhs(matmul.inputs[1]) is None or not isinstance(list(found[0].shape)[1], int):
         return None
-    return lhs
+    return found[0]
+
+
+def _squeezes_axis0(node: ir.Node) -> bool:
+    axes = const_ints(node.inputs[1]) if len(node.inputs) > 1 else list(node.attributes.get_ints("axes", []))
+    return node.op_type == "Squeeze" and node.domain in _ONNX and axes == [0]
+
+
+def _cuts_axis0(node: ir.Node, value: ir.Value) -> bool:
+    """A ``Split`` or ``Slice`` of ``value`` on axis 0 alone (``unbind``'s cut, before its Squeeze)."""
+    if node.domain not in _ONNX or not node.inputs or node.inputs[0] is not value:
+        return False
+    if node.op_type == "Split":
+        return node.attributes.get_int("axis", 0) == 0
+    return node.op_type == "Slice" and len(node.inputs) >= 4 and const_ints(node.inputs[3]) == [0]
+
+
+def fold_after_cut(model: ir.Model) -> int:
+    """q, k and v cut from a folded qkv, ``unbind(Reshape(qkv5 [n, B, h, S, d], [n, B*h, S, d]))`` (ViTDet's and
+    SAM's attention), rewritten as each cut then folded, ``Reshape(Squeeze(cut(qkv5)), [-1, S, d])``: the same
+    values (the fold merges the two dims after the cut axis, which the cut keeps), and each of q, k and v then the
+    fold of a ``[B, h, S, d]`` value, which ``unfold_batched_heads`` reads. The number of folds moved."""
+    moved = 0
+    for fold in list(model.graph):
+        if fold.op_type != "Reshape" or fold.domain not in _ONNX or fold.inputs[0] is None:
+            continue
+        source, out = fold.inputs[0], fold.outputs[0]
+        dims, folded = _dims(source), _dims(out)
+        if dims is None or folded is None or len(dims) != 5 or len(folded) != 4 or out.is_graph_output():
+            continue
+        if not all(same_dim(dims[a], folded[b]) for a, b in ((0, 0), (3, 2), (4, 3))):
+            continue
+        cuts = [u.node for u in out.uses()]
+        if not cuts or not all(_cuts_axis0(c, out) for c in cuts):
+            continue
+        squeezes = [u.node for c in cuts for o in c.outputs for u in o.uses()]
+        if not squeezes or not all(_squeezes_axis0(q) for q in squeezes):
+            continue
+        if any(o.is_graph_output() for c in cuts for o in c.outputs):
+            continue
+        prefix = fold.name or f"fold_{moved}"
+        lead = ir.node("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))}, name=f"{prefix}/lead")
+        rest = ir.node("Shape", [source], {"start": 3}, name=f"{prefix}/rest")
+        target = ir.node("Concat", [lead.outputs[0], rest.outputs[0]], {"axis": 0}, name=f"{prefix}/target")
+        nodes = [lead, rest, target]
+        for index, cut in enumerate(cuts):
+            again = ir.node(
+                cut.op_type, [source, *cut.inputs[1:]], dict(cut.attributes), num_outputs=len(cut.outputs),
+                name=f"{prefix}/cut_{index}",
+            )  # fmt: skip
+            nodes.append(again)
+            for old, new in zip(cut.outputs, again.outputs, strict=True):
+                old_dims = _dims(old)
+                new.shape = ir.Shape([old_dims[0] if old_dims else 1, *dims[1:]])
+                new.dtype = source.dtype
+                for use in list(old.uses()):
+                    squeeze = use.node
+                    flat = ir.node("Squeeze", [new, *squeeze.inputs[1:]], dict(squeeze.attributes),
+                                   name=f"{squeeze.name}/4d")  # fmt: skip
+                    flat.outputs[0].shape, flat.outputs[0].dtype = ir.Shape(dims[1:]), source.dtype
+                    refold = ir.node("Reshape", [flat.outputs[0], target.outputs[0]], name=f"{squeeze.name}/fold")
+                    refold.outputs[0].shape = ir.Shape([folded[1], dims[3], dims[4]])
+                    refold.outputs[0].dtype = source.dtype
+                    nodes += [flat, refold]
+                    ir.convenience.replace_all_uses_with(squeeze.outputs[0], refold.outputs[0])
+        model.graph.insert_before(fold, nodes)
+        moved += 1
+    if moved:
+        common_passes.RemoveUnusedNodesPass()(model)
+        model.graph.sort()
+    return moved
+
+
+def _biased_product_heads(value: ir.Value) -> ir.Value | None:
+    """``_folded_product_heads`` of one term of ``Add(product, bias)`` whose sum has the product's folded shape
+    (ViTDet's and SAM's decomposed relative positions, ``_softmax_forms.decomposed_rel_pos``), else None."""
+    add = value.producer()
+    if add is None or add.op_type != "Add" or add.domain not in _ONNX or len(add.inputs) != 2:
+        return None
+    for term in add.inputs:
+        heads = _folded_product_heads(term) if term is not None else None
+        if heads is not None and _same_shape(term, value):
+            return heads
+    return None
 
 
 def softmax_before_fold(model: ir.Model) -> int:
@@ -275,7 +371,8 @@ def softmax_before_fold(model: ir.Model) -> int:
       BART family and Marian as transformers 4.x exported them, add the mask on the 4-D view of ``bmm``'s
       scores and fold it back before the Softmax;
     * ``Softmax(q3 @ k3^T)`` with no 4-D view (no mask: an encoder such as Whisper's, as transformers 4.x
-      exported it): the scores are unfolded to ``[B, h, S, T]`` first (``[-1, h]`` and their own last sizes).
+      exported it), or of such a product plus a bias of its shape (ViTDet's relative positions): the scores are
+      unfolded to ``[B, h, S, T]`` first (``[-1, h]`` and their own last sizes).
 
     The fold after the Softmax then feeds the product with v. The number moved."""
     moved = 0
@@ -294,7 +391,7 @@ def softmax_before_fold(model: ir.Model) -> int:
         source = _unfolded(folded)
         fold = folded.producer() if source is not None else None
         if source is None:
-            heads = _folded_product_heads(folded)
+            heads = _folded_product_heads(folded) or _biased_product_heads(folded)
             if heads is None or len(folded.shape) != 3:
                 continue
             before, source = _unfold_like(folded, heads, f"{prefix}/unfold")
@@ -338,22 +435,31 @@ def unfold_batched_heads(model: ir.Model) -> int:
         unfold = uses[0].node
         if unfold.outputs[0].is_graph_output():
             continue
-        lhs = _unfolded(matmul.inputs[0])
+        found = _lhs(matmul.inputs[0])
         rhs = _rhs(matmul.inputs[1])
-        if unfold.op_type != "Reshape" or unfold.domain not in _ONNX or lhs is None or rhs is None:
+        if unfold.op_type != "Reshape" or unfold.domain not in _ONNX or found is None or rhs is None:
             continue
-        target, source, folded = _dims(unfold.outputs[0]), _dims(lhs), _dims(out)
+        target, source, folded = _dims(unfold.outputs[0]), _dims(found[0]), _dims(out)
         other = _dims(rhs[0])
-        if target is None or folded is None or len(target) != 4 or len(folded) != 3 or other is None:
+        if target is None or folded is None or len(target) not in (4, 5) or len(folded) != 3 or other is None:
             continue
         # The unfold's batch needs no proof of its own: with its other three dims proven, the element count
         # fixes it (an unfold to [-1, h, S, d] leaves symbolic inference a quotient it cannot simplify: SEW-D).
         lead_ok = same_dim(target[1], source[1]) and all(same_dim(other[i], source[i]) for i in (0, 1))
-        if lead_ok and same_dim(target[2], folded[1]) and same_dim(target[3], folded[2]):
-            sites.append((matmul, after, unfold, lhs, rhs))
-    for index, (matmul, after, unfold, lhs, (source, transposed, scalars)) in enumerate(sites):
+        if len(target) == 5:  # ViTDet and SAM view probs @ v as [B, h, H, W, d]: the 4-D product viewed so
+            if lead_ok and not rhs[1] and same_dim(target[4], folded[2]):
+                sites.append((matmul, after, unfold, found, rhs))
+        elif lead_ok and same_dim(target[2], folded[1]) and same_dim(target[3], folded[2]):
+            sites.append((matmul, after, unfold, found, rhs))
+    for index, (matmul, after, unfold, (q4, lhs_scalars), (source, transposed, scalars)) in enumerate(sites):
         prefix = matmul.name or f"bmm_{index}"  # ORT refuses two nodes of one name
         nodes: list[ir.Node] = []
+        lhs = q4
+        for op in lhs_scalars:  # a scale on q applies to the 4-D q alike
+            copy = ir.node(op.op_type, [lhs, op.inputs[1]], name=f"{prefix}/{op.op_type.lower()}_4d_q")
+            copy.outputs[0].shape, copy.outputs[0].dtype = q4.shape, q4.dtype
+            nodes.append(copy)
+            lhs = copy.outputs[0]
         value = source
         if transposed:
             flip = ir.node("Transpose", [value], {"perm": [0, 1, 3, 2]}, name=f"{prefix}/transpose_4d")
@@ -365,16 +471,26 @@ def unfold_batched_heads(model: ir.Model) -> int:
             value = copy.outputs[0]
         product = ir.node("MatMul", [lhs, value], name=f"{prefix}/4d")
         nodes.append(product)
-        product.outputs[0].shape, product.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+        dims = _dims(unfold.outputs[0]) or []
+        shape = unfold.outputs[0].shape
+        if len(dims) == 5:
+            shape = ir.Shape([*list(lhs.shape)[:2], *list(matmul.outputs[0].shape)[1:]])
+        product.outputs[0].shape, product.outputs[0].dtype = shape, unfold.outputs[0].dtype
         # a scale applied to the folded product (baddbmm's alpha) is a scalar: it applies to the 4-D one alike
         last = product
         for op, scalar in after:
             last = ir.node(op.op_type, [last.outputs[0], scalar], name=f"{prefix}/{op.op_type.lower()}_4d_out")
+            last.outputs[0].shape, last.outputs[0].dtype = shape, unfold.outputs[0].dtype
+            nodes.append(last)
+        if len(dims) == 5:  # the export's own view, of the 4-D product now (a Reshape reads only element order)
+            last = ir.node(
+                "Reshape", [last.outputs[0], unfold.inputs[1]], dict(unfold.attributes), name=f"{prefix}/view"
+            )
             last.outputs[0].shape, last.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
             nodes.append(last)
         model.graph.insert_before(unfold, nodes)
         for folded in [matmul.outputs[0]] + [op.outputs[0] for op, _ in after]:
-            _reshape_readers(model.graph, folded, last, unfold)
+            _reshape_readers(model.graph, folded, product if len(dims) == 5 else last, unfold)
         ir.convenience.replace_all_uses_with(unfold.outputs[0], last.outputs[0])
     if sites:
         common_passes.RemoveUnusedNodesPass()(model)

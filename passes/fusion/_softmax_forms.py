@@ -1,7 +1,7 @@
 """Softmax and score forms of attention that onnxscript's SDPA rule (0.7.2) does not read, written in the one it
 does.
 
-The rule wants ``Softmax(axis=-1)`` of the scaled scores plus a bias. Three forms of the same function miss it:
+The rule wants ``Softmax(axis=-1)`` of the scaled scores plus a bias. Four forms of the same function miss it:
 
 * **The last axis by number.** An exporter that writes a custom ``softmax`` symbolic (SEW-D's and older
   DeBERTa's ``XSoftmax``) gives the axis as ``3`` on rank-4 scores; the rule compares the attribute with -1.
@@ -22,6 +22,15 @@ The rule wants ``Softmax(axis=-1)`` of the scaled scores plus a bias. Three form
 
   within one rounding of each term; only where the sum goes to a Softmax (directly or through one more
   ``Add``, the mask), so that only attention scores are touched.
+* **Decomposed relative positions** (ViTDet, SAM's image encoder: ``add_decomposed_relative_positions``): the
+  folded scores viewed as [B*H, qh, qw, kh, kw], a height term [.., kh, 1] and a width term [.., 1, kw] added,
+  then viewed back. The two terms are one bias of the scores' own shape (``decomposed_rel_pos``, run before the
+  folded heads are unfolded)::
+
+      Reshape(Add(Add(Reshape(s, 5-D), Unsqueeze(h, -1)), Unsqueeze(w, -2)), 3-D)
+          ==>   Add(s, Reshape(Add(Unsqueeze(h, -1), Unsqueeze(w, -2)), 3-D))
+
+  the sum regrouped: within one rounding.
 
 Built with onnxscript's exported pattern API (``RewriteRuleClassBase``, ``MatchResult.fail``).
 """
@@ -31,6 +40,7 @@ from __future__ import annotations
 import math
 
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import pattern
 
 from passes.fusion._rotary_eval import axes_of
@@ -175,6 +185,67 @@ relaxed_rules = pattern.RewriteRuleSet(
 scale_rules = pattern.RewriteRuleSet(
     [DivOverBias.rule(), DivOverBiasFirst.rule(), MulOverBias.rule(), MulOverBiasFirst.rule()]
 )
+
+
+def _made_by(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain in _ONNX else None
+
+
+def _unsqueezed_at(value: ir.Value | None, axis: int) -> bool:
+    node = _made_by(value, "Unsqueeze")
+    axes = axes_of(node) if node is not None else None
+    return axes is not None and len(axes) == 1 and axes[0] in (axis, 5 + axis)
+
+
+def _rel_pos_terms(outer: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """(scores, height term, width term) of ``Reshape(Add(Add(Reshape(scores, 5-D), h), w), 3-D)`` read by
+    Softmax nodes only, the terms in either order and either side of each Add."""
+    readers = [u.node for u in outer.outputs[0].uses()]
+    if not readers or any(r.op_type != "Softmax" or r.domain not in _ONNX for r in readers):
+        return None
+    second = _made_by(outer.inputs[0], "Add")
+    for inner_index in (0, 1):
+        first = _made_by(second.inputs[inner_index], "Add") if second is not None else None
+        if first is None:
+            continue
+        other = second.inputs[1 - inner_index]
+        for view_index in (0, 1):
+            view = _made_by(first.inputs[view_index], "Reshape")
+            term = first.inputs[1 - view_index]
+            scores = view.inputs[0] if view is not None else None
+            if scores is None or scores.shape is None or scores.shape.rank() != 3:
+                continue
+            for height, width in ((term, other), (other, term)):
+                if _unsqueezed_at(height, -1) and _unsqueezed_at(width, -2):
+                    return scores, height, width  # type: ignore[return-value]
+    return None
+
+
+def decomposed_rel_pos(model: ir.Model) -> int:
+    """ViTDet's and SAM's relative-position terms as one bias of the folded scores (the form above); how many
+    rewrites. Written by hand, not as a rule: the bias takes the scores' shape, which the folded-heads unfold
+    (``_batched_heads``) reads next."""
+    done = 0
+    for outer in list(model.graph):
+        if outer.op_type != "Reshape" or outer.domain not in _ONNX or outer.outputs[0].is_graph_output():
+            continue
+        found = _rel_pos_terms(outer)
+        if found is None:
+            continue
+        scores, height, width = found
+        prefix = outer.name or f"rel_pos_{done}"
+        both = ir.node("Add", [height, width], name=f"{prefix}/rel_pos")
+        bias = ir.node("Reshape", [both.outputs[0], outer.inputs[1]], dict(outer.attributes), name=f"{prefix}/bias")
+        total = ir.node("Add", [scores, bias.outputs[0]], name=f"{prefix}/scores")
+        for node in (bias, total):
+            node.outputs[0].shape, node.outputs[0].dtype = scores.shape, scores.dtype
+        model.graph.insert_before(outer, [both, bias, total])
+        ir.convenience.replace_all_uses_with(outer.outputs[0], total.outputs[0])
+        done += 1
+    if done:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return done
 
 
 def apply(model: ir.Model) -> int:

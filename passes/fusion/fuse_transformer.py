@@ -100,7 +100,12 @@ from passes.fusion import _slice_dims as slice_dims
 from passes.fusion import _softmax_forms as softmax_forms
 from passes.fusion import _symbolic_shapes as symbolic_shapes
 from passes.fusion import _where_mask as where_mask
-from passes.fusion._batched_heads import fold_static_sizes, softmax_before_fold, unfold_batched_heads
+from passes.fusion._batched_heads import (
+    fold_after_cut,
+    fold_static_sizes,
+    softmax_before_fold,
+    unfold_batched_heads,
+)
 from passes.fusion._einsum_matmul import einsum_to_matmul
 from passes.fusion._identity_reshape import drop_identity_reshapes
 from passes.fusion._qkv_packing import pack_qkv
@@ -575,6 +580,8 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["einsum_matmuls"] = einsum_to_matmul(model)  # attention written with torch.einsum (CvT)
     report["norm_flattens_sunk"] = sink_flatten_below_norm(model)
     report["norm_biases_zeroed"] = zero_norm_biases(model)
+    report["rel_pos_terms"] = softmax_forms.decomposed_rel_pos(model)  # ViTDet's, SAM's: one bias of the scores
+    report["folds_after_cut"] = fold_after_cut(model)  # q, k, v unbound from a folded qkv
     report["softmax_unfolded"] = softmax_before_fold(model)  # a Softmax on folded heads: after it, the folds go
     report["bmm_unfolded"] = unfold_batched_heads(model)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
