@@ -1,4 +1,4 @@
-"""Build the held-out exports of rounds 4 and 5 whose attention scores or Softmax are written in forms the SDPA
+"""Build the held-out exports of rounds 4 to 6 whose attention scores or Softmax are written in forms the SDPA
 rule did not read, under ``tests/models/heldout/`` (``tests/passes/test_fuse_softmax_forms.py``).
 
 Run ``python -m tests.models.build_heldout_score_forms`` (needs torch and transformers); the .onnx files are
@@ -17,6 +17,9 @@ committed so the tests need neither. Both are exported by the TorchScript export
 * ``bros_{ts,dynamo}.onnx``: ``BrosModel`` (1 layer, hidden 64), ``input_ids``, ``bbox [batch, sequence, 8]``
   (float corners in 0-1) and ``attention_mask``: the scale applied to the sum of ``q @ k^T`` and the query's
   product with the boxes' relative embeddings, then the mask.
+* ``speecht5_encoder_ts.onnx``: ``SpeechT5ForSpeechToText``'s encoder with its speech pre-net (1 layer, hidden
+  32, 2 heads), raw audio ``input_values [batch, samples]``: heads folded into the batch (``bmm``), the relative
+  position term computed from the query added to the folded scores, the Softmax on them (round 6).
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ def bros_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
         "bbox": np.stack([x0, y0, x1, y0, x1, y1, x0, y1], -1).astype(np.float32),
         "attention_mask": mask,
     }
+
+
+def speecht5_feeds(batch: int, samples: int, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"input_values": np.random.default_rng(seed).standard_normal((batch, samples)).astype(np.float32)}
 
 
 def _modules():
@@ -148,6 +155,24 @@ def _modules():
         return bros_feeds(batch, 5 + 3 * batch, seed=batch)
 
     yield "bros", Boxes(), box_feeds, document_axes, ("ts", "dynamo")
+
+    class Speech(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tf.SpeechT5ForSpeechToText(tf.SpeechT5Config(
+                vocab_size=64, hidden_size=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64, conv_dim=(16, 16),
+                conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                encoder_max_relative_position=16, mask_time_prob=0.0, max_speech_positions=256,
+            )).get_encoder()  # fmt: skip
+
+        def forward(self, input_values):
+            return self.inner(input_values=input_values).last_hidden_state
+
+    def speech_feeds(batch: int) -> dict[str, np.ndarray]:
+        return speecht5_feeds(batch, 200 + 80 * batch, seed=batch)
+
+    yield "speecht5_encoder", Speech(), speech_feeds, {"input_values": ("batch", "samples")}, ("ts",)
 
 
 def build(only: list[str] | None = None) -> list[Path]:

@@ -8,6 +8,9 @@ round 4: SEW-D and LayoutLMv3 fused 0/2 under both exporters).
 * LayoutLMv3's CogView PB-Relax: ``Softmax((s / 32 - max(s / 32)) * 32)`` (``_softmax_forms``).
 * BROS (round 5) scales the sum of ``q @ k^T`` and a box term, then adds the mask (``_softmax_forms``'s scale
   over a biased product).
+* SpeechT5's encoder under TorchScript (round 6) folds its heads into the batch and adds a relative-position
+  term computed from the query to the folded scores before its Softmax: the unfold now takes the biased product
+  (``_batched_heads.softmax_before_fold``; 0/2 before).
 
 The exports are ``tests.models.build_heldout_score_forms.py``'s; compared with the original under ORT, graph
 optimizations off, at shapes other than the export's, rows of padding (SEW-D: padded frames' queries, whose
@@ -25,7 +28,7 @@ import pytest
 from passes._infra import PassContext, op_histogram
 from passes.fusion import _softmax_forms, _where_mask
 from passes.fusion.fuse_transformer import FuseTransformer
-from tests.models.build_heldout_score_forms import bros_feeds, layoutlmv3_feeds, sewd_feeds
+from tests.models.build_heldout_score_forms import bros_feeds, layoutlmv3_feeds, sewd_feeds, speecht5_feeds
 from tests.passes._decoder_replay import fast_upto
 from tests.passes._util import parse, session
 
@@ -39,6 +42,7 @@ EXPORTS = {
     "layoutlmv3_text_dynamo": layoutlmv3_feeds,
     "bros_ts": bros_feeds,
     "bros_dynamo": bros_feeds,
+    "speecht5_encoder_ts": lambda b, n, seed: speecht5_feeds(b, 40 * n, seed),
 }
 
 
