@@ -113,10 +113,11 @@ class Feeder:
         mask_total = None
         for value in self.inputs:
             role, dims = self.roles[value.name or ""], list(value.shape or ())
-            if dims and isinstance(dims[0], int) and role.role in _FED:
-                fixed["batch"] = dims[0]
-            if role.role in ("token_ids", "position_ids") and len(dims) > 1 and isinstance(dims[1], int):
-                fixed["seq"] = dims[1]
+            batch_axis, seq_axis = _call_axes(role, dims)
+            if len(dims) > batch_axis and isinstance(dims[batch_axis], int) and role.role in _FED:
+                fixed["batch"] = dims[batch_axis]
+            if role.role in ("token_ids", "position_ids") and len(dims) > seq_axis and isinstance(dims[seq_axis], int):
+                fixed["seq"] = dims[seq_axis]
             elif role.role == "attention_mask" and len(dims) > 1 and isinstance(dims[1], int):
                 mask_total = dims[1]
             elif role.role == "past_key_values" and (past := _static(dims, role.past_axis)) is not None:
@@ -156,7 +157,9 @@ class Feeder:
             if role.role == "attention_mask":
                 array = np.ones((batch, past + seq)) if mask is None else mask
             elif role.role == "position_ids":
-                array = np.broadcast_to(np.arange(past, past + seq), (batch, seq))
+                dims = list(value.shape or ())
+                sections = (dims[0] if isinstance(dims[0], int) else 3,) if len(dims) == 3 else ()
+                array = np.broadcast_to(np.arange(past, past + seq), (*sections, batch, seq))
             elif role.role in ("token_ids", "int"):
                 array = rng.integers(0, role.high or 2, size=(batch, seq))
             elif role.role == "past_key_values":
@@ -179,6 +182,12 @@ class Feeder:
             else:
                 raise ProbeError(f"cache input {value.name!r} has a symbolic dim {dim} on axis {axis}")
         return tuple(shape)
+
+
+def _call_axes(role: InputRole, dims: list) -> tuple[int, int]:
+    """(batch axis, new-token axis) of a decoder input: [B, S, ...], or multimodal rope's positions, one row per
+    section first (Qwen2-VL's M-RoPE: ``position_ids [3, B, S]``)."""
+    return (1, 2) if role.role == "position_ids" and len(dims) == 3 else (0, 1)
 
 
 def _static(dims: list, axis: int | None) -> int | None:

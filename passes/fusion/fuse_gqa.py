@@ -346,7 +346,7 @@ def _samples_unfit(samples: list[dict[str, np.ndarray]], feeder: Feeder) -> str 
             continue
         if not np.all(mask != 0):
             return f"sample {index} has a padded attention mask ({LEFT_PADDING})"
-        seq = max((sample[n].shape[1] for n in feeder.sequence_inputs if n in sample), default=mask.shape[1])
+        seq = max((sample[n].shape[-1] for n in feeder.sequence_inputs if n in sample), default=mask.shape[1])
         if mask.shape[0] > 1 and seq > 1 and mask.shape[1] > seq:
             return (
                 f"sample {index} holds {mask.shape[0]} rows of {seq} new tokens after a cache of "

@@ -1,0 +1,49 @@
+"""A multimodal-rope decoder's positions, ``position_ids [3, batch, sequence]``, fed right by fuse_gqa's probe
+(issues 17/19: Qwen2.5-VL's language model).
+
+The job's own input sets were right (``3x1x8``), but fuse_gqa's probe fed ``[batch, sequence]`` positions, which
+ORT refused ("Invalid rank for input: position_ids Got: 2 Expected: 3"), and read the leading 3 as a batch the
+export fixed: both layers declined, attention left to fuse_transformer's MultiHeadAttention. Now the probe reads a
+rank-3 position input as one row per rope section: GroupQueryAttention on both layers, both exporters.
+``tests/models/heldout/qwen25vl_text_{ts,dynamo}.onnx``: ``python -m tests.models.build_heldout_mrope``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from passes._infra import op_histogram
+from passes.fusion._gqa_probe import Feeder
+from tests.models.build_heldout_mrope import mrope_feeds
+from tests.passes._decoder_replay import fast_upto
+from tests.passes._util import session
+
+HELDOUT = Path(__file__).resolve().parents[1] / "models" / "heldout"
+STEMS = ("qwen25vl_text_ts", "qwen25vl_text_dynamo")
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_the_probe_feeds_one_row_of_positions_per_section_and_reads_no_fixed_batch(stem: str) -> None:
+    feeder = Feeder(ir.load(HELDOUT / f"{stem}.onnx"))
+    assert feeder.fixed == {}
+    feeds = feeder.feeds(2, 3, 0)
+    assert feeds["position_ids"].shape == (3, 2, 3)
+    assert (feeds["position_ids"] == np.arange(3)).all()
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_both_layers_become_group_query_attention_and_compute_the_same(stem: str) -> None:
+    path = HELDOUT / f"{stem}.onnx"
+    model, counts = fast_upto(path)
+    assert counts.get("fuse_gqa.fused_gqa", 0) == 2
+    assert op_histogram(model)["com.microsoft::GroupQueryAttention"] == 2
+    reference, fused = session(path), session(model, optimized=True)
+    for batch, seq in ((1, 4), (2, 9), (3, 17)):
+        feeds = mrope_feeds(batch, seq, seed=seq)
+        np.testing.assert_allclose(
+            fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}"
+        )
