@@ -73,14 +73,21 @@ def _scalar(value: ir.Value | None) -> bool:
     return value is not None and value.shape is not None and all(d == 1 for d in value.shape)
 
 
-def _rhs(value: ir.Value | None) -> tuple[ir.Value, bool, list[ir.Node]] | None:
-    """The 4-D source of the MatMul's rhs, whether it was transposed (k^T), and the scalar ops after."""
+def _under_scalars(value: ir.Value | None) -> tuple[ir.Value | None, list[ir.Node]]:
+    """``value`` under the scalar ``Mul``/``Div`` ops applied to it, and those ops in the order they apply."""
     scalars: list[ir.Node] = []
     node = value.producer() if value is not None else None
     while node is not None and node.op_type in _SCALAR_OPS and node.domain in _ONNX and _scalar(node.inputs[1]):
         scalars.insert(0, node)
         value = node.inputs[0]
         node = value.producer() if value is not None else None
+    return value, scalars
+
+
+def _rhs(value: ir.Value | None) -> tuple[ir.Value, bool, list[ir.Node]] | None:
+    """The 4-D source of the MatMul's rhs, whether it was transposed (k^T), and the scalar ops after."""
+    value, scalars = _under_scalars(value)
+    node = value.producer() if value is not None else None
     if node is not None and node.op_type == "Transpose" and node.domain in _ONNX:
         if list(node.attributes.get_ints("perm", [])) != [0, 2, 1]:
             return None
@@ -93,12 +100,7 @@ def _rhs(value: ir.Value | None) -> tuple[ir.Value, bool, list[ir.Node]] | None:
 def _lhs(value: ir.Value | None) -> tuple[ir.Value, list[ir.Node]] | None:
     """The 4-D source of the MatMul's lhs and the scalar ops applied to it after its fold (ViTDet and SAM scale q
     before the product: ``(q * scale) @ k^T``)."""
-    scalars: list[ir.Node] = []
-    node = value.producer() if value is not None else None
-    while node is not None and node.op_type in _SCALAR_OPS and node.domain in _ONNX and _scalar(node.inputs[1]):
-        scalars.insert(0, node)
-        value = node.inputs[0]
-        node = value.producer() if value is not None else None
+    value, scalars = _under_scalars(value)
     source = _unfolded(value)
     return (source, scalars) if source is not None else None
 
@@ -262,9 +264,8 @@ def _scaled_by(matmul: ir.Node) -> list[tuple[ir.Node, ir.Value]]:
 
 def _product_of(value: ir.Value | None) -> ir.Node | None:
     """The MatMul whose product ``value`` is, through scalar ``Mul``/``Div``; None otherwise."""
+    value, _ = _under_scalars(value)
     node = value.producer() if value is not None else None
-    while node is not None and node.op_type in _SCALAR_OPS and node.domain in _ONNX and _scalar(node.inputs[1]):
-        node = node.inputs[0].producer() if node.inputs[0] is not None else None
     return node if node is not None and node.op_type == "MatMul" and node.domain in _ONNX else None
 
 
