@@ -113,12 +113,33 @@ def _heads_first_rotary(node: ir.Node | None, heads: int) -> bool:
     )
 
 
+def full_lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
+    """seqlens_k = S - 1 for every row and total_sequence_length = S, S the attention mask's length: every key
+    counted, for a bidirectional layer whose padding the mask carries as GroupQueryAttention's bias."""
+    mask = next(v for v in graph.inputs if v.name == mask_name)
+    shape = ir.node("Shape", [mask], name="fuse_gqa/full_mask_shape")
+    start = const(graph, "fuse_gqa/full_0", np.array([0], np.int64))
+    end = const(graph, "fuse_gqa/full_1", np.array([1], np.int64))
+    rows = ir.node("Slice", [shape.outputs[0], start, end], name="fuse_gqa/full_rows")
+    index = const(graph, "fuse_gqa/full_index_1", np.array(1, np.int64))
+    length = ir.node("Gather", [shape.outputs[0], index], {"axis": 0}, name="fuse_gqa/full_length")
+    total = ir.node("Cast", [length.outputs[0]], {"to": ir.DataType.INT32}, name="fuse_gqa/full_total")
+    one = const(graph, "fuse_gqa/full_one", np.array(1, np.int32))
+    last = ir.node("Sub", [total.outputs[0], one], name="fuse_gqa/full_last_key")
+    seqlens = ir.node("Expand", [last.outputs[0], rows.outputs[0]], name="fuse_gqa/full_seqlens")
+    graph.insert_before(next(iter(graph)), [shape, rows, length, total, last, seqlens])
+    seqlens.outputs[0].name, total.outputs[0].name = "fuse_gqa/full_seqlens_k", "fuse_gqa/full_total_sequence_length"
+    return seqlens.outputs[0], total.outputs[0]
+
+
 def rewrite_gqa(
     graph: ir.Graph,
     site: Site,
     lengths_: tuple[ir.Value, ir.Value],
     sizes: tuple[int, int, int],
     window: int | None,
+    *,
+    bias: ir.Value | None = None,
 ) -> int:
     """The layer as GroupQueryAttention on its new q, k, v and its cache; GQA's presents replace the cache
     Concats (and take their graph output names). Returns how many past crops it dropped (below).
@@ -152,14 +173,18 @@ def rewrite_gqa(
     if window is not None:
         whole = [crop_source(value, window - 1) for value in past]
         past = [source or value for source, value in zip(whole, past, strict=True)]
-    sinks: list[ir.Value | None] = []
-    if site.sink is not None:  # head_sink is GQA's 12th input: cos/sin caches, position ids and bias unset
+    # after seqlens_k and total: cos/sin caches and position ids (unset), attention_bias, head_sink
+    tail: list[ir.Value | None] = [None, None, None, bias, None]
+    if bias is not None:  # a bidirectional layer: its mask (padding, a window) is the bias
+        attributes["causal"] = 0
+    if site.sink is not None:
         dtype = site.q.dtype if site.q.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16) else ir.DataType.FLOAT
-        sink = np.broadcast_to(site.sink, (heads,)).astype(dtype.numpy())
-        sinks = [None, None, None, None, const(graph, f"{prefix}/head_sink", sink)]
+        tail[4] = const(graph, f"{prefix}/head_sink", np.broadcast_to(site.sink, (heads,)).astype(dtype.numpy()))
+    while tail and tail[-1] is None:
+        tail.pop()
     gqa = ir.node(
         "GroupQueryAttention",
-        [*flat, *past, seqlens, total, *sinks],
+        [*flat, *past, seqlens, total, *tail],
         attributes,
         domain="com.microsoft",
         num_outputs=3,

@@ -43,10 +43,11 @@ at its edge (``PassResult.verify_inputs``: one token after a cache of W - 1 and 
 across it; up to ``window_edge_up_to`` positions), on which this and every later stage is verified too.
 
 Soft-capped scores (Gemma 2's ``cap * tanh(scores / cap)`` between the scale and the mask) become GQA's
-``softcap``; attention sinks (GPT-OSS's learned logit per head in each row's softmax) its ``head_sink``;
-multi-query attention whose one kv head MatMul broadcasts over the query heads (Falcon's eager attention, no
-repeat_kv) becomes ``kv_num_heads=1``. MultiHeadAttention has none of them, so the fallback declines all
-three.
+``softcap``, also where the mask is not causal (T5Gemma's encoder): GQA with ``causal=0``, the mask as its
+``attention_bias`` and every key counted. Attention sinks (GPT-OSS's learned logit per head in each row's
+softmax) become its ``head_sink``; multi-query attention whose one kv head MatMul broadcasts over the query
+heads (Falcon's eager attention, no repeat_kv) becomes ``kv_num_heads=1``. MultiHeadAttention has none of
+them, so the fallback declines all three.
 
 Rotary inside GQA (``do_rotary=1`` on the packed QKV projection, as the model builder emits) is not done:
 the graphs take ``position_ids`` as an input, and ORT 1.32's CPU GroupQueryAttention ignores its
@@ -143,14 +144,15 @@ class FuseGqa(Pass[FuseGqaOptions]):
         if ctx.target == "tensorrt":
             reason = "TensorRT parses standard ONNX only: contrib attention ops would fall back"
             return PassResult(model, False, {}, [NonMatch(reason)], notes)
-        sites = [site for site in sites if not _declined_without_causal_structure(site, declined)]
+        capped = {id(site) for site in sites if _bidirectional_candidate(site)}
+        sites = [s for s in sites if id(s) in capped or not _declined_without_causal_structure(s, declined)]
         if not sites:
             return unfused(declined)
         feeder = Feeder(model)
         if (why := feeder.unfeedable()) is not None:
             return unfused([*declined, NonMatch(f"shape probe: {why}")])
         masks: dict[int, MaskKind | str] = {}  # by mask value: layers share one
-        if not self._any_causal(model, feeder, sites, masks):
+        if not self._any_causal(model, feeder, sites, masks) and not capped:
             # No layer's mask is causal (an encoder-decoder's padding and cross masks, a decoder fed no mask of
             # its own): each is declined for its mask, before the whole model is run to measure shapes.
             for site in sites:
@@ -172,7 +174,14 @@ class FuseGqa(Pass[FuseGqaOptions]):
                 sizes = _sizes(site, shapes, feeder.probe_shape)
                 kind = self._causal(model, feeder, site, masks)
             except ProbeError as exc:
-                declined.append(NonMatch(f"{head}: {exc}", node=site.softmax.name, op_type="Softmax"))
+                why = str(exc)
+                if id(site) in capped and "sizes" in locals():
+                    unfit_bidirectional = self._why_not_bidirectional(site, shapes, sizes, feeder)
+                    if unfit_bidirectional is None:
+                        plans.append((site, sizes, "gqa_bidirectional", MaskKind(None, 0)))
+                        continue
+                    why += f"; bidirectional GroupQueryAttention (its soft-cap): {unfit_bidirectional}"
+                declined.append(NonMatch(f"{head}: {why}", node=site.softmax.name, op_type="Softmax"))
                 continue
             why_not = self._why_not_gqa(sizes, kind, unfit)
             if why_not is None:
@@ -193,10 +202,15 @@ class FuseGqa(Pass[FuseGqaOptions]):
         if any(op == "gqa" for _, _, op, _ in plans):
             assert feeder.mask_name is not None  # probe_mask refused otherwise
             lengths = rewrite.lengths(model.graph, feeder.mask_name)
+        if any(op == "gqa_bidirectional" for _, _, op, _ in plans):
+            assert feeder.mask_name is not None  # _why_not_bidirectional refused otherwise
+            every_key = rewrite.full_lengths(model.graph, feeder.mask_name)
         crops_dropped = 0
         with reading(model.graph):  # ranks and dims where values carry no shapes (a merged decoder's branches)
             for site, sizes, op, kind in plans:
-                if op == "gqa":
+                if op == "gqa_bidirectional":
+                    rewrite.rewrite_gqa(model.graph, site, every_key, sizes, None, bias=site.mask)
+                elif op == "gqa":
                     crops_dropped += rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
                 else:
                     rewrite.rewrite_mha(model.graph, site, sizes)
@@ -213,7 +227,8 @@ class FuseGqa(Pass[FuseGqaOptions]):
         windows = {k.window for _, _, _, k in plans if k.window is not None}
         edge, notes["window_edge"] = self._window_edge(model, feeder, max(windows, default=None))
         counts = {
-            "fused_gqa": sum(op == "gqa" for _, _, op, _ in plans),
+            "fused_gqa": sum(op.startswith("gqa") for _, _, op, _ in plans),
+            "bidirectional": sum(op == "gqa_bidirectional" for _, _, op, _ in plans),
             "fused_mha": sum(op == "mha" for _, _, op, _ in plans),
             "windowed": sum(k.window is not None and op == "gqa" for _, _, op, k in plans),
             "head_reshapes_folded": folded,
@@ -288,6 +303,27 @@ class FuseGqa(Pass[FuseGqaOptions]):
             raise ProbeError(kind)
         return kind
 
+    def _why_not_bidirectional(
+        self, site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int, int, int], feeder: Feeder
+    ) -> str | None:
+        """Why a soft-capped layer whose mask is not causal cannot be GroupQueryAttention with ``causal=0``, its
+        mask as ``attention_bias`` and every key counted (``seqlens_k`` = S - 1), or None. ORT 1.32's CPU kernel
+        caps the scores before it adds the bias, the order T5Gemma's encoder computes (measured: 4.6e-7 against
+        that order, 1.78 against the other); padding and windows are in the bias."""
+        if self.options.attention != "auto":
+            return f"attention={self.options.attention!r}"
+        if sizes[2] % 8:
+            return f"head size {sizes[2]}: ORT's CPU GroupQueryAttention needs a multiple of 8"
+        if feeder.mask_name is None or feeder.has_past:
+            return "no single attention_mask input without a cache to count the keys by"
+        mask = shapes.get(str(site.mask.name)) if site.mask is not None else None
+        batch, seq, _ = feeder.probe_shape
+        if mask is None or len(mask) != 4 or mask[0] not in (1, batch) or mask[1] not in (1, sizes[0]):
+            return f"the mask has shape {mask}, not [1 or {batch}, 1 or {sizes[0]}, {seq}, {seq}]"
+        if mask[2:] != (seq, seq):
+            return f"the mask has shape {mask}, not [.., {seq}, {seq}] at {seq} tokens"
+        return None
+
     def _why_not_gqa(self, sizes: tuple[int, int, int], kind: MaskKind, unfit: str | None) -> str | None:
         if self.options.attention == "mha":
             return "attention='mha'"
@@ -296,6 +332,12 @@ class FuseGqa(Pass[FuseGqaOptions]):
         if kind.window is not None and not self.options.local_window:
             return f"the mask has a sliding window of {kind.window} keys and local_window is off"
         return unfit
+
+
+def _bidirectional_candidate(site: Site) -> bool:
+    """A layer GroupQueryAttention may take with ``causal=0`` should its mask not be causal: soft-capped scores
+    (which MultiHeadAttention cannot cap) without a cache or sinks, and a mask to pass as its bias."""
+    return bool(site.softcap) and site.k_past is None and site.mask is not None and site.sink is None
 
 
 _CAUSAL_OPS = frozenset({"Range", "Trilu"})
