@@ -172,10 +172,14 @@ class FuseGqa(Pass[FuseGqaOptions]):
             head = f"attention layer {site.layer} (node {site.softmax.name})"
             try:  # a layer that is not causal self-attention (an encoder's) is fuse_transformer's to fuse
                 sizes = _sizes(site, shapes, feeder.probe_shape)
+            except ProbeError as exc:
+                declined.append(NonMatch(f"{head}: {exc}", node=site.softmax.name, op_type="Softmax"))
+                continue
+            try:
                 kind = self._causal(model, feeder, site, masks)
             except ProbeError as exc:
                 why = str(exc)
-                if id(site) in capped and "sizes" in locals():
+                if id(site) in capped:  # soft-capped scores MultiHeadAttention cannot take: GQA without causality
                     unfit_bidirectional = self._why_not_bidirectional(site, shapes, sizes, feeder)
                     if unfit_bidirectional is None:
                         plans.append((site, sizes, "gqa_bidirectional", MaskKind(None, 0)))
