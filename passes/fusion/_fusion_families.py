@@ -528,8 +528,10 @@ def _pre_norm_residual(value: ir.Value, hops: int = 3) -> str | None:
 
 # Between the scores' MatMul and the Softmax (scale, mask, bias); between the Softmax and the product with V.
 # Reshape and Max: heads folded into the batch around the mask, and its clamp (transformers 4.x bmm attention, XGLM)
-_SCORE_STEPS = ("Add", "Sub", "Mul", "Div", "Where", "Cast", "Reshape", "Max")
-_PROBS_STEPS = ("Where", "Cast", "Dropout", "Identity", "Reshape")
+# TopK: GPT-OSS's router normalizes only its top-k logits, ``softmax(topk(x @ W + b).values)``
+_SCORE_STEPS = ("Add", "Sub", "Mul", "Div", "Where", "Cast", "Reshape", "Max", "TopK")
+# Slice: attention sinks' probabilities lose their sink column before the product with v (GPT-OSS)
+_PROBS_STEPS = ("Where", "Cast", "Dropout", "Identity", "Reshape", "Slice")
 
 
 def _activation_product(value: ir.Value | None, depth: int) -> bool:
