@@ -42,6 +42,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from passes._match import const_ints
+from passes.fusion._rotary_eval import axes_of
 
 _ONNX = ("", "ai.onnx")
 _SCALAR_OPS = ("Div", "Mul")
@@ -282,8 +283,7 @@ def _folded_product_heads(value: ir.Value) -> ir.Value | None:
 
 
 def _squeezes_axis0(node: ir.Node) -> bool:
-    axes = const_ints(node.inputs[1]) if len(node.inputs) > 1 else list(node.attributes.get_ints("axes", []))
-    return node.op_type == "Squeeze" and node.domain in _ONNX and axes == [0]
+    return node.op_type == "Squeeze" and node.domain in _ONNX and axes_of(node) == [0]
 
 
 def _cuts_axis0(node: ir.Node, value: ir.Value) -> bool:

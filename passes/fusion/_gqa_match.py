@@ -36,7 +36,9 @@ import onnx_ir as ir
 
 from core.inputs.graph import const_array
 from passes._infra import NonMatch
+from passes._match import const_ints
 from passes.fusion._fusion_families import is_router
+from passes.fusion._rotary_eval import axes_of
 from passes.fusion._slice_dims import keeps_everything
 
 _ONNX = ("", "ai.onnx")
@@ -229,11 +231,6 @@ def _through_nan_guard(probs: ir.Value) -> ir.Value:
     return _through_casts(where.outputs[0])
 
 
-def _ints(value: ir.Value | None) -> list[int] | None:
-    array = const_array(value)
-    return None if array is None or not np.issubdtype(array.dtype, np.integer) else array.reshape(-1).tolist()
-
-
 def _sink_column_dropped(probs: ir.Value) -> ir.Value | None:
     """The probabilities without their last column, ``Slice(p, 0, -1, axis=-1)`` (the sink's share, which no
     value reads), through float Casts; None when ``probs`` is not so cut."""
@@ -241,8 +238,9 @@ def _sink_column_dropped(probs: ir.Value) -> ir.Value | None:
     cut = uses[0].node if len(uses) == 1 else None
     if cut is None or cut.op_type != "Slice" or cut.domain not in _ONNX or len(cut.inputs) < 4:
         return None
-    steps = _ints(cut.inputs[4]) if len(cut.inputs) > 4 and cut.inputs[4] is not None else [1]
-    if _ints(cut.inputs[1]) != [0] or _ints(cut.inputs[2]) != [-1] or _ints(cut.inputs[3]) not in ([-1], [3]):
+    steps = const_ints(cut.inputs[4]) if len(cut.inputs) > 4 and cut.inputs[4] is not None else [1]
+    starts, ends, axes = (const_ints(v) for v in cut.inputs[1:4])
+    if starts != [0] or ends != [-1] or axes not in ([-1], [3]):
         return None
     return _through_casts(cut.outputs[0]) if steps == [1] else None
 
@@ -254,8 +252,7 @@ def _strip_max_shift(value: ir.Value) -> ir.Value:
     top = _producer(sub.inputs[1], "ReduceMax") if sub is not None else None
     if top is None or top.inputs[0] is not sub.inputs[0] or top.attributes.get_int("keepdims", 1) != 1:
         return value
-    axes = _ints(top.inputs[1]) if len(top.inputs) > 1 else top.attributes.get_ints("axes", None)
-    return sub.inputs[0] if axes is not None and list(axes) in ([-1], [3]) else value
+    return sub.inputs[0] if axes_of(top) in ([-1], [3]) else value
 
 
 def _strip_sink(value: ir.Value) -> tuple[ir.Value, np.ndarray]:

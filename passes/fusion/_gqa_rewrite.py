@@ -52,14 +52,10 @@ def lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
         zero = const(graph, "fuse_gqa/zero", np.array(0, np.int32))
         seqlens = ir.node("Max", [last.outputs[0], zero], name="fuse_gqa/seqlens_k")
         nodes.append(seqlens)
-    shape = ir.node("Shape", [mask], name="fuse_gqa/mask_shape")
-    index = const(graph, "fuse_gqa/index_1", np.array(1, np.int64))
-    length = ir.node("Gather", [shape.outputs[0], index], {"axis": 0}, name="fuse_gqa/mask_length")
-    total = ir.node("Cast", [length.outputs[0]], {"to": ir.DataType.INT32}, name="fuse_gqa/total_sequence_length")
-    nodes += [shape, length, total]
-    graph.insert_before(next(iter(graph)), nodes)
-    seqlens.outputs[0].name, total.outputs[0].name = "fuse_gqa/seqlens_k", "fuse_gqa/total_sequence_length"
-    return seqlens.outputs[0], total.outputs[0]
+    measured, total = _mask_length(graph, mask, "fuse_gqa/")
+    graph.insert_before(next(iter(graph)), [*nodes, *measured])
+    seqlens.outputs[0].name, total.name = "fuse_gqa/seqlens_k", "fuse_gqa/total_sequence_length"
+    return seqlens.outputs[0], total
 
 
 def flat_heads(
@@ -113,23 +109,30 @@ def _heads_first_rotary(node: ir.Node | None, heads: int) -> bool:
     )
 
 
+def _mask_length(graph: ir.Graph, mask: ir.Value, prefix: str) -> tuple[list[ir.Node], ir.Value]:
+    """The nodes computing the attention mask's length (past + new tokens) as int32 (GQA's
+    total_sequence_length), the mask's Shape first, and that length."""
+    shape = ir.node("Shape", [mask], name=f"{prefix}mask_shape")
+    index = const(graph, f"{prefix}index_1", np.array(1, np.int64))
+    length = ir.node("Gather", [shape.outputs[0], index], {"axis": 0}, name=f"{prefix}mask_length")
+    total = ir.node("Cast", [length.outputs[0]], {"to": ir.DataType.INT32}, name=f"{prefix}total_sequence_length")
+    return [shape, length, total], total.outputs[0]
+
+
 def full_lengths(graph: ir.Graph, mask_name: str) -> tuple[ir.Value, ir.Value]:
     """seqlens_k = S - 1 for every row and total_sequence_length = S, S the attention mask's length: every key
     counted, for a bidirectional layer whose padding the mask carries as GroupQueryAttention's bias."""
     mask = next(v for v in graph.inputs if v.name == mask_name)
-    shape = ir.node("Shape", [mask], name="fuse_gqa/full_mask_shape")
+    measured, total = _mask_length(graph, mask, "fuse_gqa/full_")
     start = const(graph, "fuse_gqa/full_0", np.array([0], np.int64))
     end = const(graph, "fuse_gqa/full_1", np.array([1], np.int64))
-    rows = ir.node("Slice", [shape.outputs[0], start, end], name="fuse_gqa/full_rows")
-    index = const(graph, "fuse_gqa/full_index_1", np.array(1, np.int64))
-    length = ir.node("Gather", [shape.outputs[0], index], {"axis": 0}, name="fuse_gqa/full_length")
-    total = ir.node("Cast", [length.outputs[0]], {"to": ir.DataType.INT32}, name="fuse_gqa/full_total")
+    rows = ir.node("Slice", [measured[0].outputs[0], start, end], name="fuse_gqa/full_rows")  # the mask's batch
     one = const(graph, "fuse_gqa/full_one", np.array(1, np.int32))
-    last = ir.node("Sub", [total.outputs[0], one], name="fuse_gqa/full_last_key")
+    last = ir.node("Sub", [total, one], name="fuse_gqa/full_last_key")
     seqlens = ir.node("Expand", [last.outputs[0], rows.outputs[0]], name="fuse_gqa/full_seqlens")
-    graph.insert_before(next(iter(graph)), [shape, rows, length, total, last, seqlens])
-    seqlens.outputs[0].name, total.outputs[0].name = "fuse_gqa/full_seqlens_k", "fuse_gqa/full_total_sequence_length"
-    return seqlens.outputs[0], total.outputs[0]
+    graph.insert_before(next(iter(graph)), [*measured, rows, last, seqlens])
+    seqlens.outputs[0].name, total.name = "fuse_gqa/full_seqlens_k", "fuse_gqa/full_total_sequence_length"
+    return seqlens.outputs[0], total
 
 
 def rewrite_gqa(

@@ -59,7 +59,7 @@ def _other(pair: tuple[ir.Value, ir.Value], value: ir.Value) -> ir.Value | None:
 
 class Parts(NamedTuple):
     """``Concat(x1*c - x2*s, x2*c + x1*s, axis=-1)`` read: x1/x2 are x's even and odd channels, or its first and
-    second halves (``halves``), cut by ``cuts``."""
+    second halves (``halves``); ``nodes`` are the rotation's, its cuts included."""
 
     x: ir.Value
     x1: ir.Value

@@ -45,6 +45,7 @@ from onnxscript.rewriter import pattern
 
 from passes.fusion._rotary_eval import axes_of
 from passes.fusion._rotary_eval import scalar as _scalar
+from passes.fusion._rotary_interleaved import _producer
 
 _ONNX = ("", "ai.onnx")
 _RECIPROCAL_RTOL = 1e-6  # 1 / a written as a float32 constant
@@ -187,13 +188,8 @@ scale_rules = pattern.RewriteRuleSet(
 )
 
 
-def _made_by(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in _ONNX else None
-
-
 def _unsqueezed_at(value: ir.Value | None, axis: int) -> bool:
-    node = _made_by(value, "Unsqueeze")
+    node = _producer(value, "Unsqueeze")
     axes = axes_of(node) if node is not None else None
     return axes is not None and len(axes) == 1 and axes[0] in (axis, 5 + axis)
 
@@ -204,14 +200,14 @@ def _rel_pos_terms(outer: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value] | None
     readers = [u.node for u in outer.outputs[0].uses()]
     if not readers or any(r.op_type != "Softmax" or r.domain not in _ONNX for r in readers):
         return None
-    second = _made_by(outer.inputs[0], "Add")
+    second = _producer(outer.inputs[0], "Add")
     for inner_index in (0, 1):
-        first = _made_by(second.inputs[inner_index], "Add") if second is not None else None
+        first = _producer(second.inputs[inner_index], "Add") if second is not None else None
         if first is None:
             continue
         other = second.inputs[1 - inner_index]
         for view_index in (0, 1):
-            view = _made_by(first.inputs[view_index], "Reshape")
+            view = _producer(first.inputs[view_index], "Reshape")
             term = first.inputs[1 - view_index]
             scores = view.inputs[0] if view is not None else None
             if scores is None or scores.shape is None or scores.shape.rank() != 3:
