@@ -241,6 +241,25 @@ def _Audio(model):
     return _module(lambda m, x: m(input_values=x).last_hidden_state, 1)(model)
 
 
+def fixed_images(side: int, width: int | None = None):
+    """An example maker: ``batch`` images of ``side`` x ``width or side`` pixels, for the later rounds' exports that
+    fix the image size."""
+
+    def example(batch: int) -> tuple:
+        import torch
+
+        return (torch.randn(batch, 3, side, width or side),)
+
+    return example
+
+
+def taller_images(batch: int) -> tuple:
+    """``batch`` images 64 pixels wide whose height grows with the batch, for exports with a free height."""
+    import torch
+
+    return (torch.randn(batch, 3, 64 + 32 * batch, 64),)
+
+
 def vision(model):
     """``model``'s ``last_hidden_state`` from ``pixel_values`` (the round-5 and round-6 probes' image towers)."""
     return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model)

@@ -46,7 +46,7 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module, vision
+    from bench.heldout_round4 import _module, fixed_images, taller_images, vision
 
     batch_seq = ((0, "batch"), (1, "sequence"))
     small = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -129,12 +129,6 @@ def _models():
     yield ("decision_transformer", decision_transformer, trajectory,
            ("states", "actions", "returns_to_go", "timesteps", "attention_mask"), (batch_seq,) * 5)  # fmt: skip
 
-    def image_fixed(side: int, width: int | None = None):
-        def example(batch: int) -> tuple:
-            return (torch.randn(batch, 3, side, width or side),)
-
-        return example
-
     def sam_vision():
         model = tf.SamVisionModel(tf.SamVisionConfig(
             hidden_size=HIDDEN, output_channels=32, num_hidden_layers=2, num_attention_heads=4, image_size=64,
@@ -142,7 +136,7 @@ def _models():
         ))  # fmt: skip
         return vision(model)
 
-    yield "sam_vision", sam_vision, image_fixed(64), ("pixel_values",), ((0, "batch"),)
+    yield "sam_vision", sam_vision, fixed_images(64), ("pixel_values",), ((0, "batch"),)
 
     def siglip2_vision():
         model = tf.Siglip2VisionModel(tf.Siglip2VisionConfig(
@@ -167,16 +161,13 @@ def _models():
         model = tf.SwiftFormerModel(tf.SwiftFormerConfig(depths=[1, 1, 1, 1], embed_dims=[16, 24, 32, 48]))
         return vision(model)
 
-    def image_free(batch: int) -> tuple:
-        return (torch.randn(batch, 3, 64 + 32 * batch, 64),)
-
-    yield "swiftformer", swiftformer, image_free, ("pixel_values",), (((0, "batch"), (2, "height")),)
+    yield "swiftformer", swiftformer, taller_images, ("pixel_values",), (((0, "batch"), (2, "height")),)
 
     def mobilevitv2():
         model = tf.MobileViTV2Model(tf.MobileViTV2Config(image_size=64, width_multiplier=0.5))
         return vision(model)
 
-    yield "mobilevitv2", mobilevitv2, image_free, ("pixel_values",), (((0, "batch"), (2, "height")),)
+    yield "mobilevitv2", mobilevitv2, taller_images, ("pixel_values",), (((0, "batch"), (2, "height")),)
 
     def aimv2_vision():
         model = tf.Aimv2VisionModel(tf.Aimv2VisionConfig(
@@ -185,14 +176,14 @@ def _models():
         ))  # fmt: skip
         return vision(model)
 
-    yield "aimv2_vision", aimv2_vision, image_fixed(32), ("pixel_values",), ((0, "batch"),)
+    yield "aimv2_vision", aimv2_vision, fixed_images(32), ("pixel_values",), ((0, "batch"),)
 
     def ijepa():
         model = tf.IJepaModel(tf.IJepaConfig(**{k: v for k, v in small.items() if k != "vocab_size"}, image_size=32,
                                              patch_size=8))  # fmt: skip
         return vision(model)
 
-    yield "ijepa", ijepa, image_fixed(32), ("pixel_values",), ((0, "batch"),)
+    yield "ijepa", ijepa, fixed_images(32), ("pixel_values",), ((0, "batch"),)
 
     def prophetnet_encoder():
         model = tf.ProphetNetEncoder(tf.ProphetNetConfig(
@@ -222,7 +213,7 @@ def _models():
         ))  # fmt: skip
         return _module(lambda m, p: m(pixel_values=p).logits[0], 1)(model)
 
-    yield "mgp_str", mgp_str, image_fixed(32, 128), ("pixel_values",), ((0, "batch"),)
+    yield "mgp_str", mgp_str, fixed_images(32, 128), ("pixel_values",), ((0, "batch"),)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module, vision
+    from bench.heldout_round4 import _module, fixed_images, taller_images, vision
 
     def dac():
         model = tf.DacModel(tf.DacConfig(
@@ -62,12 +62,6 @@ def _models():
 
     yield "speecht5_encoder", speecht5_encoder, waveform, ("input_values",), (((0, "batch"), (1, "samples")),)
 
-    def image(side: int):
-        def example(batch: int) -> tuple:
-            return (torch.randn(batch, 3, side, side),)
-
-        return example
-
     def depth_anything():
         backbone = tf.Dinov2Config(
             hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, image_size=28,
@@ -79,7 +73,7 @@ def _models():
         ))  # fmt: skip
         return _module(lambda m, p: m(pixel_values=p).predicted_depth, 1)(model)
 
-    yield "depth_anything", depth_anything, image(28), ("pixel_values",), ((0, "batch"),)
+    yield "depth_anything", depth_anything, fixed_images(28), ("pixel_values",), ((0, "batch"),)
 
     def upernet():
         backbone = tf.ConvNextConfig(hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1],
@@ -89,10 +83,7 @@ def _models():
         ))  # fmt: skip
         return _module(lambda m, p: m(pixel_values=p).logits, 1)(model)
 
-    def image_free(batch: int) -> tuple:
-        return (torch.randn(batch, 3, 64 + 32 * batch, 64),)
-
-    yield "upernet", upernet, image_free, ("pixel_values",), (((0, "batch"), (2, "height")),)
+    yield "upernet", upernet, taller_images, ("pixel_values",), (((0, "batch"), (2, "height")),)
 
     def swin2sr():
         model = tf.Swin2SRForImageSuperResolution(tf.Swin2SRConfig(
@@ -101,7 +92,7 @@ def _models():
         ))  # fmt: skip
         return _module(lambda m, p: m(pixel_values=p).reconstruction, 1)(model)
 
-    yield "swin2sr", swin2sr, image(16), ("pixel_values",), ((0, "batch"),)
+    yield "swin2sr", swin2sr, fixed_images(16), ("pixel_values",), ((0, "batch"),)
 
     def timesformer():
         model = tf.TimesformerModel(tf.TimesformerConfig(
@@ -122,7 +113,7 @@ def _models():
         ))  # fmt: skip
         return vision(model)
 
-    yield "owlv2_vision", owlv2_vision, image(32), ("pixel_values",), ((0, "batch"),)
+    yield "owlv2_vision", owlv2_vision, fixed_images(32), ("pixel_values",), ((0, "batch"),)
 
 
 if __name__ == "__main__":

@@ -36,23 +36,17 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module, vision
+    from bench.heldout_round4 import _module, fixed_images, taller_images, vision
 
     small = {"hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
     batch_seq = ((0, "batch"), (1, "sequence"))
-
-    def image(side: int):
-        def example(batch: int) -> tuple:
-            return (torch.randn(batch, 3, side, side),)
-
-        return example
 
     def dinov3_vit():
         return vision(tf.DINOv3ViTModel(tf.DINOv3ViTConfig(
             **small, patch_size=8, image_size=32, num_register_tokens=2, layerscale_value=0.1,
         )))  # fmt: skip
 
-    yield "dinov3_vit", dinov3_vit, image(32), ("pixel_values",), ((0, "batch"),)
+    yield "dinov3_vit", dinov3_vit, fixed_images(32), ("pixel_values",), ((0, "batch"),)
 
     def pixtral_vision():
         return vision(tf.PixtralVisionModel(tf.PixtralVisionConfig(**small, head_dim=16, patch_size=8, image_size=32)))
@@ -65,14 +59,14 @@ def _models():
     def mlcd_vision():
         return vision(tf.MLCDVisionModel(tf.MLCDVisionConfig(**small, patch_size=8, image_size=32)))
 
-    yield "mlcd_vision", mlcd_vision, image(32), ("pixel_values",), ((0, "batch"),)
+    yield "mlcd_vision", mlcd_vision, fixed_images(32), ("pixel_values",), ((0, "batch"),)
 
     def internvl_vision():
         return vision(tf.InternVLVisionModel(tf.InternVLVisionConfig(
             **small, patch_size=[8, 8], image_size=[32, 32], use_qk_norm=True, layer_scale_init_value=0.1,
         )))  # fmt: skip
 
-    yield "internvl_vision", internvl_vision, image(32), ("pixel_values",), ((0, "batch"),)
+    yield "internvl_vision", internvl_vision, fixed_images(32), ("pixel_values",), ((0, "batch"),)
 
     def ids_mask(batch: int) -> tuple:
         seq = 4 + 3 * batch
@@ -108,10 +102,7 @@ def _models():
         ))  # fmt: skip
         return _module(lambda m, p: m(pixel_values=p).logits, 1)(model)
 
-    def image_free(batch: int) -> tuple:
-        return (torch.randn(batch, 3, 64 + 32 * batch, 64),)
-
-    yield "detr", detr, image_free, ("pixel_values",), (((0, "batch"), (2, "height")),)
+    yield "detr", detr, taller_images, ("pixel_values",), (((0, "batch"), (2, "height")),)
 
     def vitdet():
         return vision(tf.VitDetModel(tf.VitDetConfig(
@@ -119,7 +110,7 @@ def _models():
             use_relative_position_embeddings=True,
         )))  # fmt: skip
 
-    yield "vitdet", vitdet, image(32), ("pixel_values",), ((0, "batch"),)
+    yield "vitdet", vitdet, fixed_images(32), ("pixel_values",), ((0, "batch"),)
 
     def parakeet_encoder():
         model = tf.ParakeetEncoder(tf.ParakeetEncoderConfig(

@@ -35,7 +35,7 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module
+    from bench.heldout_round4 import _module, fixed_images, taller_images
 
     def hidden(out):
         return out.last_hidden_state
@@ -103,12 +103,6 @@ def _models():
     yield ("embeddinggemma", embeddinggemma, ids_mask, ("input_ids", "attention_mask"),
            (((0, "batch"), (1, "sequence")),) * 2)  # fmt: skip
 
-    def image(side: int):
-        def example(batch: int) -> tuple:
-            return (torch.randn(batch, 3, side, side),)
-
-        return example
-
     def vjepa2():
         model = tf.VJEPA2Model(tf.VJEPA2Config(
             crop_size=32, frames_per_clip=2, tubelet_size=2, patch_size=8, hidden_size=HIDDEN, num_hidden_layers=2,
@@ -130,7 +124,7 @@ def _models():
         ))  # fmt: skip
         return _module(lambda m, p: m(p).last_hidden_state, 1)(model)
 
-    yield "florence2_vision", florence2_vision, image(64), ("pixel_values",), ((0, "batch"),)
+    yield "florence2_vision", florence2_vision, fixed_images(64), ("pixel_values",), ((0, "batch"),)
 
     def hgnetv2():
         model = tf.HGNetV2ForImageClassification(tf.HGNetV2Config(
@@ -141,10 +135,7 @@ def _models():
         ))  # fmt: skip
         return _module(lambda m, p: m(pixel_values=p).logits, 1)(model)
 
-    def image_free(batch: int) -> tuple:
-        return (torch.randn(batch, 3, 64 + 32 * batch, 64),)
-
-    yield "hgnetv2", hgnetv2, image_free, ("pixel_values",), (((0, "batch"), (2, "height")),)
+    yield "hgnetv2", hgnetv2, taller_images, ("pixel_values",), (((0, "batch"), (2, "height")),)
 
 
 if __name__ == "__main__":
