@@ -133,6 +133,10 @@ class ModelFacts:
     # A decoder reading an encoder's states or a cross-attention cache (a seq2seq decoder file): its inputs
     # over the encoder's sequence share one length, and a set after a past decodes as generation does.
     encoder_decoder: bool = False
+    # Rows the graph may fold its leading axis into (X-CLIP's video tower reshapes frames to [-1, 8 frames, d]; a
+    # guidance UNet halves its batch), 1 where nothing is folded. A guess after a refusal, not a rule: a head
+    # count dividing a [batch x heads, ...] size reads the same.
+    row_group: int = 1
 
     def describe(self) -> dict[str, dict[str, Any]]:
         return {name: {"role": r.role, "why": r.why} for name, r in self.roles.items()}
@@ -368,7 +372,74 @@ def analyze(model: onnx.ModelProto | ir.Model) -> ModelFacts:
         for role in roles.values():
             if role.role == "attention_mask":
                 role.why = CAUSAL_LM_MASK + ("; spans the past and the new tokens" if has_past else "")
-    return ModelFacts(roles, _max_positions(graph, aliases), has_past, causal_lm, encoder_decoder)
+    return ModelFacts(
+        roles, _max_positions(graph, aliases), has_past, causal_lm, encoder_decoder, row_group=_row_group(graph)
+    )
+
+
+_MAX_ROW_GROUP = 64
+
+
+def _row_group(graph: ir.Graph) -> int:
+    """The least common multiple of the groups the graph folds a leading axis into, from the two forms the
+    exporters write: TorchScript's ``Div(Gather(Shape(x), 0), k)`` (``x.shape[0] // k`` as a reshape's size) and
+    dynamo's ``Reshape(x, [-1, k * d1, ...])`` over a symbolic leading axis whose other sizes are known. 1 where
+    none is found or the multiple is implausibly large (more than 64 rows)."""
+    group = 1
+    for node in _nodes(graph):
+        k = _folded_rows(node)
+        if k > 1:
+            group = int(np.lcm(group, k))
+    return group if group <= _MAX_ROW_GROUP else 1
+
+
+def _folded_rows(node: ir.Node) -> int:
+    if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return 1
+    if node.op_type == "Div" and _leading_size(node.inputs[0]):
+        divisor = const_array(node.inputs[1])
+        if divisor is not None and divisor.size == 1 and divisor.dtype.kind in "iu":
+            return max(int(divisor.reshape(())), 1)
+    if node.op_type == "Reshape":
+        data, target = node.inputs[0], const_array(node.inputs[1])
+        shape = data.shape if data is not None else None
+        if target is None or target.ndim != 1 or target.size < 2 or int(target[0]) != -1 or shape is None:
+            return 1
+        rest, wanted = list(shape)[1:], [int(t) for t in target[1:]]
+        if len(shape) < 2 or isinstance(shape[0], int) or not all(isinstance(d, int) and d > 0 for d in rest):
+            return 1
+        if not all(w > 0 for w in wanted):
+            return 1
+        have, want = int(np.prod(rest)), int(np.prod(wanted))
+        if want % have == 0:
+            return want // have
+    return 1
+
+
+def _leading_size(value: ir.Value | None) -> bool:
+    """Whether ``value`` is a tensor's leading size: ``Gather(Shape(x), 0)`` or ``Shape(x, start=0, end=1)``
+    (through a Cast or a Squeeze)."""
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type in ("Cast", "Squeeze", "Unsqueeze") and node.inputs:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if node is None:
+        return False
+    if node.op_type == "Shape":
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", 0)
+        return start == 0 and end == 1
+    if node.op_type == "Gather" and len(node.inputs) == 2 and node.inputs[0] is not None:
+        shape = node.inputs[0].producer()
+        index = const_array(node.inputs[1])
+        return (
+            shape is not None
+            and shape.op_type == "Shape"
+            and shape.attributes.get_int("start", 0) == 0
+            and index is not None
+            and index.size == 1
+            and int(index.reshape(())) == 0
+        )
+    return False
 
 
 CAUSAL_LM_MASK = (

@@ -25,7 +25,9 @@ the type table; positions counting on from the past; labels with 20% -100; N(0, 
 
 Guesses. When the original model refuses a generated set, ``InputSet.next_guess`` gives the next plausible
 one: longer sequences, larger images, then every compared id as a row-end marker, then no padding, then
-integers below the float inputs' sizes, then one row per set (an export that runs at batch 1 only). Each set
+integers below the float inputs' sizes, then batches a multiple of the rows the graph folds its leading axis into
+(``ModelFacts.row_group``: a video tower's frames per clip), then one row per set (an export that runs at batch 1
+only). Each set
 records the guess that ran and the ones refused (``InputSet.provenance``).
 """
 
@@ -63,6 +65,7 @@ class Guess:
     ints_within_sizes: bool = False
     one_row: bool = False  # every set at batch 1: an export that runs at its example's batch of 1 only
     image_scale: int = 1  # free sides of an image input times this (a pyramid pooled to 6 bins at 1/32 scale)
+    grouped_rows: bool = False  # batches a multiple of the rows the graph folds its leading axis into
 
 
 GUESSES = (
@@ -73,6 +76,8 @@ GUESSES = (
     Guess("every compared id at each row's end", seq_scale=4, all_markers=True, empty_past=False),
     Guess("no padding", seq_scale=4, all_markers=True, padding=False, empty_past=False),
     Guess("integers below the float inputs' free sizes (indices into their rows)", ints_within_sizes=True),
+    # X-CLIP's video tower takes a clip's frames flattened into the batch and folds them back: 1 row fails
+    Guess("batches in the graph's row groups (it folds its leading axis)", grouped_rows=True),
     # torch's opset-23 Llama export runs at batch 1 only: its RotaryEmbedding's cos/sin caches keep the
     # example's batch of 1, which ONNX's op must match to the input's
     Guess("one row (the model refused every batch above 1)", one_row=True),
@@ -137,6 +142,17 @@ class InputSynthesis:
             seq = 1
         return max(seq, 1), past
 
+    def _rows(self, guess: Guess) -> int:
+        """The batch of a set's first index under ``guess``: 1, or the graph's row group."""
+        return self.facts.row_group if guess.grouped_rows else 1
+
+    def _guess_after(self, index: int) -> int | None:
+        """The guess tried after ``GUESSES[index]``, skipping one that would repeat the first (row groups of 1)."""
+        following = index + 1
+        while following < len(GUESSES) and GUESSES[following].grouped_rows and self.facts.row_group == 1:
+            following += 1
+        return following if following < len(GUESSES) else None
+
     def _positions(self) -> int | None:
         """Positions the table serves, None without one: RoBERTa-style tables start 2 rows in (padding offset)."""
         cap = self.facts.max_positions
@@ -194,7 +210,7 @@ class InputSynthesis:
                 if isinstance(dim, str):
                     bound.setdefault(dim, int(size))
         seq, past = self._lengths(index, guess)
-        batch = 1 if guess.one_row else 1 << index
+        batch = 1 if guess.one_row else self._rows(guess) << index
         no_cache = (self.cache_branch(index) if cache is None else cache) is False
         if no_cache:  # dummy caches, the cross-attention one too; the encoder's length binds the rest
             past = NO_CACHE_PAST
@@ -528,9 +544,9 @@ class InputSynthesis:
         provenance = self._provenance(shapes, guess, "shapes" if override else "generated")
         if (why := self.why(shapes, cache)) is not None:
             provenance["why"] = why
-        following = guess_index + 1
+        following = self._guess_after(guess_index)
         retry = None
-        if override is None and following < len(GUESSES):
+        if override is None and following is not None:
 
             def retry() -> InputSet:
                 return self.input_set(index, following)
@@ -586,11 +602,12 @@ class InputSynthesis:
     ) -> InputSet:
         """One row (batch 1, no past) with every other free dim at ``size`` (or its minimum), under the guess
         ``guess_name``; named ``<shapes> (<label>)``, ``why`` in its provenance."""
+        guess = next((g for g in GUESSES if g.name == guess_name), GUESSES[0])
+        rows = self._rows(guess)
         sizes = {
-            dim: 1 if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(size, plan["min"])
+            dim: rows if plan["role"] == "batch" else 0 if plan["role"] == "past" else max(size, plan["min"])
             for dim, plan in free.items()
         }
-        guess = next((g for g in GUESSES if g.name == guess_name), GUESSES[0])
         shapes = self.bind(0, guess, preset=sizes)
         feeds = self.feeds(shapes, np.random.default_rng([self.seed, size]), guess)
         provenance = self._provenance(shapes, guess, "generated")

@@ -126,6 +126,61 @@ def test_verifier_falls_back_to_one_row_when_the_model_refuses_every_batch_above
     assert sets[1].provenance["attempts"][0]["guess"] == "role-based"
 
 
+def _folded_rows(form: str) -> onnx.ModelProto:
+    """``x [frames, 4]`` folded into clips of 2 frames and summed over each clip: X-CLIP's video tower takes a
+    clip's frames flattened into the batch and folds them back. ``form``: TorchScript's (the clip count as
+    ``Div(Gather(Shape(x), 0), 2)``) or dynamo's (``Reshape(x, [-1, 2, 4])``)."""
+    inits = [numpy_helper.from_array(np.array([2, 4], np.int64), "clip"), numpy_helper.from_array(np.array([1]), "one")]
+    if form == "ts":
+        inits += [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(2), "two")]
+        nodes = [
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("Gather", ["shape", "zero"], ["frames"], axis=0),
+            helper.make_node("Div", ["frames", "two"], ["clips"]),
+            helper.make_node("Unsqueeze", ["clips", "zero_axis"], ["clips_1d"]),
+            helper.make_node("Concat", ["clips_1d", "clip"], ["target"], axis=0),
+        ]
+        inits.append(numpy_helper.from_array(np.array([0], np.int64), "zero_axis"))
+    else:
+        inits.append(numpy_helper.from_array(np.array([-1, 2, 4], np.int64), "target"))
+        nodes = []
+    nodes += [
+        helper.make_node("Reshape", ["x", "target"], ["grouped"]),
+        helper.make_node("ReduceSum", ["grouped", "one"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        f"folded_rows_{form}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["frames", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["clips", 1, 4])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("form", ["ts", "dynamo"])
+def test_verifier_feeds_whole_row_groups_to_a_graph_that_folds_its_batch(tmp_path: Path, form: str) -> None:
+    model = _folded_rows(form)
+    assert analyze(model).row_group == 2
+    path = tmp_path / f"folded_{form}.onnx"
+    onnx.save(model, str(path))
+    sets = generate_input_sets(onnx.load(str(path)), 3)
+    Verifier(path, sets, Tolerance())  # one frame fails to fold; every set runs after the guess
+    assert [s.feeds["x"].shape[0] for s in sets] == [2, 2, 4]  # sets 1 and 2 (batches 2 and 4) ran as made
+    assert sets[0].provenance["guess"] == "batches in the graph's row groups (it folds its leading axis)"
+    assert sets[0].provenance["attempts"][0]["guess"] == "role-based"
+    assert [s.provenance["guess"] for s in sets[1:]] == ["role-based"] * 2
+
+
+def test_a_graph_that_folds_nothing_skips_the_row_group_guess(tmp_path: Path) -> None:
+    path = tmp_path / "batch_one.onnx"
+    onnx.save(_batch_one_only(), str(path))
+    sets = generate_input_sets(onnx.load(str(path)), 2)
+    Verifier(path, sets, Tolerance())
+    tried = [a["guess"] for a in sets[1].provenance["attempts"]]
+    assert tried and not any("row groups" in g for g in tried)
+
+
 def _pyramid_pooled(row: int) -> onnx.ModelProto:
     """A patch stem (16x16, stride 16) and the pooled map's row ``row`` read: runs only on images ``16 * (row +
     1)`` pixels high or more, as UperNet's pyramid pooling exported by dynamo needs 128."""
