@@ -167,7 +167,7 @@ def _models():  # noqa: PLR0915 - one block per family, as in the earlier rounds
     yield "luke", luke, ids_mask, ("input_ids", "attention_mask"), (batch_seq, batch_seq)
 
     def conditional_detr():
-        backbone = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1],
+        backbone = tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 16, 16], depths=[1, 1, 1, 1],
                                    out_features=["stage4"])  # fmt: skip
         model = tf.ConditionalDetrModel(tf.ConditionalDetrConfig(
             use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False, num_queries=8,

@@ -15,6 +15,8 @@ wide as the MatMul's last dimension: a projection bias, nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import onnx_ir as ir
 
 from passes._match import is_constant
@@ -53,6 +55,20 @@ def put_projection_biases_last(model: ir.Model) -> int:
             add.replace_input_with(1, bias)
             turned += 1
     return turned
+
+
+def not_projection_biases(bindings: Mapping[str, object]) -> str | None:
+    """Why a match of onnxscript's FuseBiasMHA (its ``q_bias``, ``k_bias``, ``v_bias`` bindings) is not three
+    projection biases, None when every bias present is 1-D: a term of higher rank added to a projection
+    (conditional DETR's ``k_content + k_pos``) cannot join MultiHeadAttention's 1-D ``bias``."""
+    for name in ("q_bias", "k_bias", "v_bias"):
+        bias = bindings.get(name)
+        if not isinstance(bias, ir.Value):
+            continue
+        if bias.shape is None or len(bias.shape) != 1:
+            rank = "unknown rank" if bias.shape is None else f"rank {len(bias.shape)}"
+            return f"{name} {bias.name!r} has {rank}: a term added to the projection, not a 1-D bias"
+    return None
 
 
 def standing_attention(model: ir.Model) -> bool:

@@ -20,7 +20,8 @@ with-past MHA rule can take the Concat without a cycle), ``_heads_3d`` (``torch.
 sequence-first folded heads, which no SDPA rule reads, straight to ``MultiHeadAttention``), ``_shared_scale``
 (a scaled query another product reads too, DeBERTa's, copied for the scores), ``_tanh_gelu``
 (GPT-2's GELU with its bias) and ``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step
-it feeds.
+it feeds. The ``mha_bias`` step's rule is onnxscript's ``FuseBiasMHA`` with a check of ours (``_RULE_CLASSES``:
+only 1-D projection biases join MultiHeadAttention's ``bias``).
 After every onnxscript step, a constant its rewriter unregistered while nodes still read it is registered
 again (``passes/_dangling.py``; counted as ``constants_reattached``).
 """
@@ -78,6 +79,8 @@ _RULE_SETS: dict[str, tuple[str, str]] = {
     "bias_gelu": (f"{_FUSIONS}.bias_gelu", "bias_gelu_rules"),
     "sdpa_via_mha": (f"{_FUSIONS}.sdpa_via_mha", "_rules"),
 }
+# step -> (module, class): the rule a step's rule set is rebuilt from, with a check of ours added (_checked_rules).
+_RULE_CLASSES: dict[str, tuple[str, str]] = {"mha_bias": (f"{_FUSIONS}.mha_bias", "FuseBiasMHA")}
 # The steps a stop point leaves out: "mha" keeps MultiHeadAttention unpacked, "none" leaves no SDPA to fuse.
 _CUT = {"attention": (), "mha": ("attention",), "none": ("sdpa", "attention")}
 
@@ -90,8 +93,32 @@ class OnnxscriptAPIChangedError(ImportError):
 
 
 def rule_set(step: str) -> pattern.RewriteRuleSet:
-    """onnxscript's rule set for one fusion step, by the step's name in ``_RULE_SETS``."""
-    module_name, attribute = _RULE_SETS[step]
+    """onnxscript's rule set for one fusion step, by the step's name in ``_RULE_SETS`` (rebuilt with a check of
+    ours for the steps in ``_RULE_CLASSES``)."""
+    if step in _RULE_CLASSES:
+        _resolve(*_RULE_SETS[step], pattern.RewriteRuleSet)
+        return _checked_rules(step)
+    return _resolve(*_RULE_SETS[step], pattern.RewriteRuleSet)
+
+
+def _checked_rules(step: str) -> pattern.RewriteRuleSet:
+    """``mha_bias``: onnxscript's FuseBiasMHA reads any Add in front of a MultiHeadAttention's query, key or value
+    as a projection bias and concatenates the three into MHA's 1-D ``bias``; conditional DETR adds a position
+    term of rank 3 there (``k = k_content + k_pos``), and the Concat of ranks 3 and 1 made the candidate invalid.
+    The rule here fuses only 1-D biases (``mha_bias_order.projection_biases``)."""
+    base = _resolve(*_RULE_CLASSES[step], type)
+
+    class ProjectionBiasesOnly(base):  # type: ignore[misc, valid-type]
+        def check(self, context, **bindings):  # type: ignore[no-untyped-def]
+            why = mha_bias_order.not_projection_biases(bindings)
+            if why is not None:
+                return pattern.MatchResult().fail(why)
+            return super().check(context, **bindings)
+
+    return pattern.RewriteRuleSet([ProjectionBiasesOnly.rule(name=base.__name__)])  # the name onnxscript records
+
+
+def _resolve(module_name: str, attribute: str, kind: type) -> object:
     where = f"{module_name}.{attribute}"
     try:
         module = importlib.import_module(module_name)
@@ -99,17 +126,19 @@ def rule_set(step: str) -> pattern.RewriteRuleSet:
         raise _changed(where, f"module {module_name} is gone ({exc})") from exc
     if not hasattr(module, attribute):
         raise _changed(where, f"{module_name} has no {attribute!r}")
-    rules = getattr(module, attribute)
-    if not isinstance(rules, pattern.RewriteRuleSet):
-        raise _changed(where, f"it is a {type(rules).__name__}, not a RewriteRuleSet")
-    return rules
+    found = getattr(module, attribute)
+    if kind is type and not isinstance(found, type):
+        raise _changed(where, f"it is a {type(found).__name__}, not a class")
+    if kind is not type and not isinstance(found, kind):
+        raise _changed(where, f"it is a {type(found).__name__}, not a {kind.__name__}")
+    return found
 
 
 def check_api() -> list[str]:
     """Resolve every unexported name used here; the dotted names, or OnnxscriptAPIChangedError on the first gone."""
     for step in _RULE_SETS:
         rule_set(step)
-    return [".".join(location) for location in _RULE_SETS.values()]
+    return [".".join(location) for location in (*_RULE_SETS.values(), *_RULE_CLASSES.values())]
 
 
 def _changed(where: str, what: str) -> OnnxscriptAPIChangedError:
