@@ -690,9 +690,16 @@ class InputSynthesis:
 
     def feeds_at(self, batch: int, sequence: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Feeds with every batch-like dim at ``batch`` and every sequence-like one (and a past) at
-        ``sequence``, within the minimum the graph needs (audio samples)."""
+        ``sequence``, within the minimum the graph needs (audio samples). A decoder-only language model with a
+        cache decodes one new token per row of a batch of several after its past, as generation does (ORT's
+        GroupQueryAttention refuses several rows of several new tokens on a past)."""
+        decoding = self.facts.causal_lm and self.facts.has_past and batch > 1
         sizes = {
-            dim: batch if plan["role"] == "batch" else max(sequence, plan["min"])
+            dim: batch
+            if plan["role"] == "batch"
+            else 1
+            if decoding and plan["role"] == "sequence"
+            else max(sequence, plan["min"])
             for dim, plan in self.free_dims().items()
         }
         return self.feeds_for_sizes(sizes, rng)

@@ -20,8 +20,9 @@ with-past MHA rule can take the Concat without a cycle), ``_heads_3d`` (``torch.
 sequence-first folded heads, which no SDPA rule reads, straight to ``MultiHeadAttention``), ``_shared_scale``
 (a scaled query another product reads too, DeBERTa's, copied for the scores), ``_tanh_gelu``
 (GPT-2's GELU with its bias) and ``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step
-it feeds. The ``mha_bias`` step's rule is onnxscript's ``FuseBiasMHA`` with a check of ours (``_RULE_CLASSES``:
-only 1-D projection biases join MultiHeadAttention's ``bias``).
+it feeds. Two steps' rules are onnxscript's with a check of ours (``_RULE_CLASSES``): ``mha_bias``
+(only 1-D projection biases join MultiHeadAttention's ``bias``) and ``partial_rotary_embedding`` (the merged
+rotation gets the ``num_heads`` ORT requires, ``_rotary_heads``).
 After every onnxscript step, a constant its rewriter unregistered while nodes still read it is registered
 again (``passes/_dangling.py``; counted as ``constants_reattached``).
 """
@@ -49,6 +50,7 @@ from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _mha_bias_order as mha_bias_order
 from passes.fusion import _mha_kv_layout as mha_kv_layout
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
+from passes.fusion import _rotary_heads as rotary_heads
 from passes.fusion import _shared_scale as shared_scale
 from passes.fusion import _tanh_gelu as tanh_gelu
 
@@ -80,7 +82,10 @@ _RULE_SETS: dict[str, tuple[str, str]] = {
     "sdpa_via_mha": (f"{_FUSIONS}.sdpa_via_mha", "_rules"),
 }
 # step -> (module, class): the rule a step's rule set is rebuilt from, with a check of ours added (_checked_rules).
-_RULE_CLASSES: dict[str, tuple[str, str]] = {"mha_bias": (f"{_FUSIONS}.mha_bias", "FuseBiasMHA")}
+_RULE_CLASSES: dict[str, tuple[str, str]] = {
+    "mha_bias": (f"{_FUSIONS}.mha_bias", "FuseBiasMHA"),
+    "partial_rotary_embedding": (f"{_FUSIONS}.rotary_embedding", "PartialRotaryEmbeddingFusion"),
+}
 # The steps a stop point leaves out: "mha" keeps MultiHeadAttention unpacked, "none" leaves no SDPA to fuse.
 _CUT = {"attention": (), "mha": ("attention",), "none": ("sdpa", "attention")}
 
@@ -102,20 +107,43 @@ def rule_set(step: str) -> pattern.RewriteRuleSet:
 
 
 def _checked_rules(step: str) -> pattern.RewriteRuleSet:
-    """``mha_bias``: onnxscript's FuseBiasMHA reads any Add in front of a MultiHeadAttention's query, key or value
-    as a projection bias and concatenates the three into MHA's 1-D ``bias``; conditional DETR adds a position
-    term of rank 3 there (``k = k_content + k_pos``), and the Concat of ranks 3 and 1 made the candidate invalid.
-    The rule here fuses only 1-D biases (``mha_bias_order.projection_biases``)."""
+    """onnxscript's rule for ``step`` with a check of ours, under the rule's own name (the one onnxscript records).
+
+    ``mha_bias``: FuseBiasMHA reads any Add in front of a MultiHeadAttention's query, key or value as a projection
+    bias and concatenates the three into MHA's 1-D ``bias``; conditional DETR adds a position term of rank 3 there
+    (``k = k_content + k_pos``), and the Concat of ranks 3 and 1 made the candidate invalid. Here only 1-D biases
+    join (``mha_bias_order.not_projection_biases``).
+
+    ``partial_rotary_embedding``: the merged rotation gets ``num_heads``, which ORT requires beside
+    ``rotary_embedding_dim`` (``_rotary_heads``); where the graph does not say it, the rotation stays partial."""
     base = _resolve(*_RULE_CLASSES[step], type)
+    if step == "mha_bias":
 
-    class ProjectionBiasesOnly(base):  # type: ignore[misc, valid-type]
-        def check(self, context, **bindings):  # type: ignore[no-untyped-def]
-            why = mha_bias_order.not_projection_biases(bindings)
-            if why is not None:
-                return pattern.MatchResult().fail(why)
-            return super().check(context, **bindings)
+        class ProjectionBiasesOnly(base):  # type: ignore[misc, valid-type]
+            def check(self, context, **bindings):  # type: ignore[no-untyped-def]
+                why = mha_bias_order.not_projection_biases(bindings)
+                if why is not None:
+                    return pattern.MatchResult().fail(why)
+                return super().check(context, **bindings)
 
-    return pattern.RewriteRuleSet([ProjectionBiasesOnly.rule(name=base.__name__)])  # the name onnxscript records
+        return pattern.RewriteRuleSet([ProjectionBiasesOnly.rule(name=base.__name__)])
+
+    class WithHeads(base):  # type: ignore[misc, valid-type]
+        def check(self, context, x, x_part_1_rope, **bindings):  # type: ignore[no-untyped-def]
+            self.heads = x_part_1_rope.producer().attributes.get_int("num_heads", 0) or None
+            if self.heads is None:
+                concat = next((node for node, _ in x_part_1_rope.uses() if node.op_type == "Concat"), None)
+                self.heads = rotary_heads.heads(x, concat.outputs[0]) if concat is not None else None
+            if self.heads is None:
+                return pattern.MatchResult().fail("the rotated tensor's head count is unknown (ORT needs num_heads)")
+            return super().check(context, x=x, x_part_1_rope=x_part_1_rope, **bindings)
+
+        def rewrite(self, op, **bindings):  # type: ignore[no-untyped-def]
+            merged = super().rewrite(op, **bindings)
+            merged.producer().attributes["num_heads"] = ir.AttrInt64("num_heads", self.heads)
+            return merged
+
+    return pattern.RewriteRuleSet([WithHeads.rule(name=base.__name__)])
 
 
 def _resolve(module_name: str, attribute: str, kind: type) -> object:
