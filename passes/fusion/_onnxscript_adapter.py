@@ -203,6 +203,7 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     settled(optimizer.optimize(model))
     # Ours: RMS norms in the forms the exporters write that onnxscript's rule does not read (_rms_norm_opset17).
     counts["rms_norms_opset17"] = settled(rms_norm_opset17.rules.apply_to_model(model))
+    counts["rms_norms_opset17"] += settled(rms_norm_opset17.unscaled_rules.apply_to_model(model))
     for step in ("erf_gelu", "rms_normalization", "skip_layer_normalization", "skip_rms_normalization"):
         fuse(step)
     fuse("rotary_embedding")

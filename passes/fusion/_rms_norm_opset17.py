@@ -9,6 +9,8 @@ onnxscript's ``rms_normalization`` rule (0.7.2) reads one form: ``ReduceMean`` w
   (``_decoder_norm``), so after it a dynamo norm is the opset-18 ``Div`` form too;
 * ``Reciprocal`` with the axes as an attribute (opset 17) and ``x / Sqrt(..)`` (``_rms_norm``'s own
   decomposition) are the other spellings of the same arithmetic;
+* Gemma 3n writes the inverse root as ``Pow(mean + eps, -0.5)``, and its value norm has no weight at all
+  (``unscaled_rules``: the kernel's scale is ones; applied after the weighted rules);
 * onnxscript's own form is read too, and without the ``noop_with_empty_axes=0`` its pattern spells out (the
   default, which an exporter may omit); ours runs first, so on such a norm onnxscript's count is 0.
 
@@ -29,6 +31,7 @@ not a tensor that would broadcast otherwise. Built with onnxscript's exported pa
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
@@ -51,12 +54,13 @@ def _axes(reduce: ir.Node) -> list[int] | None:
 
 
 class RmsNormForms(pattern.RewriteRuleClassBase):
-    def __init__(self, name: str, weight_first: bool, axes_input: bool) -> None:
+    def __init__(self, name: str, weight_first: bool, axes_input: bool, unscaled: bool = False) -> None:
         super().__init__(name)
         self._weight_first = weight_first  # Mul(weight, normed) (Llama, T5) or Mul(normed, weight)
         self._axes_input = axes_input  # ReduceMean(x, axes) (opset 18) or ReduceMean(x, axes=[..]) (opset 17)
+        self._unscaled = unscaled  # no weight at all (Gemma 3n's value norm): the kernel's scale is ones
 
-    def pattern(self, op, x, weight, epsilon, one, axes):  # noqa: PLR0917 - onnxscript passes the variables by position
+    def pattern(self, op, x, weight, epsilon, one, exponent, axes):  # noqa: PLR0917 - passed by position
         # No Cast alternative before the statistics: T5's TorchScript export shares its same-type Cast with the
         # residual Add, so the Cast cannot be consumed; the norm reads the Cast's output instead, which is exact.
         square = op.Pow(x, 2.0)
@@ -64,19 +68,25 @@ class RmsNormForms(pattern.RewriteRuleClassBase):
             mean = op.ReduceMean(square, axes, _allow_other_attributes=True, _outputs=["mean"])
         else:
             mean = op.ReduceMean(square, _allow_other_attributes=True, _outputs=["mean"])
-        root = op.Sqrt(op.Add(mean, epsilon))
-        inverse = pattern.OrValue([op.Div(one, root), op.Reciprocal(root)])
+        shifted = op.Add(mean, epsilon)
+        root = op.Sqrt(shifted)
+        inverse = pattern.OrValue([op.Div(one, root), op.Reciprocal(root), op.Pow(shifted, exponent)])
+        if self._unscaled:  # x * inverse: a pattern cannot end in a choice
+            return op.Mul(x, inverse)
         normed = pattern.OrValue([op.Mul(x, inverse), op.Div(x, root)])
         normed = pattern.OrValue([op.Cast(normed, _outputs=["cast_out"]), normed])
         return op.Mul(weight, normed) if self._weight_first else op.Mul(normed, weight)
 
-    def check(self, context, x: ir.Value, weight: ir.Value, **rest):
+    def check(self, context, x: ir.Value, weight: ir.Value | None = None, **rest):
         result = pattern.MatchResult()
         epsilon, one, mean = rest["epsilon"], rest.get("one"), rest["mean"]
         if x.dtype not in _FLOATS:
             return result.fail(f"input of type {x.dtype}, expected float or double", x)
-        if weight.dtype != x.dtype:
+        if weight is not None and weight.dtype != x.dtype:
             return result.fail("the weight's type differs from the input's", weight)
+        exponent = rest.get("exponent")
+        if exponent is not None and _scalar(exponent) != -0.5:
+            return result.fail("Pow(mean + eps, p) with p != -0.5 is not an inverse root", exponent)
         cast = rest.get("cast_out")
         if cast is not None and cast.dtype != x.dtype:
             return result.fail(f"a Cast to {cast.dtype}: the statistics are computed in another precision", cast)
@@ -93,11 +103,18 @@ class RmsNormForms(pattern.RewriteRuleClassBase):
             return result.fail(f"ReduceMean over axis {axes[0]}, not the last one", mean)
         if not reduce.attributes.get_int("keepdims", 1):
             return result.fail("ReduceMean drops the reduced axis", mean)
+        if self._unscaled:
+            last = x.shape[-1] if x.shape is not None and x.shape.rank() else None
+            if not isinstance(last, int):
+                return result.fail("an unscaled norm over an axis of unknown size (the kernel's scale needs it)", x)
+            return result
         if not _is_scale_vector(weight, x):
             return result.fail(f"weight of shape {weight.shape}: not a vector over the last axis of {x.shape}", weight)
         return result
 
-    def rewrite(self, op, x, weight, epsilon, **_):
+    def rewrite(self, op, x, epsilon, weight=None, **_):
+        if weight is None:  # the unscaled form: a scale of ones
+            weight = op.Constant(value=ir.tensor(np.ones(x.shape[-1], dtype=x.dtype.numpy())))
         return op.SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=_scalar(epsilon), stash_type=x.dtype.value)
 
 
@@ -125,4 +142,9 @@ rules = pattern.RewriteRuleSet(
         )
         for first, axes_input in _VARIANTS
     ]
+)
+# Applied after ``rules``: a weighted norm's inner product matches this too, and fused alone it would leave the
+# weight's Mul outside the kernel.
+unscaled_rules = pattern.RewriteRuleSet(
+    [RmsNormForms.rule(f"RmsNormOpset{18 if a else 17}Unscaled", False, a, unscaled=True) for a in (False, True)]
 )

@@ -3,7 +3,8 @@ exactly, on graphs built here and on the committed T5 exports (TorchScript and d
 decoders, opset 18: the TorchScript ``Div(1, Sqrt)`` with the axes as an input that no rule read before).
 
 Each built graph is ``weight * (x * rsqrt(mean(x^2, -1) + eps))`` in one spelling (axes attribute or input,
-``Div(1, Sqrt)``, ``Reciprocal`` or ``x / Sqrt``, the weight on either side, T5's same-type Cast or none),
+``Div(1, Sqrt)``, ``Reciprocal``, ``x / Sqrt`` or Gemma 3n's ``Pow(., -0.5)``, the weight on either side, T5's
+same-type Cast or none; Gemma 3n's value norm without a weight),
 compared with the rewrite under ONNX Runtime (graph optimizations off) at batch and sequence sizes other than
 any example. The negatives keep what the kernel would compute differently."""
 
@@ -41,13 +42,17 @@ def _norm_graph(
     axis: int = -1,
     numerator: float = 1.0,
     residual: bool = False,
+    unscaled: bool = False,
+    exponent: float = -0.5,
 ) -> onnx.ModelProto:
-    """``weight * norm(x)`` in one exporter spelling; ``residual`` adds a second input first (a Skip site)."""
+    """``weight * norm(x)`` in one exporter spelling; ``residual`` adds a second input first (a Skip site);
+    ``unscaled``: no weight (Gemma 3n's value norm); ``exponent``: the power of the "pow" inverse."""
     rng = np.random.default_rng(1)
     inits = [
         helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
         helper.make_tensor("eps", TensorProto.FLOAT, [], [1e-6]),
         helper.make_tensor("one", TensorProto.FLOAT, [], [numerator]),
+        helper.make_tensor("power", TensorProto.FLOAT, [], [exponent]),
         helper.make_tensor("axes", TensorProto.INT64, [1], [axis]),
         helper.make_tensor("weight", TensorProto.FLOAT, weight_shape, rng.uniform(0.5, 1.5, weight_shape).ravel()),
     ]
@@ -68,18 +73,23 @@ def _norm_graph(
         nodes.append(helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1, name="mean"))
     else:
         nodes.append(helper.make_node("ReduceMean", ["sq"], ["mean"], axes=[axis], keepdims=1, name="mean"))
-    nodes += [
-        helper.make_node("Add", ["mean", "eps"], ["var"], name="add_eps"),
-        helper.make_node("Sqrt", ["var"], ["root"], name="sqrt"),
-    ]
-    if inverse == "div_one":
+    nodes.append(helper.make_node("Add", ["mean", "eps"], ["var"], name="add_eps"))
+    if inverse != "pow":
+        nodes.append(helper.make_node("Sqrt", ["var"], ["root"], name="sqrt"))
+    if inverse == "pow":  # Gemma 3n: x * (mean + eps) ** -0.5
+        nodes += [helper.make_node("Pow", ["var", "power"], ["inv"], name="inv"), _mul(x, "inv", "normed")]
+    elif inverse == "div_one":
         nodes += [helper.make_node("Div", ["one", "root"], ["inv"], name="inv"), _mul(x, "inv", "normed")]
     elif inverse == "reciprocal":
         nodes += [helper.make_node("Reciprocal", ["root"], ["inv"], name="inv"), _mul(x, "inv", "normed")]
     else:
         nodes.append(helper.make_node("Div", [x, "root"], ["normed"], name="normed"))
     pair = ["weight", "normed"] if weight_first else ["normed", "weight"]
-    nodes.append(helper.make_node("Mul", pair, ["y"], name="scale"))
+    if unscaled:
+        nodes.append(helper.make_node("Identity", ["normed"], ["y"], name="out"))
+        inits = [i for i in inits if i.name != "weight"]
+    else:
+        nodes.append(helper.make_node("Mul", pair, ["y"], name="scale"))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])]
     if residual:
         inputs.append(helper.make_tensor_value_info("skip", TensorProto.FLOAT, ["batch", "seq", HIDDEN]))
@@ -100,7 +110,9 @@ def _fused(proto: onnx.ModelProto) -> tuple[ir.Model, int]:
 
 
 FORMS = list(
-    itertools.product((False, True), ("div_one", "reciprocal", "div_x"), (True, False), (None, TensorProto.FLOAT))
+    itertools.product(
+        (False, True), ("div_one", "reciprocal", "div_x", "pow"), (True, False), (None, TensorProto.FLOAT)
+    )
 )
 
 
@@ -116,6 +128,27 @@ def test_rms_norm_becomes_simplified_layer_norm_when_exporter_form(axes_input, i
     (node,) = [n for n in model.graph if n.op_type == SLN]
     assert node.attributes.get_float("epsilon") == pytest.approx(1e-6)
     assert_equivalent(proto, model, SHAPES, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("axes_input", [False, True])
+def test_an_unscaled_norm_becomes_simplified_layer_norm_with_a_scale_of_ones(axes_input):
+    """Gemma 3n's value norm, ``v * (mean(v^2) + eps) ** -0.5`` with no weight: the weighted rules leave it, the
+    unscaled ones fuse it with ones as the kernel's scale."""
+    proto = _norm_graph(axes_input=axes_input, inverse="pow", weight_first=True, unscaled=True)
+    model, count = _fused(proto)
+    assert count == 0
+    assert rms.unscaled_rules.apply_to_model(model) == 1
+    ops = op_histogram(model)
+    assert ops[SLN] == 1 and not {"Pow", "ReduceMean"} & set(ops)
+    assert_equivalent(proto, model, SHAPES, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weighted_norm_keeps_its_weight_in_the_kernel_when_both_rule_sets_run():
+    proto = _norm_graph(axes_input=True, inverse="pow", weight_first=False)
+    model, count = _fused(proto)
+    assert count == 1 and rms.unscaled_rules.apply_to_model(model) == 0
+    (node,) = [n for n in model.graph if n.op_type == SLN]
+    assert node.inputs[1].name == "weight" and "Mul" not in op_histogram(model)
 
 
 def test_onnxscripts_form_fuses_to_the_node_onnxscripts_rule_writes_when_opset_18():
@@ -142,11 +175,12 @@ def test_onnxscripts_form_fuses_to_the_node_onnxscripts_rule_writes_when_opset_1
         {"axis": 1},  # the statistics over the sequence, not the hidden units
         {"cast": TensorProto.DOUBLE},  # the statistics in another precision
         {"numerator": 2.0},  # 2 / sqrt(..) is not an inverse root
+        {"inverse": "pow", "exponent": -1.0},  # (mean + eps) ** -1 is not an inverse root
     ],
     ids=lambda v: next(iter(v)),
 )
 def test_rms_norm_is_left_when_the_kernel_would_compute_otherwise(variant):
-    proto = _norm_graph(axes_input=True, inverse="div_one", weight_first=True, **variant)
+    proto = _norm_graph(**{"axes_input": True, "inverse": "div_one", "weight_first": True, **variant})
     model, count = _fused(proto)
     assert count == 0 and SLN not in op_histogram(model)
     if "cast" not in variant:  # Cast to double then Mul by a float weight: not a valid graph to run
