@@ -84,6 +84,7 @@ NAMES = round2.register(
                 "activation_sparsity_pattern": [0.95, 0.0],
                 **_WINDOWED,
             },
+            cache_head_dim=16,  # head_dim is given: the --tiny build keeps it
             note="AltUp (4 predicted streams), Laurel low-rank residual, per-layer embeddings, top-k sparse GELU "
             "on layer 1, v RMSNorm without scale",
         ),

@@ -17,7 +17,8 @@ transformers' ``apply_rotary_pos_emb`` (Llama, Qwen2, Mistral, Phi-3, Gemma...) 
 
 and Phi-3's partial form (``partial_rotary_factor``) rotates ``x = Slice(q, :rotary_dim)`` then
 ``Concat(rotated, Slice(q, rotary_dim:), axis=-1)``. Heads are on axis 1 (the ``Unsqueeze(c, 1)``), the BNSH
-layout ``com.microsoft::RotaryEmbedding`` takes in 4-D.
+layout ``com.microsoft::RotaryEmbedding`` takes in 4-D, or on axis 2 (``Unsqueeze(c, 2)``: Gemma 3n rotates
+[B, S, N, D] before its head transpose), which goes to the kernel flat with its head count (``bsnd``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class CosSin:
     nodes: tuple[ir.Node, ...]
     shared: bool = False  # 1-D positions the whole batch shares (the model's own arange)
     rows: ir.Value | None = None  # without positions: the table cut to the sequence (its rows must be x's)
+    heads_axis: int = 1  # where the factor is unsqueezed: 1 for [B, N, S, D], 2 for [B, S, N, D] (Gemma 3n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,10 +210,12 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
     """Trace one factor of the rotation back to its angle or its folded table."""
     nodes: list[ir.Node] = []
     unsqueeze = _producer(value, "Unsqueeze")
-    if unsqueeze is None or axes_of(unsqueeze) != [1]:
+    heads_axis = axes_of(unsqueeze) if unsqueeze is not None else None
+    if heads_axis not in ([1], [2]):
         if (table := _sliced_table(value, op)) is not None:
             return table
-        raise Declined(f"{op.lower()} is not unsqueezed on the heads axis 1 (not the BNSH layout)")
+        raise Declined(f"{op.lower()} is not unsqueezed on a heads axis (1: BNSH, 2: BSNH)")
+    assert unsqueeze is not None and heads_axis is not None
     nodes.append(unsqueeze)
     v, scale = unsqueeze.inputs[0], 1.0
     while (node := _producer(v, "Cast", "Identity", "Mul")) is not None:
@@ -230,7 +234,7 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
     if trig is not None:
         nodes.append(trig)
         (positions, shared), inv_freq = _angles(trig.inputs[0], nodes)
-        return CosSin("inv_freq", positions, inv_freq, scale, tuple(nodes), shared)
+        return CosSin("inv_freq", positions, inv_freq, scale, tuple(nodes), shared, heads_axis=heads_axis[0])
     gather = _producer(v, "Gather")
     if gather is None or int_attr(gather, "axis", 0) != 0:
         raise Declined(f"{op.lower()} comes from neither {op}(angles) nor Gather(table, position_ids)")
@@ -250,7 +254,29 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
     assert positions is not None
     if positions.shape is not None and len(positions.shape) != 2:
         raise Declined(f"positions {positions.name} have rank {len(positions.shape)}, not [batch, sequence]")
-    return CosSin("table", positions, table[:, :half].astype(np.float32), scale, tuple(nodes))
+    return CosSin("table", positions, table[:, :half].astype(np.float32), scale, tuple(nodes), heads_axis=heads_axis[0])
+
+
+_ELEMENTWISE = frozenset({"Mul", "Div", "Add", "Sub", "Cast", "Identity", "SimplifiedLayerNormalization"})
+
+
+def _heads_after_sequence(x: ir.Value) -> int | None:
+    """Heads of ``x`` [B, S, N, D]: its static dim, else from the head split ``Reshape(proj, [B, S, -1, D])`` it
+    was computed from, through a per-head norm (Gemma 3n's q/k RMSNorm) or other elementwise steps."""
+    if x.shape is not None and len(x.shape) == 4 and isinstance(x.shape[2], int):
+        return x.shape[2]
+    value: ir.Value | None = x
+    for _ in range(16):
+        node = value.producer() if value is not None else None
+        if node is None or node.domain not in (*_ONNX, "com.microsoft"):
+            return None
+        if node.op_type == "Reshape":
+            split = heads_of_split(node.inputs[1], node.inputs[0])
+            return split[0] if split else None
+        if node.op_type not in _ELEMENTWISE:
+            return None
+        value = node.inputs[0]
+    return None
 
 
 def _rows_of_sequence(rows: ir.Value | None, x: ir.Value) -> bool:
@@ -310,6 +336,12 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
         raise Declined("the cos and sin tables differ in shape")
     if cos.scale != sin.scale:
         raise Declined(f"cos is scaled by {cos.scale}, sin by {sin.scale}")
+    if cos.heads_axis != sin.heads_axis:
+        raise Declined("cos and sin are unsqueezed on different axes")
+    bsnd = cos.heads_axis == 2
+    bsnd_heads = _heads_after_sequence(x) if bsnd else None
+    if bsnd and bsnd_heads is None:
+        raise Declined("the heads of the [batch, sequence, heads, head_size] input are not known from the graph")
     if x.dtype is not None and x.dtype not in _FLOATS:
         raise Declined(f"{x.name} is {x.dtype}; RotaryEmbedding takes float or float16")
     rotary_dim = 2 * cos.values.shape[-1]
@@ -324,7 +356,7 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
         raise Declined(f"rotate_half does not split the last axis at {half} (rotary_dim {rotary_dim})")
     nodes = [add, plain, rotated, concat, neg, first, second, *cos.nodes, *sin.nodes]
     anchor, rotated_input, partial, heads = add, x, False, None
-    outer = _producer(x, "Slice")
+    outer = _producer(x, "Slice") if not bsnd else None  # a heads-last partial rotation: the slice's rotation
     users = add.outputs[0].uses()
     wrapper = users[0].node if len(users) == 1 and add.outputs[0] not in graph_outputs else None
     if outer is not None and wrapper is not None and wrapper.op_type == "Concat" and len(wrapper.inputs) == 2:
@@ -347,7 +379,9 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
         ):
             nodes += [wrapper, outer, wrapper.inputs[1].producer()]  # type: ignore[list-item]
             anchor, rotated_input, partial = wrapper, q, True
-    return RotaryMatch(anchor, rotated_input, rotary_dim, partial, heads, cos, sin, tuple(nodes))
+    if bsnd:
+        heads = bsnd_heads
+    return RotaryMatch(anchor, rotated_input, rotary_dim, partial, heads, cos, sin, tuple(nodes), bsnd=bsnd)
 
 
 _LAYER = re.compile(r"(?:layers|layer|h|blocks|block)[._/](\d+)[._/]")

@@ -233,13 +233,33 @@ def test_fuse_rotary_fuses_angles_and_folded_tables_when_hand_written(table):
         np.testing.assert_allclose(run_rope(model, 2, seq, start), run_rope(proto, 2, seq, start), atol=1e-6)
 
 
-def test_fuse_rotary_declines_and_says_why_when_heads_are_not_on_axis_1():
-    model = ir.serde.deserialize_model(rope_graph(table=False, unsqueeze_axis=2))
+@pytest.mark.parametrize("table", [False, True], ids=["inv_freq", "folded_table"])
+def test_fuse_rotary_fuses_heads_last_rotation_flat_with_its_heads(table):
+    """Gemma 3n rotates [B, S, N, D] (cos unsqueezed on axis 2): RotaryEmbedding on [B, S, N*D] with num_heads."""
+    proto = rope_graph(table=table, unsqueeze_axis=2)
+    model = ir.serde.deserialize_model(proto)
+    result = FuseRotary()(model)
+    assert result.counts["rotary_embeddings"] == 1
+    (node,) = [n for n in model.graph if n.op_type == "RotaryEmbedding"]
+    assert node.attributes.get_int("num_heads", 0) == 2
+    assert not any(n.op_type in ("Cos", "Sin", "Neg") for n in model.graph)
+    for seq, start in ((5, 50), (1, 63), (9, 0)):
+        np.testing.assert_allclose(
+            run_rope(model, 2, seq, start, heads_axis=2), run_rope(proto, 2, seq, start, heads_axis=2), atol=1e-6
+        )
+
+
+def test_fuse_rotary_declines_and_says_why_when_heads_last_heads_are_unknown():
+    proto = rope_graph(table=False, unsqueeze_axis=2)
+    for value in (*proto.graph.input, *proto.graph.output):  # heads symbolic, x a graph input: nothing says N
+        if value.name in ("x", "y"):
+            value.type.tensor_type.shape.dim[2].dim_param = "N"
+    model = ir.serde.deserialize_model(proto)
     result = FuseRotary()(model)
     assert not result.modified
     assert len(list(model.graph)) == 15
     (reason,) = result.non_matches
-    assert "not the BNSH layout" in reason.reason and reason.op_type == "Add"
+    assert "heads of the [batch, sequence, heads, head_size] input" in reason.reason and reason.op_type == "Add"
     assert result.notes["decoder"]["rotary"] == "unmatched"
 
 
