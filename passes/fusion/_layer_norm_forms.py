@@ -3,10 +3,14 @@
 ONNX has no LayerNormalization before opset 17, so ``torch.onnx.export(opset_version=14)`` (Optimum's default
 for years) writes each ``nn.LayerNorm`` out::
 
-    x --ReduceMean(-1)--+                                      +--Mul(weight)--Add(bias)-->
-    x ------------------Sub--+--Pow(2) | Mul(d, d)--ReduceMean(-1)--Add(eps)--Sqrt--Div(d, .)  (or Mul(d, 1/.))
+    x --ReduceMean(-1)--+                                      +--Mul(weight)--[Add(bias)]-->
+    x ------------------Sub--+--Pow(2) | Mul(d, d)--ReduceMean(-1)--Add(eps)--Sqrt--Div(d, .)  (or Mul(d, 1/.),
+                                                                                        Reciprocal or Div(1, .))
                              +--------------------------------------------------------/
-    ==>  LayerNormalization(x, weight, bias, axis=-1, epsilon=eps)
+    ==>  LayerNormalization(x, weight, bias or zeros, axis=-1, epsilon=eps)
+
+Below opset 17 ``upgrade_opset`` applies ``rules``; at 17 and above ``fuse_for_ort`` applies ``rules`` then
+``unbiased_rules`` (a hand-written norm in a new export: Cohere's, without a bias).
 
 onnxscript's ``layer_normalization`` rule (0.7.2) reads the axes as an input only, wants ``keepdims=1`` spelled
 out and a ``Reciprocal`` or ``Div``; the TorchScript exporter writes the axes as an attribute below opset 18 and
@@ -19,6 +23,7 @@ another order. Built with onnxscript's exported pattern API (``RewriteRuleClassB
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
@@ -56,18 +61,21 @@ def _vector_over_last(value: ir.Value, x: ir.Value) -> bool:
 
 
 class LayerNormForms(pattern.RewriteRuleClassBase):
-    def __init__(self, name: str, *, axes_input: bool, square: str, divide: bool) -> None:
+    def __init__(self, name: str, *, axes_input: bool, square: str, divide: str, biased: bool = True) -> None:
         super().__init__(name)
+        self._biased = biased  # Add(., bias) after the weight; Cohere's norm has none
         self._axes_input = axes_input  # ReduceMean(x, axes) (opset 18) or ReduceMean(x, axes=[-1]) (below)
         self._square = square  # "pow": Pow(d, 2); "mul": Mul(d, d)
-        self._divide = divide  # Div(d, std) or Mul(d, Reciprocal(std))
+        # "div": Div(d, std); "reciprocal": Mul(d, Reciprocal(std)); "div_one": Mul(d, Div(1, std)), as fuse_rotary
+        # leaves a norm whose Reciprocal(Sqrt) it turned for ORT's RMS fusion (an LN is the RMS norm of x - mean)
+        self._divide = divide
 
     def _mean(self, op, x, axes):
         if self._axes_input:
             return op.ReduceMean(x, axes, _allow_other_attributes=True, _outputs=["mean_out"])
         return op.ReduceMean(x, _allow_other_attributes=True, _outputs=["mean_out"])
 
-    def pattern(self, op, x, axes, axes2, two, epsilon, weight, bias):  # noqa: PLR0917 - bound by position
+    def pattern(self, op, x, axes, axes2, two, epsilon, weight, bias, one):  # noqa: PLR0917 - bound by position
         d = op.Sub(x, self._mean(op, x, axes))
         square = op.Pow(d, two) if self._square == "pow" else op.Mul(d, d)
         if self._axes_input:
@@ -75,11 +83,19 @@ class LayerNormForms(pattern.RewriteRuleClassBase):
         else:
             var = op.ReduceMean(square, _allow_other_attributes=True, _outputs=["var_out"])
         std = op.Sqrt(op.Add(var, epsilon))
-        normed = op.Div(d, std) if self._divide else op.Mul(d, op.Reciprocal(std))
-        return op.Add(op.Mul(normed, weight), bias)
+        if self._divide == "div":
+            normed = op.Div(d, std)
+        else:
+            normed = op.Mul(d, op.Reciprocal(std) if self._divide == "reciprocal" else op.Div(one, std))
+        scaled = op.Mul(normed, weight)
+        return op.Add(scaled, bias) if self._biased else scaled
 
-    def check(self, context, x, epsilon, weight, bias, mean_out, var_out, two=None, **_) -> pattern.MatchResult:  # noqa: PLR0917
+    def check(  # noqa: PLR0917 - onnxscript binds by name; the defaults are the variables a form may not bind
+        self, context, x, epsilon, weight, mean_out, var_out, bias=None, two=None, one=None, **_
+    ) -> pattern.MatchResult:
         result = pattern.MatchResult()
+        if self._divide == "div_one" and _scalar(one) != 1.0:
+            return result.fail("Div(c, std) with c != 1 is not an inverse", one)
         if x.dtype not in _FLOATS:
             return result.fail(f"input of type {x.dtype}: LayerNormalization takes float types", x)
         for out in (mean_out, var_out):
@@ -90,26 +106,47 @@ class LayerNormForms(pattern.RewriteRuleClassBase):
         if _scalar(epsilon) is None:
             return result.fail("epsilon is not a constant scalar", epsilon)
         for name, value in (("weight", weight), ("bias", bias)):
-            if not _vector_over_last(value, x):
+            if (value is not None or self._biased) and not _vector_over_last(value, x):
                 return result.fail(f"{name} is not a constant vector over the normalized axis", value)
         return result
 
-    def rewrite(self, op, x, epsilon, weight, bias, **_):
+    def rewrite(self, op, x, epsilon, weight, bias=None, **_):
         stash = ir.DataType.DOUBLE if x.dtype == ir.DataType.DOUBLE else ir.DataType.FLOAT
+        if bias is None:  # a zero bias: onnxscript's skip_layer_normalization rule reads only biased norms
+            bias = op.Constant(value=ir.tensor(np.zeros(x.shape[-1], dtype=x.dtype.numpy())))
         return op.LayerNormalization(x, weight, bias, axis=-1, epsilon=_scalar(epsilon), stash_type=stash)
 
 
+_INVERSES = ("div", "reciprocal", "div_one")
 rules = pattern.RewriteRuleSet(
     [
         LayerNormForms.rule(
-            f"LayerNorm{'AxesInput' if a else 'AxesAttribute'}{s.title()}{'Div' if d else 'Reciprocal'}",
+            f"LayerNorm{'AxesInput' if a else 'AxesAttribute'}{s.title()}{d.title().replace('_', '')}",
             axes_input=a,
             square=s,
             divide=d,
         )
         for a in (False, True)
         for s in ("pow", "mul")
-        for d in (True, False)
+        for d in _INVERSES
     ],
     commute=True,  # Mul(weight, normed), Add(bias, .), Add(eps, var): other exporters write either order
+)
+# Applied after ``rules``: a biased norm's weighted product matches this too, and fused alone it would leave the
+# bias's Add outside the kernel. Cohere's hand-written norm (opset 17/18 exports) has no bias; fuse_for_ort
+# applies both sets so that its residual sums become SkipLayerNormalization.
+unbiased_rules = pattern.RewriteRuleSet(
+    [
+        LayerNormForms.rule(
+            f"LayerNorm{'AxesInput' if a else 'AxesAttribute'}{s.title()}{d.title().replace('_', '')}NoBias",
+            axes_input=a,
+            square=s,
+            divide=d,
+            biased=False,
+        )
+        for a in (False, True)
+        for s in ("pow", "mul")
+        for d in _INVERSES
+    ],
+    commute=True,
 )

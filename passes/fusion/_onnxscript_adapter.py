@@ -46,6 +46,7 @@ from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _erf_gelu as erf_gelu
 from passes.fusion import _heads_3d as heads_3d
+from passes.fusion import _layer_norm_forms as layer_norm_forms
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _mha_bias_order as mha_bias_order
 from passes.fusion import _mha_kv_layout as mha_kv_layout
@@ -91,6 +92,7 @@ _CUT = {"attention": (), "mha": ("attention",), "none": ("sdpa", "attention")}
 
 
 _T = TypeVar("_T")
+_LAYER_NORM_OPSET = 17  # ONNX's LayerNormalization
 
 
 class OnnxscriptAPIChangedError(ImportError):
@@ -202,6 +204,10 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     settled(rule_set("shape_optimization").apply_to_model(model))
     settled(optimizer.optimize(model))
     # Ours: RMS norms in the forms the exporters write that onnxscript's rule does not read (_rms_norm_opset17).
+    counts["layer_norms_written_out"] = 0
+    if model.opset_imports.get("", 0) >= _LAYER_NORM_OPSET:  # a hand-written norm (Cohere's), before its Skip step
+        for rules in (layer_norm_forms.rules, layer_norm_forms.unbiased_rules):
+            counts["layer_norms_written_out"] += settled(rules.apply_to_model(model))
     counts["rms_norms_opset17"] = settled(rms_norm_opset17.rules.apply_to_model(model))
     counts["rms_norms_opset17"] += settled(rms_norm_opset17.unscaled_rules.apply_to_model(model))
     for step in ("erf_gelu", "rms_normalization", "skip_layer_normalization", "skip_rms_normalization"):

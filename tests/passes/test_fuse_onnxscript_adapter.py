@@ -59,6 +59,7 @@ def test_rule_set_raises_naming_the_dotted_name_when_onnxscript_renames_it(monke
 # the exporter's form).
 OURS = (
     "merge_heads_split",
+    "layer_norms_written_out",
     "rms_norms_opset17",
     "attention_biases_grouped",
     "concat_shapes_split",
