@@ -89,6 +89,7 @@ from core.config import Tolerance
 from core.precision import compute_precision
 from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
+from passes._match import take_graph_output
 from passes._subgraphs import in_branches
 from passes.fusion import _fused_matmul as fused_matmul
 from passes.fusion import _fusion_families as fam
@@ -729,7 +730,8 @@ def sink_flatten_below_norm(model: ir.Model) -> int:
         after = ir.node("Reshape", [sunk.outputs[0], shape.outputs[0]], name=f"{prefix}/flatten")
         after.outputs[0].shape, after.outputs[0].dtype = y.shape, y.dtype
         model.graph.insert_before(norm, [sunk, shape, after])
-        ir.convenience.replace_all_uses_with(y, after.outputs[0], replace_graph_outputs=True)
+        take_graph_output(model.graph, y, after.outputs[0], "/unsunk")  # the signature keeps its names
+        ir.convenience.replace_all_uses_with(y, after.outputs[0])
     if sites:
         common_passes.RemoveUnusedNodesPass()(model)
     return len(sites)
@@ -790,7 +792,10 @@ def gemm_to_matmul(model: ir.Model) -> int:
             out = add.outputs[0]
         out.shape, out.dtype = unflat.outputs[0].shape, unflat.outputs[0].dtype
         model.graph.insert_before(unflat, nodes)
-        ir.convenience.replace_all_uses_with(unflat.outputs[0], out, replace_graph_outputs=True)
+        # nn.MultiheadAttention's sequence-first output (dynamo) is the unflattening Reshape's: the MatMul's output
+        # takes its name, or the candidate's signature changed and it was refused
+        take_graph_output(model.graph, unflat.outputs[0], out, "/unflattened")
+        ir.convenience.replace_all_uses_with(unflat.outputs[0], out)
     if sites:
         common_passes.RemoveUnusedNodesPass()(model)
     return len(sites)

@@ -11,6 +11,9 @@ committed so the tests need neither. Each is ``F.multi_head_attention_forward``'
   left at True), batch first or sequence first, ``(x, key_padding_mask bool [B, S]) -> y``: the packed
   in-projection and the padding mask merged to ``[B*heads, 1, S]`` with -inf. (The TorchScript exporter writes
   this module's key length as a constant, so that export runs at its example's length only: none kept.)
+* ``mha_seq_first_dynamo.onnx``: the same module sequence first, called with ``need_weights=False`` (CLIP's and
+  BridgeTower's image towers): its SDPA path, ``x [S, B, 32] -> y [S, B, 32]``, the output unflattened from the
+  out-projection's 2-D Gemm.
 """
 
 from __future__ import annotations
@@ -105,6 +108,42 @@ def build_mha() -> list[Path]:
     return paths
 
 
+def build_mha_no_weights() -> Path:
+    import torch
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4)
+    with torch.no_grad():
+        for p in mha.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+
+    class Attend(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    module = Attend().eval()
+    axes = ({0: torch.export.Dim("sequence", min=2, max=512), 1: torch.export.Dim("batch", min=2, max=64)},)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, (torch.randn(5, 2, 32),), input_names=["x"], output_names=["y"],
+                                    dynamic_shapes=axes, opset_version=18, dynamo=True)  # fmt: skip
+    path = DIR / "mha_seq_first_dynamo.onnx"
+    onnx.save(_strip(program.model_proto, _meta()), str(path))
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for seq, batch in ((3, 1), (9, 3)):
+        x = np.random.default_rng(seq).standard_normal((seq, batch, 32)).astype(np.float32)
+        with torch.no_grad():
+            want = module(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)
+    return path
+
+
 def _check(module, path: Path, batch_first: bool) -> None:
     """ORT against torch on shapes other than the export example's."""
     import onnxruntime as ort
@@ -123,5 +162,5 @@ def _check(module, path: Path, batch_first: bool) -> None:
 
 
 if __name__ == "__main__":
-    for built in build_wavlm() + build_mha():
+    for built in [*build_wavlm(), *build_mha(), build_mha_no_weights()]:
         print(built, built.stat().st_size, "bytes")

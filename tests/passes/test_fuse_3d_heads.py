@@ -3,7 +3,8 @@
 ``F.multi_head_attention_forward`` with ``need_weights=True`` (``torch.nn.MultiheadAttention``'s default, WavLM)
 multiplies ``[B*heads, S, d]`` heads folded from a ``[S, B, E]`` projection with ``bmm``; onnxscript's SDPA rule
 reads 4-D heads only, so none fused (WavLM 0/2 under every exporter, bench/README.md). The exports are
-``python -m tests.models.build_heldout_3d_heads``; each fused model is compared with the export under ORT with
+``python -m tests.models.build_heldout_3d_heads`` (and ``nn.MultiheadAttention``'s ``need_weights=False`` path,
+sequence first); each fused model is compared with the export under ORT with
 optimizations off at shapes other than the export's (batch 2, 20 frames; batch 2, 5 tokens).
 """
 
@@ -80,6 +81,21 @@ def test_multihead_attention_with_key_padding_mask_fuses_exactly(batch_first):
         rows = (slice(None), batch - 1) if not batch_first else (batch - 1,)
         assert np.isnan(want[rows]).all() and np.isnan(got[rows]).all()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True, err_msg=f"{batch}x{seq}")
+
+
+def test_sequence_first_multihead_attention_without_weights_fuses_and_keeps_its_output_name():
+    """``need_weights=False``: the SDPA path, out-projected by a 2-D Gemm whose unflattening Reshape is the graph
+    output. Turning that Gemm into a 3-D MatMul replaced the output without its name, and the candidate was
+    refused (SignatureChanged: ['y'] -> ['val_6']): no attention fused."""
+    path = HELDOUT / "mha_seq_first_dynamo.onnx"
+    model, result = _fused(path, {"family": "vit"})
+    ops = op_histogram(model)
+    assert result.counts["fused_attention"] == 1 and "Softmax" not in ops
+    assert [v.name for v in model.graph.outputs] == ["y"]
+    reference, fused = session(path), session(model)
+    for seq, batch in ((7, 3), (12, 1)):
+        feeds = {"x": np.random.default_rng(seq).standard_normal((seq, batch, 32)).astype(np.float32)}
+        np.testing.assert_allclose(fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
 
 
 def _folded_graph(keep_sequence: bool = True, scale_after_bias: bool = False) -> onnx.ModelProto:
