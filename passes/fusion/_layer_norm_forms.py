@@ -118,35 +118,31 @@ class LayerNormForms(pattern.RewriteRuleClassBase):
 
 
 _INVERSES = ("div", "reciprocal", "div_one")
-rules = pattern.RewriteRuleSet(
-    [
-        LayerNormForms.rule(
-            f"LayerNorm{'AxesInput' if a else 'AxesAttribute'}{s.title()}{d.title().replace('_', '')}",
-            axes_input=a,
-            square=s,
-            divide=d,
-        )
-        for a in (False, True)
-        for s in ("pow", "mul")
-        for d in _INVERSES
-    ],
-    commute=True,  # Mul(weight, normed), Add(bias, .), Add(eps, var): other exporters write either order
-)
+
+
+def _rule_set(*, biased: bool) -> pattern.RewriteRuleSet:
+    """One rule per ReduceMean form, square and inverse; ``commute``: Mul(weight, normed), Add(bias, .), Add(eps,
+    var), as other exporters write them."""
+    return pattern.RewriteRuleSet(
+        [
+            LayerNormForms.rule(
+                f"LayerNorm{'AxesInput' if a else 'AxesAttribute'}{s.title()}{d.title().replace('_', '')}"
+                f"{'' if biased else 'NoBias'}",
+                axes_input=a,
+                square=s,
+                divide=d,
+                biased=biased,
+            )
+            for a in (False, True)
+            for s in ("pow", "mul")
+            for d in _INVERSES
+        ],
+        commute=True,
+    )
+
+
+rules = _rule_set(biased=True)
 # Applied after ``rules``: a biased norm's weighted product matches this too, and fused alone it would leave the
 # bias's Add outside the kernel. Cohere's hand-written norm (opset 17/18 exports) has no bias; fuse_for_ort
 # applies both sets so that its residual sums become SkipLayerNormalization.
-unbiased_rules = pattern.RewriteRuleSet(
-    [
-        LayerNormForms.rule(
-            f"LayerNorm{'AxesInput' if a else 'AxesAttribute'}{s.title()}{d.title().replace('_', '')}NoBias",
-            axes_input=a,
-            square=s,
-            divide=d,
-            biased=False,
-        )
-        for a in (False, True)
-        for s in ("pow", "mul")
-        for d in _INVERSES
-    ],
-    commute=True,
-)
+unbiased_rules = _rule_set(biased=False)
