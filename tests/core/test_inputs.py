@@ -319,6 +319,20 @@ def test_feeds_at_keeps_previous_roles_when_the_model_is_a_plain_encoder() -> No
     assert feeds["attention_mask"][0].all()
 
 
+@pytest.mark.parametrize("name", ["decoders/llama_past_ts.onnx", "decoders/llama_past_dynamo.onnx"])
+def test_feeds_at_decodes_one_token_per_row_when_a_cached_lm_gets_several_rows(name: str) -> None:
+    """A pass's own inputs (no samples) on a cached decoder-only LM: several rows after a past decode one new token
+    each, as generation calls it (GroupQueryAttention refuses several rows of several new tokens on a past)."""
+    synthesis = InputSynthesis(onnx.load(str(MODELS / name), load_external_data=False))
+    rng = np.random.default_rng(0)
+    one, several = synthesis.feeds_at(1, 7, rng), synthesis.feeds_at(3, 16, rng)
+    assert one["input_ids"].shape == (1, 7)
+    assert several["input_ids"].shape == (3, 1)
+    past = next(v for k, v in several.items() if k.startswith("past_key_values"))
+    assert past.shape[0] == 3 and past.shape[2] == 16
+    assert several["attention_mask"].shape == (3, 17)
+
+
 @pytest.mark.parametrize(
     "name", ["decoders/llama_past_ts.onnx", "decoders/llama_past_dynamo.onnx", "roles_gpt2_past.onnx"]
 )
