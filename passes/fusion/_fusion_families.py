@@ -630,10 +630,12 @@ def detect_sizes(model: ir.Model) -> tuple[int, int]:
             hidden = dim if isinstance(dim, int) else 0
             break
     for node in model.graph:
-        if node.op_type == "Softmax" and (heads := _heads(node)):
-            return heads, hidden
+        heads = _heads(node) if node.op_type == "Softmax" else 0
         fused = node.domain == "com.microsoft" and node.op_type in GROUPS["attention"]  # by fuse_gqa
-        if fused and (heads := node.attributes.get_int("num_heads", 0)):
+        heads = heads or (node.attributes.get_int("num_heads", 0) if fused else 0)
+        # A count the hidden size does not divide is another block's (PEGASUS-X's block-local scores come first),
+        # and ORT's optimizer asserts on it: the next Softmax says.
+        if heads and (not hidden or hidden % heads == 0):
             return heads, hidden
     return 0, hidden
 

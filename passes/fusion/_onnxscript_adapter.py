@@ -191,6 +191,11 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         # onnxscript's rewriter can evict an initializer other nodes still read (passes/_dangling.py): put each
         # back right after the step, before a later one serializes the graph without it.
         counts["constants_reattached"] += dangling.reattach_constants(model.graph)
+        # It also inserts a replacement where the last matched node stood: a residual sum's other reader (PEGASUS-X's
+        # Shape of it) between the Add and the norm then reads SkipLayerNormalization's sum output before the node
+        # is listed. ORT sorts on load, onnx's checker and onnx-ir's clone refuse it (the candidate was refused,
+        # and the per-layer reasons raised): the stable sort keeps every other node where it was.
+        model.graph.sort()
         return result
 
     def fuse(step: str, shape_inference: bool = False, count_as: str | None = None) -> None:

@@ -616,6 +616,8 @@ def _ort(
         lg.addHandler(handler)
         lg.propagate = False  # the DEBUG records are for the report, not for the host's log handlers
     model_type = fam.ORT_MODEL_TYPE[family]
+    if not heads or hidden % heads:  # ORT's BertOnnxModel asserts both are given and agree, or neither is
+        heads = hidden = 0
     options = FusionOptions(model_type)
     options.enable_skip_layer_norm = skip_norms
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import onnx
 import onnx_ir as ir
 import pytest
 from onnx_ir.passes.common import ShapeInferencePass
@@ -130,3 +131,35 @@ def test_closest_match_names_no_node_when_only_a_patterns_first_node_matched():
     reason = adapter.closest_match(model, "sdpa")
     assert reason.startswith("onnxscript sdpa: no partial match beyond the pattern's first node (MatMul)")
     assert "matched at" not in reason  # no node named
+
+
+def _residual_read_twice() -> ir.Model:
+    """``LayerNorm(x + r) + 2 (x + r)``: the residual sum has a second reader listed before the norm (PEGASUS-X's
+    encoder takes the Shape of its residual stream there)."""
+    model = ir.serde.deserialize_model(
+        parse("""
+        <ir_version: 10, opset_import: ["" : 18]>
+        g (float[B, S, 8] x, float[B, S, 8] r) => (float[B, S, 8] y)
+          <float[8] w = {1, 2, 1, 2, 1, 2, 1, 2}, float[8] b = {0, 1, 0, 1, 0, 1, 0, 1}, float two = {2}> {
+            a = Add(x, r)
+            d = Mul(a, two)
+            n = LayerNormalization <axis = -1, epsilon = 1e-5> (a, w, b)
+            y = Add(n, d)
+        }
+        """)
+    )
+    ShapeInferencePass()(model)
+    return model
+
+
+def test_fused_graph_stays_topologically_sorted_when_a_residual_sum_has_an_earlier_reader():
+    """onnxscript puts SkipLayerNormalization where the norm stood, after the Shape that now reads its sum output:
+    ORT sorts on load, but onnx's checker and onnx-ir's clone refused the candidate (PEGASUS-X's whole
+    fuse_transformer failed in its per-layer reasons)."""
+    model = _residual_read_twice()
+    counts = adapter.fuse_for_ort(model)
+    assert counts["skip_layer_normalization"] == 1
+    order = [n.op_type for n in model.graph]
+    assert order.index("SkipLayerNormalization") < order.index("Mul")
+    model.clone()  # raised "outer-scope value" on the unsorted graph
+    onnx.checker.check_model(ir.serde.serialize_model(model))

@@ -24,3 +24,19 @@ def test_an_error_without_a_message_names_the_line_that_raised_it() -> None:
 
 def test_an_error_with_a_message_keeps_it() -> None:
     assert _failure(ValueError("shape mismatch")) == "ValueError: shape mismatch"
+
+
+def test_ort_candidate_runs_when_the_head_count_is_unknown_but_the_hidden_size_is_not() -> None:
+    """ORT's BertOnnxModel asserts that num_heads and hidden_size are both given and agree, or neither is:
+    PEGASUS-X's heads were unknown (0) beside a hidden size of 32, and the ort candidate raised on that assert."""
+    from collections import Counter
+
+    import onnx
+
+    from passes.fusion.fuse_transformer import _ort
+    from tests.passes._util import MODELS
+
+    proto = onnx.load(str(MODELS / "hf_bert_encoder.onnx"))
+    for heads, hidden in ((0, 32), (3, 32)):  # unknown, and a count that does not divide the width
+        fused = _ort(proto, "bert", heads, hidden, Counter())
+        assert len(fused.graph.node) > 0
