@@ -78,8 +78,10 @@ def _models():
 
     def bridgetower():
         wide = 64  # the image tower has hidden / 64 heads
-        text = tf.BridgeTowerTextConfig(vocab_size=VOCAB, hidden_size=wide, num_hidden_layers=2,
-                                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+        text = tf.BridgeTowerTextConfig(
+            vocab_size=VOCAB, hidden_size=wide, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=64,
+        )  # fmt: skip
         image = tf.BridgeTowerVisionConfig(hidden_size=wide, num_hidden_layers=2, patch_size=8, image_size=32)
         model = tf.BridgeTowerModel(tf.BridgeTowerConfig(
             text_config=text.to_dict(), vision_config=image.to_dict(), hidden_size=wide, num_hidden_layers=2,

@@ -39,7 +39,7 @@ HIDDEN, VOCAB = 32, 128
 _LAYER = {"hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
 
-def _models():  # noqa: PLR0915 - one block per family, as in the earlier rounds
+def _models():
     import torch
     import transformers as tf
 
