@@ -29,6 +29,7 @@ again (``passes/_dangling.py``; counted as ``constants_reattached``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 from typing import Literal, TypeVar
@@ -194,8 +195,10 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         # It also inserts a replacement where the last matched node stood: a residual sum's other reader (PEGASUS-X's
         # Shape of it) between the Add and the norm then reads SkipLayerNormalization's sum output before the node
         # is listed. ORT sorts on load, onnx's checker and onnx-ir's clone refuse it (the candidate was refused,
-        # and the per-layer reasons raised): the stable sort keeps every other node where it was.
-        model.graph.sort()
+        # and the per-layer reasons raised): the stable sort keeps every other node where it was. A cycle cannot be
+        # sorted: left as it is, the candidate's check refuses it and the report says which layers it had fused.
+        with contextlib.suppress(ValueError):
+            model.graph.sort()
         return result
 
     def fuse(step: str, shape_inference: bool = False, count_as: str | None = None) -> None:
