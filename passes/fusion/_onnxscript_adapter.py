@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 from typing import Literal, TypeVar
 
@@ -104,11 +105,11 @@ def rule_set(step: str) -> pattern.RewriteRuleSet:
     """onnxscript's rule set for one fusion step, by the step's name in ``_RULE_SETS`` (rebuilt with a check of
     ours for the steps in ``_RULE_CLASSES``)."""
     if step in _RULE_CLASSES:
-        _resolve(*_RULE_SETS[step], pattern.RewriteRuleSet)
         return _checked_rules(step)
     return _resolve(*_RULE_SETS[step], pattern.RewriteRuleSet)
 
 
+@functools.cache  # one rule set per step, as onnxscript's own are module-level: fuse_for_ort asks for it per run
 def _checked_rules(step: str) -> pattern.RewriteRuleSet:
     """onnxscript's rule for ``step`` with a check of ours, under the rule's own name (the one onnxscript records).
 
@@ -119,6 +120,7 @@ def _checked_rules(step: str) -> pattern.RewriteRuleSet:
 
     ``partial_rotary_embedding``: the merged rotation gets ``num_heads``, which ORT requires beside
     ``rotary_embedding_dim`` (``_rotary_heads``); where the graph does not say it, the rotation stays partial."""
+    _resolve(*_RULE_SETS[step], pattern.RewriteRuleSet)  # the set it stands for is still there (check_api)
     base = _resolve(*_RULE_CLASSES[step], type)
     if step == "mha_bias":
 
