@@ -45,6 +45,9 @@ PAST_EXPORTERS = {"ts_eager": "ts", "ts_sdpa": "ts_sdpa", "dynamo": "dynamo"}  #
 HIDDEN, FFN, VOCAB, KV_HEADS = 64, 128, 1024, 2
 IDS = {"pad_token_id": nocache.PAD, "bos_token_id": nocache.BOS, "eos_token_id": nocache.EOS}
 _MOE = {"num_experts_per_tok": 2}
+# DeepSeek-style routing (GLM-4 MoE's too): 4 routed experts and a shared one after one dense layer, one group
+_GROUPED_MOE = {"n_routed_experts": 4, "n_shared_experts": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+                "n_group": 1, "topk_group": 1, **_MOE}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -200,13 +203,7 @@ MODELS: dict[str, Model] = {
                 "qk_rope_head_dim": 8,
                 "qk_nope_head_dim": 16,
                 "v_head_dim": 16,
-                "n_routed_experts": 4,
-                "n_shared_experts": 1,
-                "moe_intermediate_size": 64,
-                "first_k_dense_replace": 1,
-                "n_group": 1,
-                "topk_group": 1,
-                **_MOE,
+                **_GROUPED_MOE,
             },
             kv_heads=1,
             cache_head_dim=8,

@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import heldout_dec_round2 as round2  # noqa: E402
-from bench.heldout_dec_round2 import _MOE, Model  # noqa: E402
+from bench.heldout_dec_round2 import _GROUPED_MOE, _MOE, Model  # noqa: E402
 
 OUT = REPO / "bench" / "out" / "heldout" / "dec_round4"
 SCRIPT = "bench.heldout_dec_round4"
@@ -94,17 +94,7 @@ NAMES = round2.register(
             "glm4_moe",
             "Glm4MoeConfig",
             "Glm4MoeForCausalLM",
-            {
-                "n_routed_experts": 4,
-                "n_shared_experts": 1,
-                "moe_intermediate_size": 64,
-                "first_k_dense_replace": 1,
-                "n_group": 1,
-                "topk_group": 1,
-                "use_qk_norm": True,
-                "experts_implementation": "batched_mm",
-                **_MOE,
-            },
+            {"use_qk_norm": True, "experts_implementation": "batched_mm", **_GROUPED_MOE},
             note="partial rotary, q/k norms, grouped top-k routing after one dense layer",
         ),
         Model(
