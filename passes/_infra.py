@@ -85,6 +85,7 @@ import numpy as np
 import onnx_ir as ir
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from core.config import Tolerance
 from core.errors import InvalidPassOptionsError, PassError
 from core.verdict import Verdict
 from passes._dangling import dangling_values
@@ -184,6 +185,11 @@ class PassContext:
     # the model a pass gets computes what the upload computes (module docstring's table); empty otherwise.
     references: list[Sequence[np.ndarray]] = dataclasses.field(default_factory=list)
     reference_names: list[str] = dataclasses.field(default_factory=list)
+    # The job's verification tolerance: the engine holds every output of a pass's result to it. A lossy pass
+    # that searches for what it may change (the quantizers) holds its candidates to it too, so that what it
+    # hands back is not rolled back for an output its own budget did not look at (a KV cache). None outside
+    # the engine.
+    tolerance: Tolerance | None = None
 
 
 OptionsT = TypeVar("OptionsT", bound=PassOptions)

@@ -281,6 +281,7 @@ def in_branches(pass_: _GraphPass, model: ir.Model, ctx: PassContext) -> PassRes
                 constant_fold_max_bytes=ctx.constant_fold_max_bytes,
                 side_files=ctx.side_files,
                 measure=ctx.measure,
+                tolerance=ctx.tolerance,
             )
             result = runner.call(ir.serde.deserialize_model(alone), sub_ctx)
             for m in result.non_matches:

@@ -128,6 +128,7 @@ class Ledger:
             samples=[s.feeds for s in setup.input_sets],
             constant_fold_max_bytes=setup.constant_fold_max_bytes,
             measure=BenchmarkMeasure(target=setup.target, intra_op_threads=setup.intra_op_threads),
+            tolerance=setup.tolerance,
         )
 
     def _verified_as(self, positions: dict[str, dict[str, Any]], side_file: str | None) -> tuple[Any, ...]:

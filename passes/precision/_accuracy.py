@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from core.config import Tolerance
 from core.inputs import InputRole
 
 
@@ -39,13 +40,19 @@ class OutputAccuracy:
     max_abs: float = 0.0
     rel_l2: float = 0.0
     cosine: float = 1.0
+    # Share of the elements outside the job's atol + rtol * |ref| (``compare_arrays``' ``elements``); None
+    # when measured without it.
+    beyond: float | None = None
 
     def to_dict(self) -> dict[str, float]:
-        return {
+        out = {
             "max_abs": round_sig(self.max_abs),
             "rel_l2": round_sig(self.rel_l2),
             "cosine": round_sig(self.cosine, 8),
         }
+        if self.beyond is not None:
+            out["beyond_tolerance"] = round_sig(self.beyond)
+        return out
 
 
 def round_sig(x: float, digits: int = 4) -> float:
@@ -54,28 +61,36 @@ def round_sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def compare_arrays(ref: np.ndarray, got: np.ndarray) -> OutputAccuracy:
+def compare_arrays(ref: np.ndarray, got: np.ndarray, elements: Tolerance | None = None) -> OutputAccuracy:
+    """``got`` against ``ref``; with ``elements``, also the share of elements outside its atol + rtol * |ref|,
+    as the engine's verification counts them (``numpy.isclose``, the bounds of ``ref``'s dtype)."""
     r = np.asarray(ref, dtype=np.float64).ravel()
     g = np.asarray(got, dtype=np.float64).ravel()
     if r.shape != g.shape:
-        return OutputAccuracy(math.inf, math.inf, -1.0)
+        return OutputAccuracy(math.inf, math.inf, -1.0, None if elements is None else 1.0)
     if not r.size:
-        return OutputAccuracy()
+        return OutputAccuracy(beyond=None if elements is None else 0.0)
+    beyond = None
+    if elements is not None:
+        atol, rtol = elements.bounds(np.asarray(ref).dtype)
+        beyond = 1.0 - float(np.count_nonzero(np.isclose(g, r, atol=atol, rtol=rtol, equal_nan=True))) / r.size
     diff = g - r
     if not np.all(np.isfinite(diff)):
-        return OutputAccuracy(math.inf, math.inf, -1.0)
+        return OutputAccuracy(math.inf, math.inf, -1.0, beyond)
     nr, ng = float(np.linalg.norm(r)), float(np.linalg.norm(g))
     max_abs = float(np.abs(diff).max())
     rel = float(np.linalg.norm(diff)) / nr if nr else (0.0 if not ng else math.inf)
     cosine = float(np.dot(r, g)) / (nr * ng) if nr and ng else (1.0 if nr == ng else 0.0)
-    return OutputAccuracy(max_abs, rel, cosine)
+    return OutputAccuracy(max_abs, rel, cosine, beyond)
 
 
 def worst(acc: Sequence[OutputAccuracy]) -> OutputAccuracy:
+    shares = [a.beyond for a in acc if a.beyond is not None]
     return OutputAccuracy(
         max((a.max_abs for a in acc), default=0.0),
         max((a.rel_l2 for a in acc), default=0.0),
         min((a.cosine for a in acc), default=1.0),
+        max(shares) if shares else None,
     )
 
 
@@ -122,10 +137,16 @@ class Budget:
     max_abs_error: float | None
     min_top1_agreement: float | None = None
     max_perplexity_increase: float | None = None
+    # The job's tolerance (``PassContext.tolerance``, or the pass's ``tolerance`` option): every float output
+    # measured with it (``measure(elements=...)``) keeps its share of elements outside atol + rtol * |ref| and
+    # its cosine within it, as the engine's verification will require.
+    elements: Tolerance | None = None
 
     def misses(self, accuracy: dict[str, OutputAccuracy]) -> list[str]:
         """Why ``accuracy`` misses the budget, one line per failed output and criterion; empty when it holds."""
         problems = []
+        elements = self.elements
+        min_cosine = self.min_cosine if elements is None else max(self.min_cosine, elements.min_cosine)
         for name, a in accuracy.items():
             if isinstance(a, TokenAccuracy):
                 if self.min_top1_agreement is not None and a.top1_agreement < self.min_top1_agreement:
@@ -140,8 +161,13 @@ class Budget:
                         f"{name}: perplexity {a.perplexity_quantized:.5g} vs {a.perplexity_original:.5g} "
                         f"(+{increase:.2%} > +{limit:.2%})"
                     )
-            if a.cosine < self.min_cosine:
-                problems.append(f"{name}: cosine {a.cosine:.6f} < {self.min_cosine}")
+            if a.cosine < min_cosine:
+                problems.append(f"{name}: cosine {a.cosine:.6f} < {min_cosine}")
+            if elements is not None and a.beyond is not None and a.beyond > elements.max_mismatch_ratio:
+                problems.append(
+                    f"{name}: {a.beyond:.2%} of elements outside the job's tolerance (atol={elements.atol:g} "
+                    f"rtol={elements.rtol:g}; it allows {elements.max_mismatch_ratio:.2%})"
+                )
             if self.max_rel_error is not None and a.rel_l2 > self.max_rel_error:
                 problems.append(f"{name}: relative L2 error {a.rel_l2:.4g} > {self.max_rel_error}")
             if self.max_abs_error is not None and a.max_abs > self.max_abs_error:
@@ -155,6 +181,7 @@ class Budget:
             "max_abs_error": self.max_abs_error,
             "min_top1_agreement": self.min_top1_agreement,
             "max_perplexity_increase": self.max_perplexity_increase,
+            **({} if self.elements is None else {"job_tolerance": self.elements.model_dump()}),
         }
 
 
@@ -191,12 +218,15 @@ def measure(
     names: Sequence[str],
     reference: list[list[np.ndarray]],
     probe: TokenProbe | None = None,
+    *,
+    elements: Tolerance | None = None,
 ) -> dict[str, OutputAccuracy]:
-    """Per-output accuracy of the model at ``path`` against the reference outputs, worst over the feeds; with
-    a ``probe``, also its teacher-forced next-token figures under the key ``probe.key``."""
+    """Per-output accuracy of the model at ``path`` against the reference outputs, worst over the feeds (with
+    ``elements``, the share outside it too: ``compare_arrays``); with a ``probe``, also its teacher-forced
+    next-token figures under the key ``probe.key``."""
     got = run_outputs(path, feeds, names)
     accuracy = {
-        name: worst([compare_arrays(ref[i], out[i]) for ref, out in zip(reference, got, strict=True)])
+        name: worst([compare_arrays(ref[i], out[i], elements) for ref, out in zip(reference, got, strict=True)])
         for i, name in enumerate(names)
     }
     if probe is not None:

@@ -9,7 +9,9 @@ exclusion of sensitive nodes.
   users who pass module names (``bert.encoder.layer.0``, optimum #1418) get a model with nothing excluded.
   Here an unknown name refuses the pass with a ``NonMatch`` that lists close node names.
 * **Accuracy is measured per output** (max abs, relative L2 error, cosine) on the context's samples, the
-  original graph and the quantized one both run under ``ORT_DISABLE_ALL`` (``_accuracy.py``).
+  original graph and the quantized one both run under ``ORT_DISABLE_ALL`` (``_accuracy.py``), and held to
+  the job's tolerance as the engine's verification will (the share of elements outside atol + rtol * |ref|):
+  a budget that ignored it handed back results the engine then rolled back.
 * **Language models are also judged by their next token**: where the graph has a logits output and the
   samples carry token ids, the budget can require a least share of teacher-forced greedy tokens unchanged
   (``min_top1_agreement``) and a most perplexity increase (``max_perplexity_increase``); see ``_accuracy.py``
@@ -30,13 +32,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 from pydantic import Field
 
+from core.config import Tolerance
 from core.inputs import analyze
 from passes._infra import NonMatch, PassOptions, PassResult
 from passes.precision._accuracy import (
@@ -62,8 +65,28 @@ from passes.precision._sensitivity import (
     rank_nodes,
 )
 
+OptionsT = TypeVar("OptionsT", bound=PassOptions)
+
 # Weights above this go to external data in the temporary files (protobuf stops at 2 GiB).
 EXTERNAL_DATA_BYTES = 1536 << 20
+
+
+def tolerance_field() -> Any:
+    """The ``tolerance`` option of the quantization passes (one description for all)."""
+    return Field(
+        None,
+        description="Accuracy budget: the element tolerance every float output must meet on the samples (at most "
+        "max_mismatch_ratio of its elements outside atol + rtol * |ref|, and min_cosine), as the job's "
+        "verification reads it. Unset: the job's tolerance, which the engine holds the result to (outside the "
+        "engine: not checked).",
+    )
+
+
+def with_job_tolerance(options: OptionsT, tolerance: Tolerance | None) -> OptionsT:
+    """``options`` with ``tolerance`` (the context's: the job's) where the user set none."""
+    if getattr(options, "tolerance", None) is not None or tolerance is None:
+        return options
+    return options.model_copy(update={"tolerance": tolerance})
 
 
 class QuantizationOptions(PassOptions):
@@ -117,6 +140,7 @@ class QuantizationOptions(PassOptions):
         description="Accuracy budget for language models: largest relative increase of the perplexity of the "
         "samples' own token sequences (0.05: +5%). Meaningful when the samples are real text (unset: reported).",
     )
+    tolerance: Tolerance | None = tolerance_field()
     max_exclusions: int = Field(
         8,
         ge=0,
@@ -317,7 +341,7 @@ def drive(
             reference = run_outputs(src, feeds, outputs)
 
             def evaluate(path: Path) -> dict[str, OutputAccuracy]:
-                return measure(path, feeds, outputs, reference, probe)
+                return measure(path, feeds, outputs, reference, probe, elements=budget.elements)
 
             accuracy = evaluate(first)
             notes["accuracy_all_quantized"] = {k: v.to_dict() for k, v in accuracy.items()}
@@ -372,6 +396,7 @@ def budget_of(options: QuantizationOptions) -> Budget:
         options.max_abs_error,
         options.min_top1_agreement,
         options.max_perplexity_increase,
+        options.tolerance,
     )
 
 
@@ -480,7 +505,7 @@ def drive_next_token(
             path = work / f"trial{count[0]}.onnx"
             keep = {produces[c] for c in candidates if c not in int4 and c in produces}
             save_proto(assemble(low, all_kept, keep), path, large)
-            accuracy = measure(path, feeds, outputs, reference)
+            accuracy = measure(path, feeds, outputs, reference, elements=budget.elements)
             got = probe.run(path)
             accuracy[probe.key] = probe.figures(got)
             score = loss[0](probe.positions(got)) if loss else 0.0

@@ -40,8 +40,8 @@ import onnx_ir as ir
 from pydantic import Field
 
 from passes._infra import NonMatch, Pass, PassContext, PassResult
-from passes._match import take_graph_output
 from passes.precision import _quantization as q
+from passes.precision import _weight_matmuls as weight_matmuls
 
 DynamicOpType = Literal["MatMul", "Attention", "Conv", "Gather", "LSTM", "EmbedLayerNormalization"]
 # Which input must be a constant for ORT to quantize the node (its weight).
@@ -70,14 +70,14 @@ class QuantizeDynamic(Pass[QuantizeDynamicOptions]):
     in_place = False
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options = self.options
+        options = q.with_job_tolerance(self.options, ctx.tolerance)
         unknown = q.unknown_node_names(model, options.nodes_to_exclude)
         if unknown:
             return q.refused(model, unknown)
         unfused = 0
-        if "MatMul" in options.op_types and _transposed_weight_sites(model):
+        if "MatMul" in options.op_types and weight_matmuls.sites(model, ("FusedMatMul",)):
             model = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # functional: input untouched
-            unfused = unfuse_transposed_weights(model)
+            unfused = weight_matmuls.unfuse(model, ("FusedMatMul",)).get("FusedMatMul", 0)
         candidates, non_matches = _candidates(model, options)
         notes: dict[str, Any] = {
             "weight_type": options.weight_type,
@@ -122,47 +122,6 @@ class QuantizeDynamic(Pass[QuantizeDynamicOptions]):
         if out.model is None:
             return PassResult(q.unchanged(model), False, out.counts, non_matches, out.notes)
         return PassResult(out.model, True, out.counts, non_matches, out.notes)
-
-
-def unfuse_transposed_weights(model: ir.Model) -> int:
-    """``com.microsoft::FusedMatMul(x, W, transB=1)`` with a constant W -> ``MatMul(x, W^T)``; returns the count.
-
-    ORT's quantizer knows MatMul, not FusedMatMul. onnxscript's fusions (fuse_transformer) turn a tied LM head,
-    ``MatMul(x, Transpose(embedding))``, into such a FusedMatMul because folding the Transpose would copy the
-    table; left so, the largest MatMul of a masked-LM or GPT-2 stays float. Here the copy is wanted: the
-    quantized model keeps an int8 copy of it (and the float table for the embedding Gather)."""
-    sites = _transposed_weight_sites(model)
-    for node, weight in sites:
-        name = f"{weight.name}_transposed_for_{node.name or 'matmul'}"
-        tensor = ir.tensor(weight.const_value.numpy().T.copy(), name=name)
-        value = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
-        model.graph.register_initializer(value)
-        matmul = ir.node("MatMul", [node.inputs[0], value], name=node.name or name)
-        matmul.outputs[0].shape, matmul.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-        model.graph.insert_before(node, matmul)
-        old = node.outputs[0]
-        # GPT-2's tied head writes `logits` itself: the MatMul takes over the name.
-        take_graph_output(model.graph, old, matmul.outputs[0], "_fused_matmul")
-        ir.convenience.replace_all_uses_with(old, matmul.outputs[0])
-        model.graph.remove(node, safe=True)
-    return len(sites)
-
-
-def _transposed_weight_sites(model: ir.Model) -> list[tuple[ir.Node, ir.Value]]:
-    sites = []
-    for node in model.graph:
-        if node.op_type != "FusedMatMul" or node.domain != "com.microsoft" or len(node.inputs) != 2:
-            continue
-        weight = node.inputs[1]
-        attrs = {name: attr.value for name, attr in node.attributes.items()}
-        if weight is None or weight.const_value is None or len(weight.const_value.shape) != 2:
-            continue
-        if attrs.get("transB", 0) != 1 or attrs.get("alpha", 1.0) != 1.0:
-            continue
-        if any(attrs.get(name, 0) for name in ("transA", "transBatchA", "transBatchB")):
-            continue
-        sites.append((node, weight))
-    return sites
 
 
 def _candidates(model: ir.Model, options: QuantizeDynamicOptions) -> tuple[list[str], list[NonMatch]]:

@@ -27,6 +27,15 @@ What ORT leaves to the user, and this pass decides:
   the max logit difference and the perplexity of both models on those tokens are in the notes
   (``passes/precision/_accuracy.py``). Full int4 (block 16) keeps a logits cosine of 0.9996 on the trained
   test decoder and flips 3.1% of its greedy tokens: a cosine budget alone passes that.
+* **The job's tolerance is part of the budget** (``tolerance``; unset: the context's, the job's): the engine
+  verifies every output of the result against it, a KV cache's ``present.*`` included, and the search judged
+  logits and cosines only. On Gemma 3n it kept 16 MatMuls int4 and the engine rolled the result back for
+  ``present.1.key`` (12% of its elements outside 0.1 + 0.1 * |ref|, 10% allowed); every trial now counts the
+  share of each output's elements outside the tolerance on the samples (``beyond_tolerance`` in the figures).
+* **Weights in fused forms are read as MatMuls** (``_weight_matmuls``): GPT-2's Gemms, and ``FusedMatMul``
+  (a tied head's transposed table, a soft-capped head's ``1/cap`` folded in as alpha by onnxscript's fusions)
+  become a named ``MatMul`` plus its Add or Mul; left fused, Gemma 3n's head was found by no one, so it was
+  neither kept float by rule nor judged by its greedy tokens.
 * **Block size by measurement** (``block_size="auto"``): full int4 at 128 (ORT's default), 64, 32 and 16 (no
   longer than the longest K); the largest within the budget, else the one that flips the fewest greedy tokens,
   starts the mix. Larger blocks are also faster in prefill: with int8 compute (accuracy_level 4) every block
@@ -87,11 +96,12 @@ import onnx
 import onnx_ir as ir
 from pydantic import Field
 
+from core.config import Tolerance
 from core.inputs import InputRole, analyze
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
-from passes._match import take_graph_output
 from passes._subgraphs import in_branches
 from passes.precision import _quantization as q
+from passes.precision import _weight_matmuls as weight_matmuls
 from passes.precision._accuracy import TokenAccuracy, TokenProbe, head_outputs, logits_output, round_sig
 from passes.precision._nbits_bias import fold_bias_adds
 
@@ -173,6 +183,7 @@ class QuantizeInt4Options(PassOptions):
         description="Time budget of the next-token search for the int4/8-bit mix; once spent, the MatMuls not "
         "yet tried stay 8-bit (or float) and the notes say so.",
     )
+    tolerance: Tolerance | None = q.tolerance_field()
     max_samples: int = Field(8, ge=1, description="Samples used to measure accuracy and speed.")
 
 
@@ -250,9 +261,9 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
         if (branches := in_branches(self, model, ctx)) is not None:  # a merged decoder: each branch's MatMuls
             return branches if self._pins is not None else self._agree(model, ctx, branches)
+        options = q.with_job_tolerance(self.options, ctx.tolerance)
         if self._pins is not None:
-            return _call_pinned(model, ctx, self.options, self._pins)
-        options = self.options
+            return _call_pinned(model, ctx, options, self._pins)
         unchanged = q.unchanged(model)
         refusal = q.unknown_node_names(model, options.nodes_to_exclude)
         if options.algorithm == "hqq" and importlib.util.find_spec("torch") is None:
@@ -262,11 +273,10 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             refusal.append(NonMatch(f"block_size {size} is not a power of 2 >= 16 (MatMulNBits needs one)"))
         if refusal:
             return q.refused(model, refusal)
-        if _gemm_sites(model):
+        unfused: dict[str, int] = {}
+        if weight_matmuls.sites(model):
             model = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # functional: input untouched
-            notes_gemm = unfuse_gemms(model)
-        else:
-            notes_gemm = 0
+            unfused = weight_matmuls.unfuse(model)
         heads = lm_heads(model)
         candidates, non_matches, shared = _candidates(model, set(options.nodes_to_exclude))
         kept_float = [] if options.lm_head == "int4" else [h for h in heads if h in candidates]
@@ -276,7 +286,8 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             "symmetric": options.symmetric if options.algorithm == "rtn" else False,
             "lm_head": heads or "none found",
             "candidates": len(candidates),
-            "gemms_unfused": notes_gemm,
+            "gemms_unfused": unfused.get("Gemm", 0),
+            "fused_matmuls_unfused": unfused.get("FusedMatMul", 0),
         }
         if not candidates:
             non_matches.append(NonMatch("no MatMul with a constant 2-D weight to quantize (the lm_head aside)"))
@@ -415,53 +426,6 @@ def lm_heads(model: ir.Model) -> list[str]:
     return list(dict.fromkeys(head_outputs(model).values()))
 
 
-def _gemm_sites(model: ir.Model) -> list[ir.Node]:
-    sites = []
-    for node in model.graph:
-        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or not node.name or len(node.inputs) < 2:
-            continue
-        attrs = {name: attr.value for name, attr in node.attributes.items()}
-        weight = node.inputs[1]
-        if weight is None or weight.const_value is None or len(weight.const_value.shape) != 2:
-            continue
-        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
-            continue
-        sites.append(node)
-    return sites
-
-
-def unfuse_gemms(model: ir.Model) -> int:
-    """``Gemm(A, B, C)`` with a constant B (alpha = beta = 1, no transA) -> ``Add(MatMul(A, B), C)``; the count.
-
-    MatMulNBitsQuantizer knows MatMul only, and the TorchScript and dynamo exports of GPT-2's Conv1D layers
-    (and of ``nn.Linear`` on 2-D inputs) are Gemms: left so, a GPT-2 keeps every projection float. The
-    MatMul takes the Gemm's name, so ``nodes_to_exclude`` and the report's node names still apply."""
-    sites = _gemm_sites(model)
-    for node in sites:
-        a, b = node.inputs[0], node.inputs[1]
-        c = node.inputs[2] if len(node.inputs) > 2 else None
-        if node.attributes.get("transB") is not None and node.attributes["transB"].value:
-            name = f"{b.name}_transposed_for_{node.name}"
-            tensor = ir.tensor(b.const_value.numpy().T.copy(), name=name)
-            b = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
-            model.graph.register_initializer(b)
-        name = node.name
-        node.name = f"{name}_unfused"
-        matmul = ir.node("MatMul", [a, b], name=name)
-        model.graph.insert_before(node, matmul)
-        new = matmul.outputs[0]
-        if c is not None:
-            add = ir.node("Add", [new, c], name=f"{name}_bias")
-            model.graph.insert_before(node, add)
-            new = add.outputs[0]
-        old = node.outputs[0]
-        new.shape, new.type = old.shape, old.type
-        take_graph_output(model.graph, old, new, "_gemm")
-        ir.convenience.replace_all_uses_with(old, new)
-        model.graph.remove(node, safe=True)
-    return len(sites)
-
-
 def _candidates(model: ir.Model, excluded: set[str]) -> tuple[list[str], list[NonMatch], list[str]]:
     """The MatMuls to quantize, why others are not, and the MatMuls kept float because another node reads
     their weight (ORT's quantizer takes every MatMul it is not told to exclude: the caller excludes them)."""
@@ -554,6 +518,7 @@ def _measure(
     logits: str | None,
     *,
     roles: Mapping[str, InputRole],
+    elements: Tolerance | None,
     timed: bool = True,
 ) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, list[float]]] | None:
     """Accuracy (against ``original``, graph optimizations off) and latency of each candidate proto. A
@@ -579,7 +544,7 @@ def _measure(
             # Saving with external data empties the proto's tensors in place: the caller may hand it back.
             q.save_proto(_copy(proto) if large and not built else proto, path, large)
             del proto
-            accuracy[key] = q.measure(path, feeds, outputs, reference, probe)
+            accuracy[key] = q.measure(path, feeds, outputs, reference, probe, elements=elements)
             if timed:
                 latency[key] = _latency_ms(path, feeds)
         return accuracy, latency
@@ -618,7 +583,16 @@ def _choose_block_size(
         return lambda: quantize_proto(ir.serde.serialize_model(model), sized, 0, budget_options.nodes_to_exclude)
 
     protos = {str(size): full_int4(size) for size in sizes}
-    measured = _measure(original, protos, samples, options.max_samples, logits, roles=roles, timed=False)
+    measured = _measure(
+        original,
+        protos,
+        samples,
+        options.max_samples,
+        logits,
+        roles=roles,
+        elements=budget_options.tolerance,
+        timed=False,
+    )
     if measured is None:
         notes["block_size"] = {"chosen": 32, "by": "no samples give every input: ORT's usual 32"}
         return options.model_copy(update={"block_size": 32})
@@ -685,7 +659,9 @@ def _choose_level(
         return lambda: quantize_proto(ir.serde.serialize_model(model), options, level, budget_options.nodes_to_exclude)
 
     protos = {"int8": full_int4(4), "fp32": full_int4(0)}
-    measured = _measure(original, protos, samples, options.max_samples, logits, roles=roles)
+    measured = _measure(
+        original, protos, samples, options.max_samples, logits, roles=roles, elements=budget_options.tolerance
+    )
     if measured is None:
         notes["accuracy_level"] = {"chosen": 0, "by": "no samples give every input: fp32 compute, the accurate one"}
         return 0
@@ -746,7 +722,13 @@ def _head_int8(
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]] = {"float": proto}
     candidates |= {key: functools.partial(head8, at) for key, at in levels.items()}
     measured = _measure(
-        ir.serde.serialize_model(original), candidates, samples, options.max_samples, logits, roles=roles
+        ir.serde.serialize_model(original),
+        candidates,
+        samples,
+        options.max_samples,
+        logits,
+        roles=roles,
+        elements=budget.elements,
     )
     if measured is None:
         notes["lm_head_decision"] = "float: no samples to measure an 8-bit head"
@@ -788,7 +770,14 @@ def _head_int8_asked(
     candidates = {key: functools.partial(head8, at) for key, at in levels.items()}
     timed = len(levels) > 1
     measured = _measure(
-        ir.serde.serialize_model(original), candidates, samples, options.max_samples, logits, roles=roles, timed=timed
+        ir.serde.serialize_model(original),
+        candidates,
+        samples,
+        options.max_samples,
+        logits,
+        roles=roles,
+        elements=budget.elements,
+        timed=timed,
     )
     if measured is None:
         notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}); not measured: no samples"
@@ -849,7 +838,16 @@ def _tables(
         return quantized
     original_proto = ir.serde.serialize_model(original)
     limit = options.max_samples
-    measured = _measure(original_proto, {"tables": proto}, samples, limit, logits, roles=roles, timed=False)
+    measured = _measure(
+        original_proto,
+        {"tables": proto},
+        samples,
+        limit,
+        logits,
+        roles=roles,
+        elements=budget_options.tolerance,
+        timed=False,
+    )
     if measured is None:
         if choice != "auto":
             entry["decision"] = f"{choice} (option); not measured: no samples give every input"
@@ -1107,10 +1105,10 @@ def _call_pinned(
         n.name: n.inputs[1].name
         for n in model.graph
         if n.op_type in ("MatMul", "Gemm") and n.name and len(n.inputs) > 1 and n.inputs[1] is not None
-    }  # before unfuse_gemms: a transposed Gemm weight is a new initializer, pinned under the Gemm's
-    if _gemm_sites(model):
+    }  # before unfusing: a transposed weight is a new initializer, pinned under its node's name
+    if weight_matmuls.sites(model):
         model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-        unfuse_gemms(model)
+        weight_matmuls.unfuse(model)
     candidates, non_matches, _ = _candidates(model, set(options.nodes_to_exclude))
     form = {c: pins.get(weight_of.get(c, ""), ("float", 0)) for c in candidates}
     int4 = [c for c in candidates if form[c][0] == "int4"]
@@ -1143,8 +1141,17 @@ def _call_pinned(
     built = build()
     logits = logits_output(model)
     roles = analyze(model).roles
-    measured = _measure(original, {"agreed": built}, ctx.samples, options.max_samples, logits, roles=roles, timed=False)
     budget = q.budget_of(_budget_options(options))
+    measured = _measure(
+        original,
+        {"agreed": built},
+        ctx.samples,
+        options.max_samples,
+        logits,
+        roles=roles,
+        elements=budget.elements,
+        timed=False,
+    )
     if measured is None:
         notes["accuracy"] = "not measured: no samples give every input"
     else:
@@ -1175,6 +1182,7 @@ def _budget_options(options: QuantizeInt4Options, **given: Any) -> q.Quantizatio
         max_abs_error=options.max_abs_error,
         min_top1_agreement=options.min_top1_agreement,
         max_perplexity_increase=options.max_perplexity_increase,
+        tolerance=options.tolerance,
         **given,
     )
 

@@ -119,7 +119,7 @@ class QuantizeStatic(Pass[QuantizeStaticOptions]):
     in_place = False
 
     def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
-        options = self.options
+        options = q.with_job_tolerance(self.options, ctx.tolerance)
         unknown = q.unknown_node_names(model, options.nodes_to_exclude)
         if unknown:
             return q.refused(model, unknown)
