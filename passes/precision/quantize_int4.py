@@ -550,6 +550,23 @@ def _measure(
         return accuracy, latency
 
 
+def _measure_heads(
+    original: ir.Model,
+    candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]],
+    samples: Sequence[dict[str, np.ndarray]],
+    options: QuantizeInt4Options,
+    budget: q.Budget,
+    *,
+    logits: str | None,
+    roles: Mapping[str, InputRole],
+    timed: bool = True,
+) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, list[float]]] | None:
+    """``_measure`` of the head candidates against the model before quantization, held to ``budget``'s tolerance."""
+    proto = ir.serde.serialize_model(original)
+    limit = options.max_samples
+    return _measure(proto, candidates, samples, limit, logits, roles=roles, elements=budget.elements, timed=timed)
+
+
 def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(proto)
@@ -721,15 +738,7 @@ def _head_int8(
     levels = {f"int8 level {at}": at for at in (4, 0)}
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]] = {"float": proto}
     candidates |= {key: functools.partial(head8, at) for key, at in levels.items()}
-    measured = _measure(
-        ir.serde.serialize_model(original),
-        candidates,
-        samples,
-        options.max_samples,
-        logits,
-        roles=roles,
-        elements=budget.elements,
-    )
+    measured = _measure_heads(original, candidates, samples, options, budget, logits=logits, roles=roles)
     if measured is None:
         notes["lm_head_decision"] = "float: no samples to measure an 8-bit head"
         return quantized
@@ -769,16 +778,7 @@ def _head_int8_asked(
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]]
     candidates = {key: functools.partial(head8, at) for key, at in levels.items()}
     timed = len(levels) > 1
-    measured = _measure(
-        ir.serde.serialize_model(original),
-        candidates,
-        samples,
-        options.max_samples,
-        logits,
-        roles=roles,
-        elements=budget.elements,
-        timed=timed,
-    )
+    measured = _measure_heads(original, candidates, samples, options, budget, logits=logits, roles=roles, timed=timed)
     if measured is None:
         notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}); not measured: no samples"
         return ir.serde.deserialize_model(head8(level))
