@@ -190,6 +190,10 @@ class PassContext:
     # hands back is not rolled back for an output its own budget did not look at (a KV cache). None outside
     # the engine.
     tolerance: Tolerance | None = None
+    # False when the samples are the engine's generated inputs (the user sent none): their token ids are uniform
+    # random, no text, so a pass that judges a language model's greedy tokens draws its sequences elsewhere
+    # (quantize_int4: from the original model). True outside the engine: the caller's samples are taken as data.
+    samples_are_data: bool = True
 
 
 OptionsT = TypeVar("OptionsT", bound=PassOptions)

@@ -282,6 +282,7 @@ def in_branches(pass_: _GraphPass, model: ir.Model, ctx: PassContext) -> PassRes
                 side_files=ctx.side_files,
                 measure=ctx.measure,
                 tolerance=ctx.tolerance,
+                samples_are_data=ctx.samples_are_data,
             )
             result = runner.call(ir.serde.deserialize_model(alone), sub_ctx)
             for m in result.non_matches:

@@ -129,6 +129,7 @@ class Ledger:
             constant_fold_max_bytes=setup.constant_fold_max_bytes,
             measure=BenchmarkMeasure(target=setup.target, intra_op_threads=setup.intra_op_threads),
             tolerance=setup.tolerance,
+            samples_are_data=any(s.provenance.get("source") == "samples" for s in setup.input_sets),
         )
 
     def _verified_as(self, positions: dict[str, dict[str, Any]], side_file: str | None) -> tuple[Any, ...]:

@@ -5,11 +5,12 @@ For a language model a tensor tolerance says little: a logits cosine of 0.997 ca
 at 4% of positions (issue 19). Where the graph has a logits output (the float output an LM head MatMul
 reaches) and the samples carry token ids, the budget also measures, under teacher forcing, next-token top-1
 agreement, the max logit difference and the perplexity of the sample tokens under each model (``TokenProbe``).
-The sequences are the context's samples (the user's samples.npz when sent, else the verification inputs);
-a KV-cache decoder gets each of them as a prefill (empty past, positions from 0), so every position of the
-sequence is predicted from the true tokens before it. A seq2seq decoder's prefill keeps its encoder context
-whole (the cross-attention cache or encoder states and the mask over the encoder's sequence, as
-``core.inputs.analyze`` reads them from the graph): emptied with the self-attention cache, the probe judged
+The sequences are the context's samples (the user's samples.npz when sent, else the verification inputs, whose
+uniform random ids are no text: a caller may then judge on sequences drawn from the original model itself,
+``sample_texts``); a KV-cache decoder gets each of them as a prefill (empty past, positions from 0), so every
+position of the sequence is predicted from the true tokens before it. A seq2seq decoder's prefill keeps its
+encoder context whole (the cross-attention cache or encoder states and the mask over the encoder's sequence,
+as ``core.inputs.analyze`` reads them from the graph): emptied with the self-attention cache, the probe judged
 the greedy tokens of a decoder that saw no source, which no user runs. Perplexity is only meaningful where
 those samples are real text, so it is reported always and gated only when asked.
 
@@ -365,6 +366,84 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+@dataclass(frozen=True)
+class Texts:
+    """``sample_texts``' sequences (prefill feeds) and how they were drawn, or why there are none."""
+
+    feeds: Sequence[dict[str, np.ndarray]]
+    how: str
+
+
+# Tokens drawn per sequence by ``sample_texts`` (each one a run of the prefill): positions enough to judge the
+# greedy tokens by, at a bounded cost on a large decoder.
+TEXT_TOKENS = 48
+
+
+def sample_texts(
+    src: Path,
+    logits: str | None,
+    samples: Sequence[dict[str, np.ndarray]],
+    limit: int,
+    roles: Mapping[str, InputRole],
+    *,
+    seed: int = 0,
+) -> Texts:
+    """Token sequences drawn from the model at ``src`` itself, as prefills at the samples' shapes, and how.
+
+    The engine's generated inputs hold uniform random token ids. A trained decoder's greedy token on such a
+    sequence is decided by small margins, so even every MatMul 8-bit flipped 3 of 44 of them on the trained
+    test decoder and int4 was refused for want of text. Each position here is drawn from the model's own
+    next-token distribution (temperature 1, seeded) given the tokens before it: text the model finds
+    plausible, which is what it will be run on, without a tokenizer or a corpus. A random-weight model's
+    distribution is nearly uniform, so its sequences stay as random as before. Only for a causal model (the
+    logits of a position unchanged when a later token changes; a masked LM reads both ways); sequences longer
+    than ``TEXT_TOKENS`` are cut to it where every input over the sequence is 1-D or 2-D. Empty, with the
+    reason, when none can be drawn."""
+    if logits is None:
+        return Texts([], "no logits output")
+    sess = session(src)
+    token = _token_input(sess.get_inputs())
+    if token is None:
+        return Texts([], "no token ids input")
+    feeds = [f for f in (prefill(sess, s, roles) for s in samples) if f is not None and f[token].shape[1] > 1]
+    feeds = [_cut(f, token, TEXT_TOKENS, encoder_inputs(roles)) for f in feeds[:limit]]
+    if not feeds:
+        return Texts([], "no sample of two tokens or more")
+    first = feeds[0]
+    ids = first[token]
+    before = sess.run([logits], first)[0]
+    if before.ndim != 3 or before.shape[:2] != ids.shape:
+        return Texts([], f"the logits ({list(before.shape)}) are not one row per token")
+    changed = ids.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % before.shape[-1]
+    after = sess.run([logits], {**first, token: changed})[0]
+    if not np.allclose(before[:, :-1], after[:, :-1], rtol=1e-4, atol=1e-5):
+        return Texts([], "not a causal language model: a position's logits depend on later tokens")
+    rng = np.random.default_rng(seed)
+    for feed in feeds:
+        ids = feed[token].copy()
+        for t in range(1, ids.shape[1]):
+            row = sess.run([logits], {**feed, token: ids})[0][:, t - 1].astype(np.float64)
+            probs = np.exp(row - row.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            ids[:, t] = [rng.choice(p.size, p=p) for p in probs]
+        feed[token] = ids
+    positions = sum(int(f[token].size) for f in feeds)
+    return Texts(feeds, f"{len(feeds)} sequence(s), {positions} token(s) drawn from the original model (seed {seed})")
+
+
+def _cut(feed: dict[str, np.ndarray], token: str, length: int, encoder: frozenset[str]) -> dict[str, np.ndarray]:
+    """``feed`` (a prefill) cut to its first ``length`` tokens, where every input over the sequence is 1-D or
+    2-D with the sequence last (ids, mask, positions); else as it is."""
+    seq = feed[token].shape[1]
+    if seq <= length:
+        return feed
+    over = {name for name, value in feed.items() if name not in encoder and seq in value.shape}
+    if any(feed[name].ndim > 2 or feed[name].shape[-1] != seq for name in over):
+        return feed
+    return {name: value[..., :length].copy() if name in over else value for name, value in feed.items()}
+
+
 @dataclass
 class TokenProbe:
     """Teacher-forced prefills of the samples' token sequences and the original model's logits on them."""
@@ -375,6 +454,7 @@ class TokenProbe:
     reference: list[np.ndarray]
     as_prefill: bool = True  # False: the samples as they are (their cache could not be emptied)
     encoder: frozenset[str] = frozenset()  # the inputs over the encoder's sequence (``encoder_inputs``)
+    drawn: str | None = None  # the sequences are ``sample_texts``' (how they were drawn), not the samples'
 
     @property
     def key(self) -> str:
@@ -388,14 +468,20 @@ class TokenProbe:
         samples: Sequence[dict[str, np.ndarray]],
         limit: int,
         roles: Mapping[str, InputRole],
+        *,
+        texts: Texts | None = None,
     ) -> TokenProbe | None:
         """None when there is no logits output or no sample carries token ids the model takes. ``roles``: the
-        model's input roles (``core.inputs.analyze``), which tell a seq2seq decoder's encoder inputs apart."""
+        model's input roles (``core.inputs.analyze``), which tell a seq2seq decoder's encoder inputs apart.
+        ``texts``: sequences drawn by ``sample_texts``, judged instead of the samples' where there are any."""
         if logits is None:
             return None
         sess = session(src)
         token = _token_input(sess.get_inputs())
         encoder = encoder_inputs(roles)
+        if texts is not None and texts.feeds and token is not None:
+            reference = [sess.run([logits], f)[0] for f in texts.feeds]
+            return cls(logits, token, list(texts.feeds), reference, encoder=encoder, drawn=texts.how)
         feeds = [f for f in (prefill(sess, s, roles) for s in samples) if f is not None][:limit]
         if token is None or not feeds:
             return None

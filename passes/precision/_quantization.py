@@ -45,6 +45,7 @@ from passes._infra import NonMatch, PassOptions, PassResult
 from passes.precision._accuracy import (
     Budget,
     OutputAccuracy,
+    Texts,
     TokenProbe,
     feeds_for,
     float_outputs,
@@ -53,6 +54,7 @@ from passes.precision._accuracy import (
     measure,
     round_sig,
     run_outputs,
+    sample_texts,
     save_proto,
     session,
 )
@@ -284,6 +286,7 @@ def drive(
     notes: dict[str, Any],
     prepare: Callable[[Path, Path, bool], None] | None = None,
     kept_as: str = "float",
+    texts: Texts | None = None,
 ) -> Quantized:
     """Quantize ``model`` with ``quantize(src, dst, nodes_to_exclude, large)`` and run the accuracy loop.
 
@@ -329,7 +332,7 @@ def drive(
         feeds = feeds_for(ref_sess, samples, options.max_samples)
         outputs = float_outputs(ref_sess)
         del ref_sess
-        probe = TokenProbe.build(src, logits, samples, options.max_samples, analyze(model).roles)
+        probe = TokenProbe.build(src, logits, samples, options.max_samples, analyze(model).roles, texts=texts)
         note_probe(notes, budget, logits, probe)
         if (not feeds or not outputs) and probe is None:
             notes["accuracy"] = "not measured: no samples give every input" if not feeds else "no float output"
@@ -389,6 +392,16 @@ def drive(
     return Quantized(result, counts, non_matches, notes)
 
 
+def drawn_texts(model: ir.Model, samples: Sequence[dict[str, np.ndarray]], limit: int) -> Texts:
+    """``sample_texts`` of ``model`` (written to a temporary file for ORT) at the samples' shapes."""
+    proto = ir.serde.serialize_model(model)
+    with workdir() as tmp:
+        src = Path(tmp) / "model.onnx"
+        save_proto(proto, src, tensor_bytes(proto) > EXTERNAL_DATA_BYTES)
+        del proto
+        return sample_texts(src, logits_output(model), samples, limit, analyze(model).roles)
+
+
 def budget_of(options: QuantizationOptions) -> Budget:
     return Budget(
         options.min_cosine,
@@ -402,6 +415,18 @@ def budget_of(options: QuantizationOptions) -> Budget:
 
 def note_probe(notes: dict[str, Any], budget: Budget, logits: str | None, probe: TokenProbe | None) -> None:
     """Say in the notes which token sequences the next-token figures use, or why there are none."""
+    if probe is not None and probe.drawn is not None:
+        notes["next_token"] = {
+            "logits": probe.logits,
+            "sequences": f"{probe.drawn}, each fed as a prefill under teacher forcing"
+            + (
+                f" (the encoder's context whole: {len(probe.encoder)} input(s) over its sequence)"
+                if probe.encoder
+                else ""
+            )
+            + "; the samples' token ids are generated, not text",
+        }
+        return
     if probe is not None:
         positions = sum(int(np.asarray(f[probe.token]).size) for f in probe.feeds)
         notes["next_token"] = {
@@ -460,6 +485,7 @@ def drive_next_token(
     notes: dict[str, Any],
     kept_as: str,
     search_seconds: float,
+    texts: Texts | None = None,
 ) -> Quantized | None:
     """``drive`` for a budget on the greedy tokens: the mix is searched by what each node does to them
     (``_sensitivity.flip_search``), not by its weight error. None when no probe can be built (no logits
@@ -474,7 +500,8 @@ def drive_next_token(
         work = Path(tmp)
         src = work / "input.onnx"
         save_proto(original, src, large)
-        probe = TokenProbe.build(src, logits_output(model), samples, options.max_samples, analyze(model).roles)
+        roles = analyze(model).roles
+        probe = TokenProbe.build(src, logits_output(model), samples, options.max_samples, roles, texts=texts)
         if probe is None:
             return None
         ref_sess = session(src)

@@ -23,10 +23,13 @@ What ORT leaves to the user, and this pass decides:
   the mix the search chose, as it is handed back. Asked for (``"int8"``), it is held to the budget too.
 * **The greedy token is the budget of a language model.** Besides the per-output cosine, a model with a
   logits output is judged by teacher forcing on the samples' token ids (each fed as a prefill on an empty
-  cache): at least ``min_top1_agreement`` (0.99) of the positions must keep the original's greedy next token;
-  the max logit difference and the perplexity of both models on those tokens are in the notes
-  (``passes/precision/_accuracy.py``). Full int4 (block 16) keeps a logits cosine of 0.9996 on the trained
-  test decoder and flips 3.1% of its greedy tokens: a cosine budget alone passes that.
+  cache; a job sent without samples has random ids, no text, so its sequences are drawn from the original
+  model's own next-token distribution, ``_accuracy.sample_texts``: on random ids the trained test decoder
+  flipped 3 of 44 greedy tokens even all 8-bit and int4 was refused; on its own text, perplexity 8.3 against
+  6,159 on random ids, the search keeps a mix): at least ``min_top1_agreement`` (0.99) of the positions must
+  keep the original's greedy next token; the max logit difference and the perplexity of both models on those
+  tokens are in the notes (``passes/precision/_accuracy.py``). Full int4 (block 16) keeps a logits cosine of
+  0.9996 on the trained test decoder and flips 3.1% of its greedy tokens: a cosine budget alone passes that.
 * **The job's tolerance is part of the budget** (``tolerance``; unset: the context's, the job's): the engine
   verifies every output of the result against it, a KV cache's ``present.*`` included, and the search judged
   logits and cosines only. On Gemma 3n it kept 16 MatMuls int4 and the engine rolled the result back for
@@ -83,6 +86,7 @@ them 8-bit; the reason gives the full int4 figures.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import statistics
@@ -102,7 +106,7 @@ from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._subgraphs import in_branches
 from passes.precision import _quantization as q
 from passes.precision import _weight_matmuls as weight_matmuls
-from passes.precision._accuracy import TokenAccuracy, TokenProbe, head_outputs, logits_output, round_sig
+from passes.precision._accuracy import Texts, TokenAccuracy, TokenProbe, head_outputs, logits_output, round_sig
 from passes.precision._nbits_bias import fold_bias_adds
 
 _LEVELS = {"fp32": 0, "int8": 4}
@@ -157,8 +161,9 @@ class QuantizeInt4Options(PassOptions):
         ge=0,
         le=1,
         description="Accuracy budget for language models: least share of positions whose greedy next token "
-        "(teacher-forced on the samples' token ids, a KV-cache decoder fed each sample as a prefill) is the "
-        "original's. Models without a logits output or samples without token ids: not applied (noted).",
+        "(teacher-forced on the samples' token ids, a KV-cache decoder fed each sample as a prefill; a job without "
+        "samples: on sequences drawn from the original model) is the original's. Models without a logits output "
+        "or samples without token ids: not applied (noted).",
     )
     max_perplexity_increase: float | None = Field(
         None,
@@ -299,11 +304,12 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             max_exclusions=len(candidates) if options.max_exclusions is None else options.max_exclusions,
             max_samples=options.max_samples,
         )
-        logits, roles = logits_output(model), analyze(model).roles
+        judge = Judge.of(model, ctx, options.max_samples)
+        notes["next_token_texts"] = judge.why
         options = _choose_block_size(
-            model, ctx.samples, options, budget_options, notes, candidates=candidates, logits=logits, roles=roles
+            model, ctx.samples, options, budget_options, notes, candidates=candidates, judge=judge
         )
-        level = _choose_level(model, ctx.samples, options, budget_options, notes, logits=logits, roles=roles)
+        level = _choose_level(model, ctx.samples, options, budget_options, notes, judge=judge)
         candidate_set = set(candidates)
 
         def quantize(src: Path, dst: Path, exclude: list[str], large: bool) -> None:
@@ -315,7 +321,13 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             q.save_proto(proto, dst, large)
 
         weights = _weight_sizes(model)
-        common = {"candidates": candidates, "quantize": quantize, "notes": notes, "kept_as": options.sensitive_as}
+        common = {
+            "candidates": candidates,
+            "quantize": quantize,
+            "notes": notes,
+            "kept_as": options.sensitive_as,
+            "texts": judge.texts,
+        }
         out = None
         if options.min_top1_agreement is not None or options.max_perplexity_increase is not None:
             out = q.drive_next_token(
@@ -340,8 +352,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
                 options=options,
                 budget_options=budget_options,
                 notes=notes,
-                logits=logits,
-                roles=roles,
+                judge=judge,
             )
         result = _tables(
             model,
@@ -351,8 +362,7 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
             options=options,
             budget_options=budget_options,
             notes=notes,
-            logits=logits,
-            roles=roles,
+            judge=judge,
         )
         if ctx.target == "cpu":
             folded, declined = fold_bias_adds(result)
@@ -510,14 +520,36 @@ def _ms(latency: Sequence[float]) -> list[float]:
     return [round(v, 3) for v in latency]
 
 
+@dataclasses.dataclass(frozen=True)
+class Judge:
+    """What the pass's accuracy measurements read besides the samples: the logits output, the graph's input
+    roles, and the token sequences the next-token figures are taken on when the samples' are not text."""
+
+    logits: str | None
+    roles: Mapping[str, InputRole]
+    texts: Texts | None = None
+    why: str | None = None  # which sequences judge the greedy tokens, and why (the notes)
+
+    @classmethod
+    def of(cls, model: ir.Model, ctx: PassContext, limit: int) -> Judge:
+        """The engine's generated inputs carry uniform random token ids (``ctx.samples_are_data`` False): the
+        greedy tokens are then judged on sequences drawn from the model itself (``_accuracy.sample_texts``)."""
+        logits, roles = logits_output(model), analyze(model).roles
+        if ctx.samples_are_data or logits is None:
+            return cls(logits, roles)
+        texts = q.drawn_texts(model, ctx.samples, limit)
+        if not texts.feeds:
+            return cls(logits, roles, why=f"the samples' token ids (generated; none drawn: {texts.how})")
+        return cls(logits, roles, texts, texts.how)
+
+
 def _measure(
     original: onnx.ModelProto,
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]],
     samples: Sequence[dict[str, np.ndarray]],
     limit: int,
-    logits: str | None,
+    judge: Judge,
     *,
-    roles: Mapping[str, InputRole],
     elements: Tolerance | None,
     timed: bool = True,
 ) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, list[float]]] | None:
@@ -535,7 +567,7 @@ def _measure(
         if not feeds or not outputs:
             return None
         reference = q.run_outputs(src, feeds, outputs)
-        probe = TokenProbe.build(src, logits, samples, limit, roles)
+        probe = TokenProbe.build(src, judge.logits, samples, limit, judge.roles, texts=judge.texts)
         accuracy, latency = {}, {}
         for key, given in candidates.items():
             path = Path(tmp) / f"{key}.onnx"
@@ -557,14 +589,13 @@ def _measure_heads(
     options: QuantizeInt4Options,
     budget: q.Budget,
     *,
-    logits: str | None,
-    roles: Mapping[str, InputRole],
+    judge: Judge,
     timed: bool = True,
 ) -> tuple[dict[str, dict[str, q.OutputAccuracy]], dict[str, list[float]]] | None:
     """``_measure`` of the head candidates against the model before quantization, held to ``budget``'s tolerance."""
     proto = ir.serde.serialize_model(original)
     limit = options.max_samples
-    return _measure(proto, candidates, samples, limit, logits, roles=roles, elements=budget.elements, timed=timed)
+    return _measure(proto, candidates, samples, limit, judge, elements=budget.elements, timed=timed)
 
 
 def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -581,8 +612,7 @@ def _choose_block_size(
     notes: dict[str, Any],
     *,
     candidates: Sequence[str],
-    logits: str | None,
-    roles: Mapping[str, InputRole],
+    judge: Judge,
 ) -> QuantizeInt4Options:
     """``options`` with an int ``block_size``: the option's, or (auto) the measured choice, in the notes."""
     if options.block_size != "auto":
@@ -605,8 +635,7 @@ def _choose_block_size(
         protos,
         samples,
         options.max_samples,
-        logits,
-        roles=roles,
+        judge,
         elements=budget_options.tolerance,
         timed=False,
     )
@@ -664,8 +693,7 @@ def _choose_level(
     budget_options: q.QuantizationOptions,
     notes: dict[str, Any],
     *,
-    logits: str | None,
-    roles: Mapping[str, InputRole],
+    judge: Judge,
 ) -> int:
     if options.accuracy_level != "auto":
         notes["accuracy_level"] = {"chosen": options.accuracy_level, "by": "option"}
@@ -676,9 +704,7 @@ def _choose_level(
         return lambda: quantize_proto(ir.serde.serialize_model(model), options, level, budget_options.nodes_to_exclude)
 
     protos = {"int8": full_int4(4), "fp32": full_int4(0)}
-    measured = _measure(
-        original, protos, samples, options.max_samples, logits, roles=roles, elements=budget_options.tolerance
-    )
+    measured = _measure(original, protos, samples, options.max_samples, judge, elements=budget_options.tolerance)
     if measured is None:
         notes["accuracy_level"] = {"chosen": 0, "by": "no samples give every input: fp32 compute, the accurate one"}
         return 0
@@ -708,8 +734,7 @@ def _head_int8(
     options: QuantizeInt4Options,
     budget_options: q.QuantizationOptions,
     notes: dict[str, Any],
-    logits: str | None,
-    roles: Mapping[str, InputRole],
+    judge: Judge,
 ) -> ir.Model:
     """The quantized model with its head(s) as 8-bit MatMulNBits, when ``lm_head`` asks and (auto) it pays.
 
@@ -732,13 +757,12 @@ def _head_int8(
             options=options,
             budget=budget,
             notes=notes,
-            logits=logits,
-            roles=roles,
+            judge=judge,
         )
     levels = {f"int8 level {at}": at for at in (4, 0)}
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]] = {"float": proto}
     candidates |= {key: functools.partial(head8, at) for key, at in levels.items()}
-    measured = _measure_heads(original, candidates, samples, options, budget, logits=logits, roles=roles)
+    measured = _measure_heads(original, candidates, samples, options, budget, judge=judge)
     if measured is None:
         notes["lm_head_decision"] = "float: no samples to measure an 8-bit head"
         return quantized
@@ -766,8 +790,7 @@ def _head_int8_asked(
     options: QuantizeInt4Options,
     budget: q.Budget,
     notes: dict[str, Any],
-    logits: str | None,
-    roles: Mapping[str, InputRole],
+    judge: Judge,
 ) -> ir.Model:
     """The 8-bit head a user asked for, still held to the budget. With ``accuracy_level`` auto its level is
     measured apart from the int4 MatMuls' (the level they measured fastest need not suit the head: see
@@ -778,7 +801,7 @@ def _head_int8_asked(
     candidates: dict[str, onnx.ModelProto | Callable[[], onnx.ModelProto]]
     candidates = {key: functools.partial(head8, at) for key, at in levels.items()}
     timed = len(levels) > 1
-    measured = _measure_heads(original, candidates, samples, options, budget, logits=logits, roles=roles, timed=timed)
+    measured = _measure_heads(original, candidates, samples, options, budget, judge=judge, timed=timed)
     if measured is None:
         notes["lm_head_decision"] = f"int8 (option, accuracy_level {level}); not measured: no samples"
         return ir.serde.deserialize_model(head8(level))
@@ -812,8 +835,7 @@ def _tables(
     options: QuantizeInt4Options,
     budget_options: q.QuantizationOptions,
     notes: dict[str, Any],
-    logits: str | None,
-    roles: Mapping[str, InputRole],
+    judge: Judge,
 ) -> ir.Model:
     """The quantized model with its token tables quantized as ``embeddings`` asks (auto: where it measures
     within the budget); the choice and every table's bytes in ``notes["embeddings"]``."""
@@ -843,8 +865,7 @@ def _tables(
         {"tables": proto},
         samples,
         limit,
-        logits,
-        roles=roles,
+        judge,
         elements=budget_options.tolerance,
         timed=False,
     )
@@ -1139,16 +1160,14 @@ def _call_pinned(
 
     original = ir.serde.serialize_model(model)
     built = build()
-    logits = logits_output(model)
-    roles = analyze(model).roles
+    judge = Judge.of(model, ctx, options.max_samples)
     budget = q.budget_of(_budget_options(options))
     measured = _measure(
         original,
         {"agreed": built},
         ctx.samples,
         options.max_samples,
-        logits,
-        roles=roles,
+        judge,
         elements=budget.elements,
         timed=False,
     )

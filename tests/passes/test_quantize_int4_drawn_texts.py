@@ -1,0 +1,124 @@
+"""The next-token check of a job sent without samples: sequences drawn from the original model, not random ids.
+
+The engine's generated inputs hold uniform random token ids. On them the trained test decoder
+(``tests/models/decoders/trained_llama_past_ts.onnx``, a byte-level Llama) flipped 3 of 44 greedy tokens with
+every MatMul 8-bit, so an ``int4`` job without samples was refused. ``_accuracy.sample_texts`` draws each
+position from the model's own next-token distribution instead (seeded), and the job's int4 now keeps a mix
+whose greedy tokens hold on those sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from core.config import JobConfig
+from core.inputs import analyze
+from core.settings import PipelineSettings
+from passes.precision import _accuracy
+from tests.models.build_decoders import OUT, Signature, decoder_feeds
+from tests.passes.test_quantize_int4 import session
+from workers.pipeline import PipelineRequest, run_pipeline
+
+TRAINED = OUT / "trained_llama_past_ts.onnx"
+
+
+def perplexity(path, feeds):
+    """The model's perplexity on the feeds' own next tokens (graph optimizations off)."""
+    sess = session(path)
+    nll, count = 0.0, 0
+    for feed in feeds:
+        logits = sess.run(["logits"], feed)[0].astype(np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        ids = feed["input_ids"]
+        nll -= float(np.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1).sum())
+        count += ids[:, 1:].size
+    return float(np.exp(nll / count))
+
+
+def random_samples(shapes=((2, 16, 0), (1, 60, 0), (4, 1, 8)), seed=0):
+    signature = Signature.of(TRAINED)
+    return [decoder_feeds(signature, b, s, p, seed=seed + i) for i, (b, s, p) in enumerate(shapes)]
+
+
+def test_sample_texts_draws_sequences_the_trained_decoder_finds_plausible_at_the_samples_shapes():
+    # setup: random ids at a prefill of 16, one of 60 (cut to TEXT_TOKENS) and a decode step (one token: none)
+    samples = random_samples()
+    roles = analyze(onnx.load(str(TRAINED))).roles
+    # execute
+    texts = _accuracy.sample_texts(TRAINED, "logits", samples, 8, roles)
+    again = _accuracy.sample_texts(TRAINED, "logits", samples, 8, roles)
+    # assert: two prefills (empty past), the first token kept, the rest drawn, the same for the same seed
+    assert [f["input_ids"].shape for f in texts.feeds] == [(2, 16), (1, _accuracy.TEXT_TOKENS)]
+    for feed, sample in zip(texts.feeds, samples, strict=False):
+        assert feed["past_key_values.0.key"].shape[2] == 0
+        assert feed["attention_mask"].shape == feed["position_ids"].shape == feed["input_ids"].shape
+        np.testing.assert_array_equal(feed["input_ids"][:, 0], sample["input_ids"][:, 0])
+        assert (feed["input_ids"][:, 1:] != sample["input_ids"][:, 1 : feed["input_ids"].shape[1]]).any()
+    for a, b in zip(texts.feeds, again.feeds, strict=True):
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    assert texts.how == f"2 sequence(s), {32 + _accuracy.TEXT_TOKENS} token(s) drawn from the original model (seed 0)"
+    # the model's own text: far more likely to it than the random ids were
+    as_prefills = [_accuracy.prefill(session(TRAINED), s, roles) for s in samples[:2]]
+    assert perplexity(TRAINED, texts.feeds) < 0.5 * perplexity(TRAINED, as_prefills)
+
+
+def bidirectional_lm(vocab=32, hidden=16, seed=0):
+    """Each position's logits read the mean over the whole sequence: a masked LM's dependence on later tokens."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["h"]),
+        helper.make_node("ReduceMean", ["h", "axis"], ["context"], keepdims=1),
+        helper.make_node("Add", ["h", "context"], ["mixed"]),
+        helper.make_node("MatMul", ["mixed", "head"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bidirectional",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab])],
+        [
+            numpy_helper.from_array(rng.standard_normal((vocab, hidden)).astype(np.float32), "table"),
+            numpy_helper.from_array(rng.standard_normal((hidden, vocab)).astype(np.float32), "head"),
+            numpy_helper.from_array(np.array([1], np.int64), "axis"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_sample_texts_draws_nothing_when_a_position_reads_later_tokens(tmp_path):
+    # setup
+    path = tmp_path / "bidirectional.onnx"
+    onnx.save(bidirectional_lm(), str(path))
+    samples = [{"input_ids": np.arange(12, dtype=np.int64).reshape(2, 6)}]
+    # execute
+    texts = _accuracy.sample_texts(path, "logits", samples, 8, {})
+    # assert
+    assert texts.feeds == []
+    assert texts.how == "not a causal language model: a position's logits depend on later tokens"
+
+
+@pytest.fixture(scope="module")
+def trained_int4_job(tmp_path_factory):
+    settings = PipelineSettings(
+        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=3, benchmark_max_seconds=0.1, ledger_runs=3,
+        intra_op_threads=1,
+    )  # fmt: skip
+    # rollback_slower off: int4 of a 90k-weight decoder is a timing question; this asks what was verified
+    config = JobConfig(preset="int4", rollback_slower=False, benchmark=False)
+    result = run_pipeline(PipelineRequest(TRAINED, tmp_path_factory.mktemp("job") / "out", config, settings))
+    return next(p for p in result.report["passes"] if p["name"] == "quantize_int4")
+
+
+def test_int4_job_without_samples_judges_the_greedy_tokens_on_drawn_sequences_and_keeps_a_mix(trained_int4_job):
+    # assert: the sequences are the drawn ones, the budget held on them, and the ledger verified the mix
+    entry = trained_int4_job
+    notes = entry["notes"]
+    assert "drawn from the original model" in notes["next_token"]["sequences"]
+    assert notes["next_token_texts"].endswith("drawn from the original model (seed 0)")
+    assert entry["status"] == "applied", entry["reason"]
+    figures = notes["accuracy"]["logits (teacher forcing)"]
+    assert figures["top1_agreement"] >= 0.99 and figures["positions"] >= 32
+    assert notes["int4_share"]["weights"].get("int4", 0) > 0
