@@ -246,13 +246,15 @@ _PASS_THROUGH = {
 
 
 def head_outputs(model: ir.Model) -> dict[str, str]:
-    """``{graph output: head node}`` for every output a MatMul/Gemm reaches through ``_PASS_THROUGH`` ops only
-    (found from the graph, never by name)."""
+    """``{graph output: head node}`` for every output a MatMul/Gemm (or ORT's FusedMatMul, as onnxscript's
+    fusions leave a tied head) reaches through ``_PASS_THROUGH`` ops only (found from the graph, never by name)."""
     heads: dict[str, str] = {}
     for output in model.graph.outputs:
         value: ir.Value | None = output
         while value is not None and (node := value.producer()) is not None:
-            if node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx"):
+            if (node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx")) or (
+                node.op_type == "FusedMatMul" and node.domain == "com.microsoft"  # a tied head, fused by onnxscript
+            ):
                 if node.name:
                     heads[output.name] = node.name
                 break
@@ -275,8 +277,11 @@ def logits_output(model: ir.Model) -> str | None:
             continue
         if value.shape is not None and len(value.shape) < 2:
             continue
-        weight = producers[head].inputs[1] if len(producers[head].inputs) > 1 else None
-        vocab = weight.const_value.shape[-1] if weight is not None and weight.const_value is not None else None
+        node = producers[head]
+        weight = node.inputs[1] if len(node.inputs) > 1 else None
+        vocab = None
+        if weight is not None and weight.const_value is not None and weight.const_value.shape:
+            vocab = weight.const_value.shape[0 if node.attributes.get_int("transB", 0) else -1]
         last = value.shape[-1] if value.shape is not None else None
         if isinstance(last, int) and isinstance(vocab, int) and last != vocab:
             continue

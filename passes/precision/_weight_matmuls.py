@@ -11,7 +11,8 @@
   float or made 8-bit by rule, not judged by its greedy tokens.
 
 Each becomes ``MatMul(A, W)`` then ``Add(C)`` or ``Mul(alpha)``; a transposed weight is stored transposed (a
-copy: the quantized model keeps its own packed one anyway). The ``MatMul`` takes the node's name, so
+copy: quantize_dynamic keeps its own int8 one anyway; quantize_int4 leaves those fused, its head policy keeps a
+tied head float, reading the table it shares). The ``MatMul`` takes the node's name, so
 ``nodes_to_exclude``, pins by name and the report's node names still apply; a graph output keeps its name.
 """
 
@@ -35,8 +36,10 @@ def _weight(node: ir.Node) -> ir.Value | None:
 _OP_TYPES = ("Gemm", "FusedMatMul")
 
 
-def sites(model: ir.Model, op_types: tuple[str, ...] = _OP_TYPES) -> list[ir.Node]:
-    """The nodes of ``op_types`` (Gemm, FusedMatMul) in the main graph that ``unfuse`` writes back as MatMul."""
+def sites(model: ir.Model, op_types: tuple[str, ...] = _OP_TYPES, *, transposed: bool = True) -> list[ir.Node]:
+    """The nodes of ``op_types`` (Gemm, FusedMatMul) in the main graph that ``unfuse`` writes back as MatMul;
+    without ``transposed``, none whose weight is read transposed (``transB``): a tied head's FusedMatMul reads
+    the token table itself, and unfused it would store a transposed copy beside it."""
     found = []
     for node in model.graph:
         if not node.name or node.op_type not in op_types or _weight(node) is None:
@@ -54,14 +57,16 @@ def sites(model: ir.Model, op_types: tuple[str, ...] = _OP_TYPES) -> list[ir.Nod
                 continue
         else:
             continue
+        if not transposed and attrs.get_int("transB", 0):
+            continue
         found.append(node)
     return found
 
 
-def unfuse(model: ir.Model, op_types: tuple[str, ...] = _OP_TYPES) -> dict[str, int]:
-    """Rewrite every site of ``op_types`` in place; how many of each op type."""
+def unfuse(model: ir.Model, op_types: tuple[str, ...] = _OP_TYPES, *, transposed: bool = True) -> dict[str, int]:
+    """Rewrite every site of ``op_types`` (``sites``) in place; how many of each op type."""
     counts: dict[str, int] = {}
-    for node in sites(model, op_types):
+    for node in sites(model, op_types, transposed=transposed):
         x, weight = node.inputs[0], _weight(node)
         assert weight is not None
         name = node.name

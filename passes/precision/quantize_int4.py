@@ -36,9 +36,10 @@ What ORT leaves to the user, and this pass decides:
   ``present.1.key`` (12% of its elements outside 0.1 + 0.1 * |ref|, 10% allowed); every trial now counts the
   share of each output's elements outside the tolerance on the samples (``beyond_tolerance`` in the figures).
 * **Weights in fused forms are read as MatMuls** (``_weight_matmuls``): GPT-2's Gemms, and ``FusedMatMul``
-  (a tied head's transposed table, a soft-capped head's ``1/cap`` folded in as alpha by onnxscript's fusions)
-  become a named ``MatMul`` plus its Add or Mul; left fused, Gemma 3n's head was found by no one, so it was
-  neither kept float by rule nor judged by its greedy tokens.
+  with a scale (a soft-capped head's ``1/cap`` folded in as alpha by onnxscript's fusions) become a named
+  ``MatMul`` plus its Add or Mul; left fused, Gemma 3n's head was found by no one, so it was neither kept float
+  by rule nor judged by its greedy tokens. A tied head's ``FusedMatMul(transB=1)`` on the token table stays
+  fused (unfused, it would store a transposed copy beside the table) and is found as the head as it is.
 * **Block size by measurement** (``block_size="auto"``): full int4 at 128 (ORT's default), 64, 32 and 16 (no
   longer than the longest K); the largest within the budget, else the one that flips the fewest greedy tokens,
   starts the mix. Larger blocks are also faster in prefill: with int8 compute (accuracy_level 4) every block
@@ -279,9 +280,9 @@ class QuantizeInt4(Pass[QuantizeInt4Options]):
         if refusal:
             return q.refused(model, refusal)
         unfused: dict[str, int] = {}
-        if weight_matmuls.sites(model):
+        if weight_matmuls.sites(model, transposed=False):
             model = ir.serde.deserialize_model(ir.serde.serialize_model(model))  # functional: input untouched
-            unfused = weight_matmuls.unfuse(model)
+            unfused = weight_matmuls.unfuse(model, transposed=False)
         heads = lm_heads(model)
         candidates, non_matches, shared = _candidates(model, set(options.nodes_to_exclude))
         kept_float = [] if options.lm_head == "int4" else [h for h in heads if h in candidates]
@@ -1127,9 +1128,9 @@ def _call_pinned(
         for n in model.graph
         if n.op_type in ("MatMul", "Gemm") and n.name and len(n.inputs) > 1 and n.inputs[1] is not None
     }  # before unfusing: a transposed weight is a new initializer, pinned under its node's name
-    if weight_matmuls.sites(model):
+    if weight_matmuls.sites(model, transposed=False):
         model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-        weight_matmuls.unfuse(model)
+        weight_matmuls.unfuse(model, transposed=False)
     candidates, non_matches, _ = _candidates(model, set(options.nodes_to_exclude))
     form = {c: pins.get(weight_of.get(c, ""), ("float", 0)) for c in candidates}
     int4 = [c for c in candidates if form[c][0] == "int4"]

@@ -21,7 +21,7 @@ from core.settings import PipelineSettings
 from passes._infra import PassContext
 from passes.precision import _accuracy
 from passes.precision.quantize_dynamic import QuantizeDynamic
-from passes.precision.quantize_int4 import QuantizeInt4, lm_heads
+from passes.precision.quantize_int4 import QuantizeInt4
 from tests.passes.test_quantize_int4 import NO_GATE, OUT, samples_for, session
 from workers.pipeline import PipelineRequest, run_pipeline
 from workers.verify import compare_output
@@ -157,7 +157,6 @@ def id_samples(vocab=96, shapes=((1, 12), (2, 7), (3, 20)), seed=0):
 def test_quantize_int4_finds_and_keeps_float_a_soft_capped_head_when_fused_into_a_fusedmatmul():
     # setup
     original = softcapped_lm()
-    assert lm_heads(original) == []  # the fused form is no MatMul: nothing found before unfusing
     samples = id_samples()
     # execute
     options = {"lm_head": "float", "block_size": 32, "accuracy_level": 0, **NO_GATE}  # random: flat greedy tokens
@@ -204,3 +203,48 @@ def test_int4_job_hands_its_tolerance_to_the_pass_so_the_ledger_verifies_what_th
     assert entry["notes"]["budget"]["job_tolerance"] == TIGHT.model_dump()
     assert entry["status"] == "applied", entry["reason"]
     assert 0 < entry["counts"]["nodes_quantized"] < 14
+
+
+def tied_fused_lm(vocab=64, hidden=64, seed=5):
+    """ids -> table -> projection -> tanh -> FusedMatMul(., table, transB=1): a tied head as onnxscript's fusions
+    leave it, reading the token table itself."""
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["E", "input_ids"], ["embedded"], name="embed"),
+            helper.make_node("MatMul", ["embedded", "W1"], ["h"], name="proj"),
+            helper.make_node("Tanh", ["h"], ["hidden"], name="act"),
+            helper.make_node(
+                "FusedMatMul", ["hidden", "E"], ["logits"], name="lm_head", domain="com.microsoft", transB=1
+            ),
+        ],
+        "tied",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", vocab])],
+        [
+            numpy_helper.from_array(table, "E"),
+            numpy_helper.from_array((rng.standard_normal((hidden, hidden)) / 8).astype(np.float32), "W1"),
+        ],
+    )
+    proto = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    return ir.serde.deserialize_model(proto)
+
+
+def test_quantize_int4_finds_a_tied_fusedmatmul_head_and_leaves_it_reading_the_table_it_shares():
+    # setup
+    samples = id_samples(vocab=64)
+    # execute
+    result = QuantizeInt4(NO_GATE)(tied_fused_lm(), PassContext(samples=samples, tolerance=LOOSE))
+    # assert: found and judged by its greedy tokens, left fused on the one float table (no transposed copy)
+    assert result.modified, result.non_matches
+    assert result.notes["lm_head"] == ["lm_head"] and result.notes["fused_matmuls_unfused"] == 0
+    assert result.notes["next_token"]["logits"] == "logits"
+    inits = result.model.graph.initializers
+    assert inits["E"].const_value.dtype == ir.DataType.FLOAT
+    assert [name for name in inits if name != "E"] in (["W1_Q4", "W1_scales"], ["W1_Q8", "W1_scales"])
+    ops = {n.name: n.op_type for n in result.model.graph}
+    assert ops["lm_head"] == "FusedMatMul" and ops["embed"] == "Gather"
+    assert failures(tied_fused_lm(), result.model, id_samples(vocab=64, shapes=((1, 5), (2, 33)), seed=3), LOOSE) == []
