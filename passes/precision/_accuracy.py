@@ -391,9 +391,11 @@ def sample_texts(
     limit: int,
     roles: Mapping[str, InputRole],
     *,
+    length: int = TEXT_TOKENS,
     seed: int = 0,
 ) -> Texts:
-    """Token sequences drawn from the model at ``src`` itself, as prefills at the samples' shapes, and how.
+    """Token sequences drawn from the model at ``src`` itself, as prefills of ``length`` tokens at the samples'
+    batch sizes, and how.
 
     The engine's generated inputs hold uniform random token ids. A trained decoder's greedy token on such a
     sequence is decided by small margins, so even every MatMul 8-bit flipped 3 of 44 of them on the trained
@@ -401,22 +403,35 @@ def sample_texts(
     next-token distribution (temperature 1, seeded) given the tokens before it: text the model finds
     plausible, which is what it will be run on, without a tokenizer or a corpus. A random-weight model's
     distribution is nearly uniform, so its sequences stay as random as before. Only for a causal model (the
-    logits of a position unchanged when a later token changes; a masked LM reads both ways); sequences longer
-    than ``TEXT_TOKENS`` are cut to it where every input over the sequence is 1-D or 2-D. Empty, with the
-    reason, when none can be drawn."""
+    logits of a position unchanged when a later token changes; a masked LM reads both ways).
+
+    Each sample's prefill is resized to ``length`` where every input over its sequence has a role that says
+    how (token ids, mask, positions, token types: ``_resized``), so a decode step of one token still yields a
+    sequence and 0.99 top-1 agreement is judged on a few hundred positions, not a few dozen; else, or where the
+    model refuses that length, it keeps its own length. Empty, with the reason, when none can be drawn."""
     if logits is None:
         return Texts([], "no logits output")
     sess = session(src)
     token = _token_input(sess.get_inputs())
     if token is None:
         return Texts([], "no token ids input")
-    feeds = [f for f in (prefill(sess, s, roles) for s in samples) if f is not None and f[token].shape[1] > 1]
-    feeds = [_cut(f, token, TEXT_TOKENS, encoder_inputs(roles)) for f in feeds[:limit]]
-    if not feeds:
+    given = [f for f in (prefill(sess, s, roles) for s in samples) if f is not None][:limit]
+    resized = [_resized(f, token, length, roles) for f in given]
+    feeds = [f for f in resized if f[token].shape[1] > 1]
+    first = next(iter(feeds), None)
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    quiet = ort_state.RunOptions()
+    quiet.log_severity_level = 4  # a refusal below is expected and handled
+    try:
+        before = None if first is None else sess.run([logits], first, quiet)[0]
+    except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument):  # a position table too short
+        feeds = [f for f in given if f[token].shape[1] > 1]
+        first = next(iter(feeds), None)
+        before = None if first is None else sess.run([logits], first)[0]
+    if first is None or before is None:
         return Texts([], "no sample of two tokens or more")
-    first = feeds[0]
     ids = first[token]
-    before = sess.run([logits], first)[0]
     if before.ndim != 3 or before.shape[:2] != ids.shape:
         return Texts([], f"the logits ({list(before.shape)}) are not one row per token")
     changed = ids.copy()
@@ -437,16 +452,38 @@ def sample_texts(
     return Texts(feeds, f"{len(feeds)} sequence(s), {positions} token(s) drawn from the original model (seed {seed})")
 
 
-def _cut(feed: dict[str, np.ndarray], token: str, length: int, encoder: frozenset[str]) -> dict[str, np.ndarray]:
-    """``feed`` (a prefill) cut to its first ``length`` tokens, where every input over the sequence is 1-D or
-    2-D with the sequence last (ids, mask, positions); else as it is."""
-    seq = feed[token].shape[1]
-    if seq <= length:
-        return feed
-    over = {name for name, value in feed.items() if name not in encoder and seq in value.shape}
-    if any(feed[name].ndim > 2 or feed[name].shape[-1] != seq for name in over):
-        return feed
-    return {name: value[..., :length].copy() if name in over else value for name, value in feed.items()}
+# How an input over the new tokens is written at another length, by its role (``core.inputs``).
+_RESIZED = {
+    "attention_mask": lambda old, batch, length: np.ones((batch, length), old.dtype),
+    "token_type_ids": lambda old, batch, length: np.zeros((batch, length), old.dtype),
+    "position_ids": lambda old, batch, length: np.broadcast_to(
+        np.arange(length, dtype=old.dtype), (batch, length) if old.ndim == 2 else (length,)
+    ).copy(),
+}
+
+
+def _resized(
+    feed: dict[str, np.ndarray], token: str, length: int, roles: Mapping[str, InputRole]
+) -> dict[str, np.ndarray]:
+    """``feed`` (a prefill: empty past) at ``length`` new tokens, its first token kept and the others 0 (to be
+    drawn), where every input over the new tokens is one ``_RESIZED`` knows (1-D or 2-D, the sequence last);
+    else as it is."""
+    ids = feed[token]
+    batch, seq = ids.shape
+    encoder = encoder_inputs(roles)
+    out = dict(feed)
+    for name, value in feed.items():
+        role = roles.get(name)
+        if name == token or name in encoder or value.ndim == 0 or (role is not None and role.role == "past_key_values"):
+            continue
+        if value.ndim > 2 or value.shape[-1] != seq or (value.ndim == 2 and value.shape[0] != batch):
+            continue  # not over the new tokens
+        if role is None or role.role not in _RESIZED or role.cross:
+            return feed
+        out[name] = _RESIZED[role.role](value, batch, length)
+    out[token] = np.zeros((batch, length), ids.dtype)
+    out[token][:, 0] = ids[:, 0]
+    return out
 
 
 @dataclass
