@@ -12,6 +12,9 @@ transformers' ``apply_rotary_pos_emb`` (Llama, Qwen2, Mistral, Phi-3, Gemma...) 
     or  cos = Slice(cos_cached, 0:S, axis -2)          (code written without transformers: a constant table
                                                         [max_pos, rotary_dim], or [1, 1, max_pos, rotary_dim],
                                                         cut to the sequence and broadcast; no positions at all)
+    or  c = Concat(h, h, axis=-1)                      (per token: h [batch, sequence, rotary_dim/2] computed
+                                                        any way, e.g. Qwen2-VL's M-RoPE gathering each section's
+                                                        angles from its own row of position_ids [3, B, S])
 
     rotated = Add(Mul(x, cos), Mul(Concat(Neg(Slice(x, h:)), Slice(x, :h), axis=-1), sin))     h = rotary_dim / 2
 
@@ -54,13 +57,17 @@ class Declined(Exception):
 class CosSin:
     """Where one cos or sin factor comes from."""
 
-    kind: Literal["inv_freq", "table"]
+    kind: Literal["inv_freq", "table", "per_token"]
     positions: ir.Value | None  # int64 [batch, sequence], [sequence] where shared; None: rows 0..S-1 of a table
-    values: np.ndarray  # inv_freq [rotary_dim/2], or the folded table's first half [max_positions, rotary_dim/2]
+    # inv_freq [rotary_dim/2], or the folded table's first half [max_positions, rotary_dim/2]; per_token: empty
+    # (the rows are ``rows``, computed in the graph)
+    values: np.ndarray
     scale: float  # attention_scaling (1 for default rope)
     nodes: tuple[ir.Node, ...]
     shared: bool = False  # 1-D positions the whole batch shares (the model's own arange)
-    rows: ir.Value | None = None  # without positions: the table cut to the sequence (its rows must be x's)
+    # without positions: the table cut to the sequence (its rows must be x's); per_token: the computed first half
+    # [batch, sequence, rotary_dim/2] that Concat(half, half) doubled
+    rows: ir.Value | None = None
     heads_axis: int = 1  # where the factor is unsqueezed: 1 for [B, N, S, D], 2 for [B, S, N, D] (Gemma 3n)
 
 
@@ -235,9 +242,20 @@ def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
         nodes.append(trig)
         (positions, shared), inv_freq = _angles(trig.inputs[0], nodes)
         return CosSin("inv_freq", positions, inv_freq, scale, tuple(nodes), shared, heads_axis=heads_axis[0])
+    doubled = _producer(v, "Concat")
+    if doubled is not None and len(doubled.inputs) == 2 and doubled.inputs[0] is doubled.inputs[1]:
+        if int_attr(doubled, "axis", 0) not in (-1, 2):
+            raise Declined(f"{op.lower()}'s halves are not concatenated on the last axis")
+        nodes.append(doubled)
+        return CosSin(
+            "per_token", None, np.zeros(0, np.float32), scale, tuple(nodes), rows=doubled.inputs[0],
+            heads_axis=heads_axis[0],
+        )  # fmt: skip
     gather = _producer(v, "Gather")
     if gather is None or int_attr(gather, "axis", 0) != 0:
-        raise Declined(f"{op.lower()} comes from neither {op}(angles) nor Gather(table, position_ids)")
+        raise Declined(
+            f"{op.lower()} comes from neither {op}(angles), Gather(table, position_ids) nor Concat(half, half)"
+        )
     nodes.append(gather)
     table_value = gather.inputs[0]
     sliced = _producer(table_value, "Slice")
@@ -265,18 +283,46 @@ def _heads_after_sequence(x: ir.Value) -> int | None:
     was computed from, through a per-head norm (Gemma 3n's q/k RMSNorm) or other elementwise steps."""
     if x.shape is not None and len(x.shape) == 4 and isinstance(x.shape[2], int):
         return x.shape[2]
+    split = _head_split(x)
+    return split[0] if split else None
+
+
+def _head_split(x: ir.Value, *, transposed: bool = False) -> tuple[int, int] | None:
+    """(heads, head_size) of the head split ``Reshape(proj, [B, S, -1, D])`` ``x`` was computed from through
+    elementwise steps (with ``transposed``, first its ``Transpose(perm=[0, 2, 1, 3])`` to heads-first)."""
     value: ir.Value | None = x
+    if transposed:
+        transpose = _producer(x, "Transpose")
+        if transpose is None or ints_attr(transpose, "perm") != [0, 2, 1, 3]:
+            return None
+        value = transpose.inputs[0]
     for _ in range(16):
         node = value.producer() if value is not None else None
         if node is None or node.domain not in (*_ONNX, "com.microsoft"):
             return None
         if node.op_type == "Reshape":
-            split = heads_of_split(node.inputs[1], node.inputs[0])
-            return split[0] if split else None
+            return heads_of_split(node.inputs[1], node.inputs[0])
         if node.op_type not in _ELEMENTWISE:
             return None
         value = node.inputs[0]
     return None
+
+
+def _width(first: ir.Node | None, x: ir.Value, bsnd: bool) -> int:
+    """The rotary dim of a rotation whose factors are computed per token: twice the end of rotate_half's first
+    Slice (``x[..., :half]``), else x's head size (static, or its head split's: transformers' rotate_half cuts
+    ``x.shape[-1] // 2``, which a TorchScript export computes from the shape)."""
+    half = one_int(first.inputs[2], {}) if first is not None and len(first.inputs) > 2 else None
+    if half is not None and 0 < half < SLICE_TO_END:
+        return 2 * half
+    if x.shape is not None and len(x.shape) == 4 and isinstance(x.shape[3], int):
+        size: int | None = x.shape[3]
+    else:
+        split = _head_split(x, transposed=not bsnd)
+        size = split[1] if split else None
+    if size is not None and size % 2 == 0:
+        return size
+    raise Declined("the rotation's width is not known from the graph (its factors are computed per token)")
 
 
 def _rows_of_sequence(rows: ir.Value | None, x: ir.Value) -> bool:
@@ -334,6 +380,8 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
         raise Declined("cos and sin use different inv_freq")
     if cos.kind == "table" and cos.values.shape != sin.values.shape:
         raise Declined("the cos and sin tables differ in shape")
+    if cos.kind == "per_token" and cos.rows is sin.rows:
+        raise Declined("cos and sin are the same values")
     if cos.scale != sin.scale:
         raise Declined(f"cos is scaled by {cos.scale}, sin by {sin.scale}")
     if cos.heads_axis != sin.heads_axis:
@@ -344,8 +392,8 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
         raise Declined("the heads of the [batch, sequence, heads, head_size] input are not known from the graph")
     if x.dtype is not None and x.dtype not in _FLOATS:
         raise Declined(f"{x.name} is {x.dtype}; RotaryEmbedding takes float or float16")
-    rotary_dim = 2 * cos.values.shape[-1]
-    if cos.positions is None and not _rows_of_sequence(cos.rows, x):
+    rotary_dim = 2 * cos.values.shape[-1] if cos.kind != "per_token" else _width(first, x, cos.heads_axis == 2)
+    if cos.kind == "table" and cos.positions is None and not _rows_of_sequence(cos.rows, x):
         raise Declined("the cos table is cut to a length not proven to be the sequence's")
     hints = {x: (np.nan, np.nan, np.nan, float(rotary_dim)), cos_value: (np.nan, np.nan, np.nan, float(rotary_dim))}
     if cos.positions is not None:

@@ -12,7 +12,10 @@ full and Phi-3 partial rotary, angles computed or the exporter's folded table), 
     x --Slice-----/                                                    cos_cache, sin_cache)-->
     position_ids--Unsqueeze--Cast--Mul(inv_freq)--Concat--Cos/Sin--[Mul(scaling)]--Unsqueeze
 
-with the caches computed once per distinct frequency set (``_rotary_cache``). The interleaved form (GPT-J,
+with the caches computed once per distinct frequency set (``_rotary_cache``). Factors computed per token,
+``Concat(h, h)`` of any half ``h [B, S, rotary_dim/2]`` (Qwen2-VL's M-RoPE gathers each section's angles from its
+own row of ``position_ids [3, B, S]``: no table indexed by one position exists), become caches in the graph:
+``h`` flattened to one row per token, read at positions ``arange(B * S)`` (``_per_token``). The interleaved form (GPT-J,
 Cohere, RoFormer: ``rotate_every_two``, channel pairs (2i, 2i+1)) becomes ``RotaryEmbedding(interleaved=1)``
 (``_rotary_interleaved``: its caches are what the graph's own cos/sin compute, run once and then checked at
 other shapes, ``_rotary_interleaved_probe``). DeepSeek's MLA rotates pairs too but writes them evens first,
@@ -104,17 +107,31 @@ class FuseRotary(Pass[FuseRotaryOptions]):
         matches = [_from_start(graph, m) for m in matches]
         layers = sorted({layer for m in matches if (layer := layer_of(m.anchor)) is not None})
         caches: dict[tuple[Any, ...], tuple[ir.Value, ir.Value]] = {}
-        for found in matches:
-            _rewrite(graph, found, outputs, _caches(graph, found, max_positions, caches))
+        per_token: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value, ir.Value]] = {}
+        for each in matches:
+            found, tables = (
+                _per_token(graph, each, per_token)
+                if each.cos.kind == "per_token"
+                else (each, _caches(graph, each, max_positions, caches))
+            )
+            _rewrite(graph, found, outputs, tables)
         matched = [n for m in matches for n in m.nodes]
         removed = _remove_dead(graph, [*matched, *_downstream(matched)], set(graph.outputs))
         model.opset_imports.setdefault(_MS, 1)
         left = sum(1 for n in graph if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx"))
-        declined += _unexplained_trig(graph) if left and not declined else []
+        explained = _feeding({v for pair in per_token for v in pair})
+        declined += _unexplained_trig(graph, explained) if left and not declined else []
         notes: dict[str, Any] = {
             "decoder": structure,
             "max_positions": {
-                m.cos.kind: (max_positions if m.cos.kind == "inv_freq" else len(m.cos.values)) for m in matches
+                m.cos.kind: (
+                    max_positions
+                    if m.cos.kind == "inv_freq"
+                    else "the input's (one row per token)"
+                    if m.cos.kind == "per_token"
+                    else len(m.cos.values)
+                )
+                for m in matches
             },
             "rotary_layers": layers,
         }
@@ -122,7 +139,7 @@ class FuseRotary(Pass[FuseRotaryOptions]):
             "rotary_embeddings": len(matches),
             "partial_rotary": sum(m.partial for m in matches),
             "interleaved_rotary": sum(m.interleaved for m in matches),
-            "cos_sin_caches": len(caches),
+            "cos_sin_caches": len(caches) + len(per_token),
             "nodes_removed": removed,
             "trig_left": left,
             "rms_norms_divided": norms,
@@ -223,7 +240,7 @@ def _proven_tables(
 
 def _from_start(graph: ir.Graph, found: RotaryMatch) -> RotaryMatch:
     """A rotation whose table is cut to the sequence (no positions) reads rows 0..S-1: the kernel's start of 0."""
-    if found.cos.positions is not None:
+    if found.cos.positions is not None or found.cos.kind == "per_token":  # per token: positions made by _per_token
         return found
     start = _position_start(graph)
     cos, sin = (dataclasses.replace(f, positions=start) for f in (found.cos, found.sin))
@@ -243,14 +260,27 @@ def _position_start(graph: ir.Graph) -> ir.Value:
     return start
 
 
-def _unexplained_trig(graph: ir.Graph) -> list[NonMatch]:
+def _unexplained_trig(graph: ir.Graph, explained: frozenset[ir.Node] = frozenset()) -> list[NonMatch]:
     """Sin/Cos no rotate-half candidate explained: a rotary form this pass does not match (a scaled rope choosing
-    inv_freq at run time), named so the report says what blocked it."""
+    inv_freq at run time), named so the report says what blocked it. ``explained``: those computing per-token
+    caches, which stay."""
     return [
         _non_match(n, f"{n.op_type} feeds no q*cos + rotate_half(q)*sin this pass matches (another form)")
         for n in graph
-        if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx")
+        if n.op_type in ("Sin", "Cos") and n.domain in ("", "ai.onnx") and n not in explained
     ]
+
+
+def _feeding(values: set[ir.Value]) -> frozenset[ir.Node]:
+    """Every node the ``values`` are computed from."""
+    seen: set[ir.Node] = set()
+    pending = [p for v in values if (p := v.producer()) is not None]
+    while pending:
+        node = pending.pop()
+        if node not in seen:
+            seen.add(node)
+            pending += [p for v in node.inputs if v is not None and (p := v.producer()) is not None]
+    return frozenset(seen)
 
 
 def _non_match(node: ir.Node, reason: str) -> NonMatch:
@@ -279,6 +309,67 @@ def _caches(
     return made[key]
 
 
+def _per_token(
+    graph: ir.Graph, found: RotaryMatch, made: dict[tuple[ir.Value, ir.Value], tuple[ir.Value, ir.Value, ir.Value]]
+) -> tuple[RotaryMatch, tuple[ir.Value, ir.Value]]:
+    """``found`` reading per-token caches: its factors' computed halves ``h`` [batch, sequence, rotary_dim/2]
+    (``Concat(h, h)`` proves the rotate_half layout) flattened to one row per token, read at positions
+    ``arange(batch * sequence)`` in x's [batch, sequence] shape. The kernel then rotates each token by its own
+    row, whatever computed it (M-RoPE's sections from three position rows); every match reading the same
+    factors shares them, built before the first one's anchor."""
+    cos, sin = found.cos, found.sin
+    assert cos.rows is not None and sin.rows is not None
+    key = (cos.rows, sin.rows)
+    if key not in made:
+        anchor, base = found.anchor, f"rotary_emb.per_token{len(made) or ''}"
+        half = found.rotary_dim // 2
+        seq_axis = 1 if found.bsnd else 2
+        shape = ir.node("Shape", [found.x], name=f"{base}/x_shape")
+        batch = ir.node("Shape", [found.x], {"start": 0, "end": 1}, name=f"{base}/batch")
+        seq = ir.node("Shape", [found.x], {"start": seq_axis, "end": seq_axis + 1}, name=f"{base}/sequence")
+        grid = ir.node("Concat", [batch.outputs[0], seq.outputs[0]], {"axis": 0}, name=f"{base}/grid")
+        width = _int64(f"{base}/half", [half])
+        rows_shape = ir.node("Concat", [grid.outputs[0], width.outputs[0]], {"axis": 0}, name=f"{base}/rows")
+        flat = _int64(f"{base}/flat", [-1, half])
+        nodes = [shape, batch, seq, grid, width, rows_shape, flat]
+        tables = []
+        for op, factor in (("cos", cos), ("sin", sin)):
+            rows = factor.rows
+            assert rows is not None
+            if factor.scale != 1.0:
+                scale = _scalar(f"{base}/{op}_scale", factor.scale, rows.dtype or found.x.dtype or ir.DataType.FLOAT)
+                scaled = ir.node("Mul", [rows, scale.outputs[0]], name=f"{base}/{op}_scaled")
+                nodes += [scale, scaled]
+                rows = scaled.outputs[0]
+            expand = ir.node("Expand", [rows, rows_shape.outputs[0]], name=f"{base}/{op}_rows")
+            cache = ir.node("Reshape", [expand.outputs[0], flat.outputs[0]], name=f"{base}/{op}_cache")
+            nodes += [expand, cache]
+            cache.outputs[0].name = f"{base}.{op}_cache"
+            tables.append(cache.outputs[0])
+        tokens = ir.node("ReduceProd", [grid.outputs[0]], {"keepdims": 0}, name=f"{base}/tokens")
+        start, step = _int64(f"{base}/start", 0), _int64(f"{base}/step", 1)
+        arange = ir.node("Range", [start.outputs[0], tokens.outputs[0], step.outputs[0]], name=f"{base}/arange")
+        positions = ir.node("Reshape", [arange.outputs[0], grid.outputs[0]], name=f"{base}/positions")
+        positions.outputs[0].name = f"{base}.positions"
+        nodes += [tokens, start, step, arange, positions]
+        graph.insert_before(anchor, nodes)
+        for value, dtype in ((tables[0], cos.rows.dtype), (tables[1], sin.rows.dtype)):
+            if (dtype := dtype or found.x.dtype) is not None:  # TorchScript leaves intermediates untyped
+                value.dtype = dtype
+        positions.outputs[0].dtype = ir.DataType.INT64
+        made[key] = (tables[0], tables[1], positions.outputs[0])
+    cos_cache, sin_cache, positions = made[key]
+    found = dataclasses.replace(
+        found, cos=dataclasses.replace(cos, positions=positions), sin=dataclasses.replace(sin, positions=positions)
+    )
+    return found, (cos_cache, sin_cache)
+
+
+def _scalar(name: str, value: float, dtype: ir.DataType) -> ir.Node:
+    tensor = ir.tensor(np.array(value, dtype.numpy()), name=name)
+    return ir.node("Constant", [], {"value": tensor}, name=f"{name}_value")
+
+
 def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches: tuple[ir.Value, ir.Value]) -> None:
     attributes: dict[str, Any] = {"interleaved": int(found.interleaved)}
     if found.partial:  # ORT requires num_heads with rotary_embedding_dim, though a 4-D input carries the heads
@@ -300,7 +391,7 @@ def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches
         graph.insert_before(anchor, [axis, row])
         feeds[1] = row.outputs[0]
     start = positions.name == "rotary_emb.position_start"  # one element: every row starts at 0
-    if not start and (found.cos.shared or not _batched(positions, graph)):
+    if not start and found.cos.kind != "per_token" and (found.cos.shared or not _batched(positions, graph)):
         # Positions a model computes itself (arange(S)[None]) broadcast over the batch in the original; the
         # kernel wants one row per batch entry.
         name = f"{anchor.name}/rotary_positions"
@@ -383,7 +474,7 @@ def _transposed_heads(x: ir.Value) -> ir.Value | None:
     return producer.inputs[0]
 
 
-def _int64(name: str, values: list[int]) -> ir.Node:
+def _int64(name: str, values: list[int] | int) -> ir.Node:
     return ir.node("Constant", [], {"value": ir.tensor(np.array(values, np.int64), name=name)}, name=f"{name}_shape")
 
 
