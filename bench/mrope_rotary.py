@@ -34,6 +34,7 @@ from bench._decoder_ab import measure  # noqa: E402
 from bench._report import machine_line, write_blocks  # noqa: E402
 from passes._infra import PassContext, op_histogram  # noqa: E402
 from passes.fusion.fuse_rotary import FuseRotary  # noqa: E402
+from tests.models.build_heldout_mrope import mrope_feeds  # noqa: E402
 from workers.benchmark import host_info  # noqa: E402
 
 START, END = "<!-- mrope-table:start -->", "<!-- mrope-table:end -->"
@@ -43,15 +44,8 @@ VOCAB, HIDDEN, LAYERS = 32000, 512, 4
 
 
 def feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    positions = np.broadcast_to(np.arange(seq), (3, batch, seq)).copy()
-    positions[1] += 1
-    positions[2] += 2
-    return {
-        "input_ids": rng.integers(3, VOCAB, (batch, seq)).astype(np.int64),
-        "attention_mask": np.ones((batch, seq), np.int64),
-        "position_ids": positions.astype(np.int64),
-    }
+    """The tiny twin's feeds (height and width positions ahead of the time row) over this vocabulary."""
+    return mrope_feeds(batch, seq, seed, vocab=VOCAB)
 
 
 def build(path: Path) -> Path:

@@ -30,14 +30,14 @@ NAMES = ("input_ids", "attention_mask", "position_ids")
 VOCAB = 256
 
 
-def mrope_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+def mrope_feeds(batch: int, seq: int, seed: int = 0, vocab: int = VOCAB) -> dict[str, np.ndarray]:
     """Ids, a full mask and positions whose height and width rows run ahead of the time row (an image's patches)."""
     rng = np.random.default_rng(seed)
     positions = np.broadcast_to(np.arange(seq), (3, batch, seq)).copy()
     positions[1] += 1
     positions[2] += 2
     return {
-        "input_ids": rng.integers(3, VOCAB, (batch, seq)).astype(np.int64),
+        "input_ids": rng.integers(3, vocab, (batch, seq)).astype(np.int64),
         "attention_mask": np.ones((batch, seq), np.int64),
         "position_ids": positions.astype(np.int64),
     }
