@@ -304,8 +304,15 @@ def _head_split(x: ir.Value, *, transposed: bool = False) -> tuple[int, int] | N
             return heads_of_split(node.inputs[1], node.inputs[0])
         if node.op_type not in _ELEMENTWISE:
             return None
-        value = node.inputs[0]
+        # the computed operand: ``weight * x`` (a per-head norm's scale first, as TorchScript writes it) reads x
+        computed = [v for v in node.inputs if v is not None and _computed(v)]
+        value = computed[0] if computed else None
     return None
+
+
+def _computed(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is None and producer is not None and producer.op_type != "Constant"
 
 
 def _width(first: ir.Node | None, x: ir.Value, bsnd: bool) -> int:

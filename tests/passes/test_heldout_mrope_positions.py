@@ -15,6 +15,7 @@ fuse_rotary reads them per token: ``RotaryEmbedding`` with caches ``h`` flattene
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ from tests.passes._decoder_replay import fast_upto
 from tests.passes._util import session
 
 HELDOUT = Path(__file__).resolve().parents[1] / "models" / "heldout"
-STEMS = ("qwen25vl_text_ts", "qwen25vl_text_dynamo")
+STEMS = ("qwen25vl_text_ts", "qwen25vl_text_dynamo", "qwen3vl_text_ts", "qwen3vl_text_dynamo")
 
 
 @pytest.mark.parametrize("stem", STEMS)
@@ -51,17 +52,18 @@ def test_both_layers_become_group_query_attention_and_compute_the_same(stem: str
     assert ops["com.microsoft::GroupQueryAttention"] == 2
     assert ops["com.microsoft::RotaryEmbedding"] == 4 and "Neg" not in ops
     reference, fused = session(path), session(model, optimized=True)
-    for batch, seq in ((1, 4), (2, 9), (3, 17)):
-        feeds = mrope_feeds(batch, seq, seed=seq)
+    for (batch, seq), grid in itertools.product(((1, 4), (2, 9), (3, 17)), (False, True)):
+        feeds = mrope_feeds(batch, seq, seed=seq, grid=grid)
         np.testing.assert_allclose(
             fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}"
         )
 
 
-def test_fuse_rotary_alone_reads_the_per_token_factors_of_the_raw_torchscript_export() -> None:
+@pytest.mark.parametrize("stem", ["qwen25vl_text_ts", "qwen3vl_text_ts"])
+def test_fuse_rotary_alone_reads_the_per_token_factors_of_the_raw_torchscript_export(stem: str) -> None:
     # setup: the export as written (no shape inference or folding first: rotate_half cuts x.shape[-1] // 2, a
     # computed end, so the width comes from the head split)
-    path = HELDOUT / "qwen25vl_text_ts.onnx"
+    path = HELDOUT / f"{stem}.onnx"
     # execute
     result = FuseRotary()(ir.load(path), PassContext())
     # assert: q and k of both layers, one pair of per-token caches, nothing declined or left unexplained
@@ -71,7 +73,7 @@ def test_fuse_rotary_alone_reads_the_per_token_factors_of_the_raw_torchscript_ex
     assert "rotary_emb.position_start" not in result.model.graph.initializers
     reference, fused = session(path), session(result.model)
     for batch, seq in ((1, 3), (2, 9), (4, 21)):
-        feeds = mrope_feeds(batch, seq, seed=batch)
+        feeds = mrope_feeds(batch, seq, seed=batch, grid=True)  # height and width drawn per token
         np.testing.assert_allclose(
             fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}"
         )
