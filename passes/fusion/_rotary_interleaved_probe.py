@@ -205,6 +205,20 @@ def verify(
         feeds = _Feeds(model)
     except Exception as exc:  # inputs the role reader cannot place: nothing proven, the graph left as it is
         return [], [(c, f"the graph's inputs could not be read for the probe: {str(exc)[:200]}") for c in candidates]
+    sections = [
+        v.name
+        for v in feeds.inputs
+        if feeds.roles.get(v.name) is not None
+        and feeds.roles[v.name].role == "position_ids"
+        and v.shape is not None
+        and len(v.shape) == 3
+    ]
+    if sections:  # GLM-4V: each token's angles come from three rows, which no table read at one row holds
+        reason = (
+            f"{sections[0]} has one row per rope section (multimodal rope): the interleaved form's caches are read "
+            "at one row of positions, which these angles do not follow; left computed"
+        )
+        return [], [(c, reason) for c in candidates]
     tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     by_rows: dict[int, list[Candidate]] = {}
     for found in candidates:  # one run per length: a table gathered by position has its own rows

@@ -2,13 +2,14 @@
 test_heldout_mrope_positions.py``).
 
 Run ``python -m tests.models.build_heldout_mrope [STEM ...]`` (needs torch and transformers; every family by
-default); the .onnx files are committed so the tests need neither. ``qwen25vl_text_{ts,dynamo}.onnx``:
-transformers' ``Qwen2_5_VLTextModel`` (2 layers, hidden 32, 4 heads of 8, 2 KV heads, M-RoPE sections 1/2/1) with
-a bias-free LM head, ``(input_ids [batch, sequence], attention_mask [batch, sequence], position_ids [3, batch,
-sequence]) -> logits``, as Qwen2.5-VL's language model takes them (one row of positions per rope section: time,
-height, width); ``qwen3vl_text_{ts,dynamo}.onnx``: the same shape of ``Qwen3VLTextModel``, whose sections
-interleave across the frequencies. Exported by the TorchScript exporter (opset 17) and dynamo (opset 18), weights
-perturbed, checked against torch at other shapes with positions that differ per section.
+default); the .onnx files are committed so the tests need neither. ``qwen25vl_text_{ts,dynamo}.onnx``: transformers'
+``Qwen2_5_VLTextModel`` (2 layers, hidden 32, 4 heads of 8, 2 KV heads, M-RoPE sections 1/2/1) with a bias-free LM
+head, ``(input_ids [batch, sequence], attention_mask [batch, sequence], position_ids [3, batch, sequence]) ->
+logits``, as Qwen2.5-VL's language model takes them (one row of positions per rope section: time, height, width);
+``qwen3vl_text_{ts,dynamo}.onnx``: the same shape of ``Qwen3VLTextModel``, whose sections interleave across the
+frequencies; ``glm4v_text_dynamo.onnx``: ``Glm4vTextModel``, pairs rotated over half the head with sections 1/1/0
+(dynamo only: torch cannot export it by TorchScript). Exported by the TorchScript exporter (opset 17) and dynamo
+(opset 18), weights perturbed, checked against torch at other shapes with positions that differ per section.
 """
 
 from __future__ import annotations
@@ -59,7 +60,14 @@ FAMILIES = {
         "Qwen3VLTextConfig", "Qwen3VLTextModel",
         {"head_dim": 8, "rope_scaling": {"rope_type": "default", "mrope_section": [1, 2, 1]}},
     ),
+    # pairs rotated (interleaved) over half the head; torch's TorchScript export of it fails ("All tensors must
+    # have the same rank"), so dynamo only
+    "glm4v_text": (
+        "Glm4vTextConfig", "Glm4vTextModel",
+        {"partial_rotary_factor": 0.5, "rope_scaling": {"type": "default", "mrope_section": [1, 1, 0]}},
+    ),
 }  # fmt: skip
+EXPORTERS = {"glm4v_text": ("dynamo",)}
 
 
 def build() -> list[Path]:
@@ -95,7 +103,7 @@ def build_family(stem: str) -> list[Path]:
     module.eval()
     example = tuple(torch.from_numpy(v) for v in mrope_feeds(2, 7).values())
     paths = []
-    for tag in ("ts", "dynamo"):
+    for tag in EXPORTERS.get(stem, ("ts", "dynamo")):
         path = DIR / f"{stem}_{tag}.onnx"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

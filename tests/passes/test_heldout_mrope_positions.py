@@ -77,3 +77,24 @@ def test_fuse_rotary_alone_reads_the_per_token_factors_of_the_raw_torchscript_ex
         np.testing.assert_allclose(
             fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}"
         )
+
+
+def test_glm4v_interleaved_multimodal_rope_is_left_computed_with_its_reason_and_attention_still_fuses() -> None:
+    # setup: GLM-4V rotates pairs over half the head with sections; its caches cannot be read at one row
+    path = HELDOUT / "glm4v_text_dynamo.onnx"
+    # execute
+    model, counts = fast_upto(path)
+    rotary = FuseRotary()(ir.load(path), PassContext())
+    # assert: the reason names the sections, not a failed run; GroupQueryAttention on the computed rotation
+    assert "fuse_rotary.rotary_embeddings" not in counts and counts.get("fuse_gqa.fused_gqa", 0) == 2
+    reasons = {m.reason.split(": ", 1)[1] for m in rotary.non_matches}
+    assert reasons == {
+        "interleaved rotary: position_ids has one row per rope section (multimodal rope): the interleaved form's "
+        "caches are read at one row of positions, which these angles do not follow; left computed"
+    }
+    reference, fused = session(path), session(model, optimized=True)
+    for batch, seq in ((1, 4), (3, 17)):
+        feeds = mrope_feeds(batch, seq, seed=seq, grid=True)
+        np.testing.assert_allclose(
+            fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}"
+        )
