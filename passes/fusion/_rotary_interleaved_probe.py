@@ -8,6 +8,11 @@ Then each candidate runs with its x, its rotated x, its factors and positions at
 rotated value must equal ``rotate_every_two(x)`` and each factor the cache row of its token's position in
 the layout the Mul broadcasts it ([B, 1, S, r] heads first, or [B, S, 1, r] heads after the sequence, GPT-J's
 order), within ``ATOL``. A candidate that differs anywhere is declined with where.
+
+Positions with one row per rope section (GLM-4V's multimodal rope, ``position_ids [3, B, S]``) have no table read
+at one row: each candidate is proven at the checks' shapes with height and width drawn per token instead (the
+rotated value, and each factor repeating every value on two adjacent channels for every token), and its factors'
+even channels become per-token caches (``Verified.per_token``; ``fuse_rotary._per_token``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Verified:
     head_size: int
     num_heads: int
     bsnd: bool  # heads after the sequence: [B, S, N, D]
+    per_token: bool = False  # sectioned positions: no table, the factors' own rows are the caches (cos/sin empty)
 
 
 class _Feeds:
@@ -64,6 +70,10 @@ class _Feeds:
                 array = np.ones((batch, past + seq))
             elif role.role == "position_ids":
                 array = first + past + np.arange(seq)[None, :] + offset * np.arange(batch)[:, None]
+                if value.shape is not None and len(value.shape) == 3:  # one row per rope section: a grid per token
+                    sections = value.shape[0] if isinstance(value.shape[0], int) else 3
+                    grid = rng.integers(0, past + seq + 1, (sections - 1, batch, seq))
+                    array = np.concatenate([np.broadcast_to(array, (batch, seq))[None], grid])
             elif role.role in ("token_ids", "int"):
                 array = rng.integers(0, role.high or 2, size=(batch, seq))
             elif role.role == "token_type_ids":
@@ -181,6 +191,65 @@ def _check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarra
     return Verified(tables[0], tables[1], int(x.shape[-1]), int(q.shape[-1]), heads, bsnd)
 
 
+def _per_token(
+    model: ir.Model, candidates: list[Candidate], feeds: _Feeds, *, split: bool
+) -> tuple[list[tuple[Candidate, Verified]], list[tuple[Candidate, str]]]:
+    """Candidates over sectioned positions (multimodal rope: each token's angles from its own row per section),
+    proven at the checks' shapes with height and width drawn per token: the rotated value is
+    ``rotate_every_two(x)`` and each factor repeats every value on two adjacent channels for every token, so its
+    even channels are that token's cache row (``fuse_rotary._per_token``)."""
+    if split:
+        reason = (
+            "rotary on split pairs over sectioned positions (multimodal rope): not matched per token; left computed"
+        )
+        return [], [(c, reason) for c in candidates]
+    declined: list[tuple[Candidate, str]] = []
+    proven: dict[int, Verified] = {}
+    for batch, seq, past in [c for c in _CHECKS if feeds.has_past or c[2] == 0]:
+        pending = [c for c in candidates if id(c) not in {id(d) for d, _ in declined}]
+        values = [v for c in pending for v in (c.cos, c.sin, c.x, c.q, c.rotated)]
+        try:
+            got = _run(model, values, feeds, (batch, seq, past, 2))
+        except Exception as exc:
+            declined += [
+                (c, f"the rotation did not run at {batch} x {seq} after {past}: {str(exc)[:200]}") for c in pending
+            ]
+            break
+        for found in pending:
+            try:
+                proven[id(found)] = _check_per_token(found, got, seq)
+            except NotInterleaved as reason:
+                declined.append((found, f"{reason} (sectioned positions, at batch {batch}, {seq} new after {past})"))
+    refused = {id(c) for c, _ in declined}
+    return [(c, proven[id(c)]) for c in candidates if id(c) in proven and id(c) not in refused], declined
+
+
+def _check_per_token(found: Candidate, got: dict[str, np.ndarray], seq: int) -> Verified:
+    x, q = got[str(found.x.name)], got[str(found.q.name)]
+    if x.ndim != 4 or q.ndim != 4 or x.shape[:3] != q.shape[:3]:
+        raise NotInterleaved(f"the rotated channels are {list(x.shape)} of {list(q.shape)}, not one 4-D head layout")
+    if not np.array_equal(got[str(found.rotated.name)], rotate_every_two(x)):
+        raise NotInterleaved("the rotated value is not stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)")
+    layouts = []
+    for op, value in (("cos", found.cos), ("sin", found.sin)):
+        factor = got[str(value.name)]
+        if factor.ndim != 4 or factor.shape[-1] != x.shape[-1] or factor.shape[0] != x.shape[0]:
+            raise NotInterleaved(f"{op} is {list(factor.shape)}, not a 4-D factor per row of {list(x.shape)}")
+        if factor.shape[1:3] not in ((1, seq), (seq, 1)):
+            raise NotInterleaved(f"{op} is {list(factor.shape)}: no heads axis of 1 beside the {seq} positions")
+        if not np.array_equal(factor[..., 0::2], factor[..., 1::2]):
+            raise NotInterleaved(f"{op} does not repeat each value on two adjacent channels (not interleaved)")
+        layouts.append(factor.shape[1] == seq)
+    if layouts[0] != layouts[1]:
+        raise NotInterleaved("cos and sin broadcast over different axes")
+    bsnd = layouts[0]
+    if x.shape[1 if bsnd else 2] != seq:
+        raise NotInterleaved(f"x {list(x.shape)} has its {seq} positions elsewhere than its cos and sin")
+    heads = int(x.shape[2] if bsnd else x.shape[1])
+    empty = np.zeros((0, x.shape[-1] // 2), np.float32)
+    return Verified(empty, empty, int(x.shape[-1]), int(q.shape[-1]), heads, bsnd, per_token=True)
+
+
 def _fed_positions(found: Candidate, feeds: _Feeds) -> bool:
     """Whether the factors' positions are the position_ids input, which ``_Feeds`` can start anywhere."""
     positions = found.positions
@@ -214,11 +283,7 @@ def verify(
         and len(v.shape) == 3
     ]
     if sections:  # GLM-4V: each token's angles come from three rows, which no table read at one row holds
-        reason = (
-            f"{sections[0]} has one row per rope section (multimodal rope): the interleaved form's caches are read "
-            "at one row of positions, which these angles do not follow; left computed"
-        )
-        return [], [(c, reason) for c in candidates]
+        return _per_token(model, candidates, feeds, split=split)
     tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     by_rows: dict[int, list[Candidate]] = {}
     for found in candidates:  # one run per length: a table gathered by position has its own rows

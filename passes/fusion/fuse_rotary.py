@@ -15,7 +15,8 @@ full and Phi-3 partial rotary, angles computed or the exporter's folded table), 
 with the caches computed once per distinct frequency set (``_rotary_cache``). Factors computed per token,
 ``Concat(h, h)`` of any half ``h [B, S, rotary_dim/2]`` (Qwen2-VL's M-RoPE gathers each section's angles from its
 own row of ``position_ids [3, B, S]``: no table indexed by one position exists), become caches in the graph:
-``h`` flattened to one row per token, read at positions ``arange(B * S)`` (``_per_token``). The interleaved form (GPT-J,
+``h`` flattened to one row per token, read at positions ``arange(B * S)`` (``_per_token``); an interleaved one
+over such positions (GLM-4V) takes its proven factors' even channels as ``h``. The interleaved form (GPT-J,
 Cohere, RoFormer: ``rotate_every_two``, channel pairs (2i, 2i+1)) becomes ``RotaryEmbedding(interleaved=1)``
 (``_rotary_interleaved``: its caches are what the graph's own cos/sin compute, run once and then checked at
 other shapes, ``_rotary_interleaved_probe``). DeepSeek's MLA rotates pairs too but writes them evens first,
@@ -229,13 +230,40 @@ def _proven_tables(
     model's own arange(S) ([S], shared by the batch), or, where the factors take no positions, rows 0..S-1 for
     every sequence (the kernel's one-element form: a start of 0)."""
     tables = []
+    evens: dict[ir.Value, ir.Value] = {}
     for found, proof in proven:
+        if proof.per_token:  # sectioned positions: each token's factor row, its even channels, is its cache row
+            cos, sin = (
+                CosSin("per_token", None, proof.cos, 1.0, (), rows=_even_channels(graph, f, proof.bsnd, found, evens))
+                for f in (found.cos, found.sin)
+            )
+            tables.append((found, proof, cos, sin))
+            continue
         positions = found.positions if found.positions is not None else _position_start(graph)
         shared = found.positions is not None and positions not in graph.inputs
         cos = CosSin("table", positions, proof.cos, 1.0, (), shared)
         sin = CosSin("table", positions, proof.sin, 1.0, (), shared)
         tables.append((found, proof, cos, sin))
     return tables
+
+
+def _even_channels(
+    graph: ir.Graph, factor: ir.Value, bsnd: bool, found: Candidate, made: dict[ir.Value, ir.Value]
+) -> ir.Value:
+    """``factor`` [B, 1, S, r] (or [B, S, 1, r]) as [B, S, r / 2], its even channels: an interleaved factor repeats
+    each value on two adjacent channels (proven), so these are its token's cache row. Once per factor."""
+    if factor not in made:
+        base = f"{factor.name or found.anchor.name}/rotary_evens"
+        starts, ends = _int64(f"{base}_starts", [0]), _int64(f"{base}_ends", [np.iinfo(np.int64).max])
+        axes, steps = _int64(f"{base}_axes", [-1]), _int64(f"{base}_steps", [2])
+        heads = _int64(f"{base}_heads", [2 if bsnd else 1])
+        evens = ir.node("Slice", [factor, *(n.outputs[0] for n in (starts, ends, axes, steps))], name=f"{base}_slice")
+        rows = ir.node("Squeeze", [evens.outputs[0], heads.outputs[0]], name=f"{base}_rows")
+        graph.insert_before(found.anchor, [starts, ends, axes, steps, heads, evens, rows])
+        if factor.dtype is not None:
+            evens.outputs[0].dtype = rows.outputs[0].dtype = factor.dtype
+        made[factor] = rows.outputs[0]
+    return made[factor]
 
 
 def _from_start(graph: ir.Graph, found: RotaryMatch) -> RotaryMatch:
@@ -345,6 +373,7 @@ def _per_token(
             cache = ir.node("Reshape", [expand.outputs[0], flat.outputs[0]], name=f"{base}/{op}_cache")
             nodes += [expand, cache]
             cache.outputs[0].name = f"{base}.{op}_cache"
+            cache.outputs[0].shape = ir.Shape([None, half])  # one row per token of the call
             tables.append(cache.outputs[0])
         tokens = ir.node("ReduceProd", [grid.outputs[0]], {"keepdims": 0}, name=f"{base}/tokens")
         start, step = _int64(f"{base}/start", 0), _int64(f"{base}/step", 1)

@@ -1,5 +1,5 @@
 """A multimodal-rope decoder's positions, ``position_ids [3, batch, sequence]``, fed right by fuse_gqa's probe,
-and its rotation fused (issues 17/19: Qwen2.5-VL's language model).
+and its rotation fused (issues 17/19: Qwen2.5-VL's, Qwen3-VL's and GLM-4V's language models).
 
 The job's own input sets were right (``3x1x8``), but fuse_gqa's probe fed ``[batch, sequence]`` positions, which
 ORT refused ("Invalid rank for input: position_ids Got: 2 Expected: 3"), and read the leading 3 as a batch the
@@ -9,7 +9,9 @@ rank-3 position input as one row per rope section: GroupQueryAttention on both l
 The rotation was left computed ("cos comes from neither Cos(angles) nor Gather(table, position_ids)": each
 section's angles come from its own row of positions). Its factors are ``Concat(h, h)`` of a computed half, so
 fuse_rotary reads them per token: ``RotaryEmbedding`` with caches ``h`` flattened to one row per token, at positions
-``arange(batch * sequence)``; the sections' trigonometry stays, and the rotations go.
+``arange(batch * sequence)``; the sections' trigonometry stays, and the rotations go. GLM-4V rotates pairs
+(interleaved) over half the head: its factors repeat each value on two adjacent channels, proven per token on the
+checks' shapes with height and width drawn per token, and their even channels are the per-token caches.
 ``tests/models/heldout/qwen25vl_text_{ts,dynamo}.onnx``: ``python -m tests.models.build_heldout_mrope``.
 """
 
@@ -79,22 +81,22 @@ def test_fuse_rotary_alone_reads_the_per_token_factors_of_the_raw_torchscript_ex
         )
 
 
-def test_glm4v_interleaved_multimodal_rope_is_left_computed_with_its_reason_and_attention_still_fuses() -> None:
-    # setup: GLM-4V rotates pairs over half the head with sections; its caches cannot be read at one row
+def test_glm4v_interleaved_multimodal_rope_fuses_per_token_over_half_the_head() -> None:
+    # setup: GLM-4V rotates pairs (interleaved) over half the head, its angles from three rows of positions
     path = HELDOUT / "glm4v_text_dynamo.onnx"
     # execute
     model, counts = fast_upto(path)
     rotary = FuseRotary()(ir.load(path), PassContext())
-    # assert: the reason names the sections, not a failed run; GroupQueryAttention on the computed rotation
-    assert "fuse_rotary.rotary_embeddings" not in counts and counts.get("fuse_gqa.fused_gqa", 0) == 2
-    reasons = {m.reason.split(": ", 1)[1] for m in rotary.non_matches}
-    assert reasons == {
-        "interleaved rotary: position_ids has one row per rope section (multimodal rope): the interleaved form's "
-        "caches are read at one row of positions, which these angles do not follow; left computed"
-    }
-    reference, fused = session(path), session(model, optimized=True)
-    for batch, seq in ((1, 4), (3, 17)):
-        feeds = mrope_feeds(batch, seq, seed=seq, grid=True)
-        np.testing.assert_allclose(
-            fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}"
-        )
+    # assert: q and k of both layers, interleaved and partial, on one pair of per-token caches (each factor's
+    # even channels), proven with height and width drawn per token
+    assert rotary.non_matches == []
+    assert rotary.counts["rotary_embeddings"] == rotary.counts["interleaved_rotary"] == 4
+    assert rotary.counts["partial_rotary"] == 4 and rotary.counts["cos_sin_caches"] == 1
+    assert counts.get("fuse_rotary.rotary_embeddings", 0) == 4 and counts.get("fuse_gqa.fused_gqa", 0) == 2
+    for candidate in (rotary.model, model):
+        reference, fused = session(path), session(candidate, optimized=candidate is model)
+        for batch, seq in ((1, 4), (3, 17)):
+            feeds = mrope_feeds(batch, seq, seed=seq, grid=True)
+            np.testing.assert_allclose(
+                fused.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}"
+            )
