@@ -348,13 +348,24 @@ def prefill(sess: Any, sample: dict[str, np.ndarray], roles: Mapping[str, InputR
             feed[name] = np.ones((batch, seq), dtype=np.dtype(i.type[7:-1])) if cut is None else cut.copy()
         elif "position" in low and had_past:
             dtype = np.dtype(i.type[7:-1])
-            positions = np.arange(seq, dtype=dtype)
-            feed[name] = positions if len(i.shape) == 1 else np.broadcast_to(positions, (batch, seq)).copy()
+            feed[name] = _arange_like(sample.get(name), len(i.shape), batch, seq, dtype)
         elif name in sample:
             feed[name] = sample[name]
         else:
             return None
     return feed
+
+
+def _arange_like(given: np.ndarray | None, rank: int, batch: int, seq: int, dtype: Any) -> np.ndarray:
+    """Positions 0..seq-1 in a position input's layout: [seq], [batch, seq], or one row per rope section
+    ([sections, batch, seq], multimodal rope: a text token's sections all read its position)."""
+    positions = np.arange(seq, dtype=dtype)
+    if rank == 1:
+        return positions
+    if rank == 3:
+        sections = given.shape[0] if given is not None and given.ndim == 3 else 3
+        return np.broadcast_to(positions, (sections, batch, seq)).copy()
+    return np.broadcast_to(positions, (batch, seq)).copy()
 
 
 def _past_axis(role: InputRole | None) -> int:
@@ -423,12 +434,16 @@ def sample_texts(
 
     quiet = ort_state.RunOptions()
     quiet.log_severity_level = 4  # a refusal below is expected and handled
+    refused = (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument)
     try:
         before = None if first is None else sess.run([logits], first, quiet)[0]
-    except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument):  # a position table too short
+    except refused:  # a position table too short
         feeds = [f for f in given if f[token].shape[1] > 1]
         first = next(iter(feeds), None)
-        before = None if first is None else sess.run([logits], first)[0]
+        try:
+            before = None if first is None else sess.run([logits], first, quiet)[0]
+        except refused as exc:
+            return Texts([], f"the model does not run on the samples as prefills: {str(exc)[:160]}")
     if first is None or before is None:
         return Texts([], "no sample of two tokens or more")
     ids = first[token]
@@ -456,9 +471,7 @@ def sample_texts(
 _RESIZED = {
     "attention_mask": lambda old, batch, length: np.ones((batch, length), old.dtype),
     "token_type_ids": lambda old, batch, length: np.zeros((batch, length), old.dtype),
-    "position_ids": lambda old, batch, length: np.broadcast_to(
-        np.arange(length, dtype=old.dtype), (batch, length) if old.ndim == 2 else (length,)
-    ).copy(),
+    "position_ids": lambda old, batch, length: _arange_like(old, old.ndim, batch, length, old.dtype),
 }
 
 
@@ -476,7 +489,12 @@ def _resized(
         role = roles.get(name)
         if name == token or name in encoder or value.ndim == 0 or (role is not None and role.role == "past_key_values"):
             continue
-        if value.ndim > 2 or value.shape[-1] != seq or (value.ndim == 2 and value.shape[0] != batch):
+        sections = value.ndim == 3 and role is not None and role.role == "position_ids"
+        if (
+            (value.ndim > 2 and not sections)
+            or value.shape[-1] != seq
+            or (value.ndim >= 2 and value.shape[-2] != batch)
+        ):
             continue  # not over the new tokens
         if role is None or role.role not in _RESIZED or role.cross:
             return feed

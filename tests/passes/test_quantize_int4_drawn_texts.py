@@ -18,6 +18,7 @@ from core.inputs import analyze
 from core.settings import PipelineSettings
 from passes.precision import _accuracy
 from tests.models.build_decoders import OUT, Signature, decoder_feeds
+from tests.models.build_heldout_mrope import mrope_feeds
 from tests.passes.test_quantize_int4 import session
 from workers.pipeline import PipelineRequest, run_pipeline
 
@@ -137,3 +138,18 @@ def test_int4_job_without_samples_judges_the_greedy_tokens_on_drawn_sequences_an
     figures = notes["accuracy"]["logits (teacher forcing)"]
     assert figures["top1_agreement"] >= 0.99 and figures["positions"] >= 32
     assert notes["int4_share"]["weights"].get("int4", 0) > 0
+
+
+def test_sample_texts_resizes_positions_with_one_row_per_rope_section():
+    # setup: a multimodal-rope language model (Qwen3-VL's, position_ids [3, batch, sequence])
+    path = OUT.parent / "heldout" / "qwen3vl_text_ts.onnx"
+    samples = [mrope_feeds(2, 9, seed=1, grid=True)]
+    roles = analyze(onnx.load(str(path))).roles
+    # execute
+    texts = _accuracy.sample_texts(path, "logits", samples, 8, roles)
+    # assert: drawn at TEXT_TOKENS, each section's row the text positions 0..47
+    length = _accuracy.TEXT_TOKENS
+    (feed,) = texts.feeds
+    assert feed["input_ids"].shape == feed["attention_mask"].shape == (2, length)
+    assert feed["position_ids"].shape == (3, 2, length)
+    assert (feed["position_ids"] == np.arange(length)).all()
