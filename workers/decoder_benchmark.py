@@ -24,7 +24,6 @@ in the section (``reason``, ``notes``); an error never fails the job.
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from core.config import DecoderBenchmark, JobConfig
-from core.inputs import InputSet, InputSynthesis
+from core.inputs import InputSet, InputSynthesis, cache_pairs
 from core.recipe import read_recipe
 from workers.benchmark import BenchmarkParams, SessionPool, compare
 from workers.decoder_memory import measure_memory
@@ -86,29 +85,6 @@ class Plan:
             feed = self.feeds(1, prompt + i, seed + i)
             steps.append({k: v for k, v in feed.items() if k not in self.cache})
         return steps
-
-
-def _present_for(past: str, outputs: list[str]) -> str | None:
-    for old, new in (("past_key_values", "present"), ("past_key_values", "present_key_values"), ("past", "present")):
-        name = past.replace(old, new, 1)
-        if name != past and name in outputs:
-            return name
-    return None
-
-
-def cache_pairs(pasts: list[str], outputs: list[str]) -> dict[str, str] | str:
-    """Past input -> present output: by name (Optimum and torch.onnx.export's ``past_key_values.N.key`` ->
-    ``present.N.key``), else in order among outputs named ``present*``; a sentence when neither fits."""
-    by_name = {p: _present_for(p, outputs) for p in pasts}
-    if all(by_name.values()):
-        return {p: str(n) for p, n in by_name.items()}
-    presents = [o for o in outputs if re.search(r"present", o, re.IGNORECASE)]
-    if len(presents) == len(pasts):
-        return dict(zip(pasts, presents, strict=True))
-    return (
-        f"cannot tell which output feeds each of the {len(pasts)} past inputs back "
-        f"({len(presents)} outputs are named present*)"
-    )
 
 
 def make_plan(model: ir.Model, seed: int = 0) -> Plan | str:

@@ -7,7 +7,15 @@ samples.npz. Nothing here imports anything above ``core``.
 """
 
 from core.inputs.graph import InputRole, ModelFacts, analyze
-from core.inputs.specs import RAW_SAMPLE_SETS, InputSet, InputSpec, graph_inputs, load_raw_samples, load_samples
+from core.inputs.specs import (
+    RAW_SAMPLE_SETS,
+    InputSet,
+    InputSpec,
+    cache_pairs,
+    graph_inputs,
+    load_raw_samples,
+    load_samples,
+)
 from core.inputs.synthesize import (
     GUESSES,
     IGNORE_INDEX,
@@ -28,6 +36,7 @@ __all__ = [
     "InputSynthesis",
     "ModelFacts",
     "analyze",
+    "cache_pairs",
     "generate_input_sets",
     "graph_inputs",
     "index_ranges",

@@ -170,3 +170,26 @@ def load_raw_samples(path: Path, raw_inputs: Mapping[str, str]) -> list[InputSet
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
         raise invalid(f"not a readable .npz of plain arrays ({type(exc).__name__}: {exc})") from exc
     return None
+
+
+def _present_for(past: str, outputs: list[str]) -> str | None:
+    for old, new in (("past_key_values", "present"), ("past_key_values", "present_key_values"), ("past", "present")):
+        name = past.replace(old, new, 1)
+        if name != past and name in outputs:
+            return name
+    return None
+
+
+def cache_pairs(pasts: list[str], outputs: list[str]) -> dict[str, str] | str:
+    """Past input -> present output: by name (Optimum and torch.onnx.export's ``past_key_values.N.key`` ->
+    ``present.N.key``), else in order among outputs named ``present*``; a sentence when neither fits."""
+    by_name = {p: _present_for(p, outputs) for p in pasts}
+    if all(by_name.values()):
+        return {p: str(n) for p, n in by_name.items()}
+    presents = [o for o in outputs if re.search(r"present", o, re.IGNORECASE)]
+    if len(presents) == len(pasts):
+        return dict(zip(pasts, presents, strict=True))
+    return (
+        f"cannot tell which output feeds each of the {len(pasts)} past inputs back "
+        f"({len(presents)} outputs are named present*)"
+    )

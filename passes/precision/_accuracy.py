@@ -31,7 +31,7 @@ import onnx
 import onnx_ir as ir
 
 from core.config import Tolerance
-from core.inputs import InputRole
+from core.inputs import InputRole, cache_pairs
 
 
 @dataclass
@@ -455,16 +455,79 @@ def sample_texts(
     if not np.allclose(before[:, :-1], after[:, :-1], rtol=1e-4, atol=1e-5):
         return Texts([], "not a causal language model: a position's logits depend on later tokens")
     rng = np.random.default_rng(seed)
+    names = [i.name for i in sess.get_inputs()]
+    pasts = [n for n in names if (r := roles.get(n)) is not None and r.role == "past_key_values"]
+    pairs = cache_pairs(pasts, [o.name for o in sess.get_outputs()]) if pasts else None
     for feed in feeds:
-        ids = feed[token].copy()
-        for t in range(1, ids.shape[1]):
-            row = sess.run([logits], {**feed, token: ids})[0][:, t - 1].astype(np.float64)
-            probs = np.exp(row - row.max(axis=-1, keepdims=True))
-            probs /= probs.sum(axis=-1, keepdims=True)
-            ids[:, t] = [rng.choice(p.size, p=p) for p in probs]
-        feed[token] = ids
+        stepped = (
+            _drawn_on_cache(sess, logits, feed, token, roles=roles, pairs=pairs, rng=rng)
+            if isinstance(pairs, dict)
+            else None
+        )
+        feed[token] = stepped if stepped is not None else _drawn_by_prefills(sess, logits, feed, token, rng)
     positions = sum(int(f[token].size) for f in feeds)
     return Texts(feeds, f"{len(feeds)} sequence(s), {positions} token(s) drawn from the original model (seed {seed})")
+
+
+def _drawn_by_prefills(sess: Any, logits: str, feed: dict[str, np.ndarray], token: str, rng: Any) -> np.ndarray:
+    """Each position drawn from a prefill of the whole sequence (causal: the later, still undrawn tokens do not
+    reach it): one run of every length per position, for a model without a cache."""
+    ids = feed[token].copy()
+    for t in range(1, ids.shape[1]):
+        ids[:, t] = _draw(sess.run([logits], {**feed, token: ids})[0][:, t - 1], rng)
+    return ids
+
+
+def _drawn_on_cache(
+    sess: Any,
+    logits: str,
+    feed: dict[str, np.ndarray],
+    token: str,
+    *,
+    roles: Mapping[str, InputRole],
+    pairs: Mapping[str, str],
+    rng: Any,
+) -> np.ndarray | None:
+    """Each position drawn from one decode step on the cache the steps before it wrote (present fed back as
+    past): a run of one token per position, where ``_drawn_by_prefills`` runs the whole prefix (47 prefills of
+    48 tokens against 47 steps of one: a 0.5B decoder's draw would take minutes). None when an input over the
+    new tokens has no role that says how to write it for one token (then the caller draws by prefills)."""
+    ids = feed[token].copy()
+    step = _resized(feed, token, 1, roles)
+    if step is feed:
+        return None
+    outputs = [logits, *pairs.values()]
+    encoder = encoder_inputs(roles)
+    for t in range(1, ids.shape[1]):
+        got = dict(zip(outputs, sess.run(outputs, step), strict=True))
+        ids[:, t] = _draw(got[logits][:, -1], rng)
+        following = {}
+        for name, value in step.items():
+            role = roles.get(name)
+            if name == token:
+                following[name] = ids[:, t : t + 1].copy()
+            elif name in pairs:
+                following[name] = got[pairs[name]]
+            elif name in encoder or value.ndim == 0:
+                following[name] = value
+            elif role is not None and role.role == "attention_mask":
+                following[name] = np.ones((ids.shape[0], t + 1), value.dtype)
+            elif role is not None and role.role == "position_ids":
+                following[name] = value + 1
+            elif role is not None and role.role == "token_type_ids":
+                following[name] = value
+            else:
+                return None
+        step = following
+    return ids
+
+
+def _draw(row: np.ndarray, rng: Any) -> list[int]:
+    """One token per batch row from its logits' softmax (temperature 1)."""
+    row = row.astype(np.float64)
+    probs = np.exp(row - row.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return [int(rng.choice(p.size, p=p)) for p in probs]
 
 
 # How an input over the new tokens is written at another length, by its role (``core.inputs``).

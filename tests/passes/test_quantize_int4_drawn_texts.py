@@ -153,3 +153,21 @@ def test_sample_texts_resizes_positions_with_one_row_per_rope_section():
     assert feed["input_ids"].shape == feed["attention_mask"].shape == (2, length)
     assert feed["position_ids"].shape == (3, 2, length)
     assert (feed["position_ids"] == np.arange(length)).all()
+
+
+def test_a_decoder_with_a_cache_is_drawn_one_decode_step_per_token_as_its_prefills_would_draw_it():
+    # setup: the trained decoder's prefills, drawn both ways from one seed
+    samples = random_samples()
+    roles = analyze(onnx.load(str(TRAINED))).roles
+    sess = session(TRAINED)
+    prefill = _accuracy._resized(_accuracy.prefill(sess, samples[0], roles), "input_ids", 24, roles)
+    pasts = [n for n in prefill if n.startswith("past_key_values")]
+    pairs = {p: p.replace("past_key_values", "present") for p in pasts}
+    # execute
+    stepped = _accuracy._drawn_on_cache(
+        sess, "logits", prefill, "input_ids", roles=roles, pairs=pairs, rng=np.random.default_rng(3)
+    )
+    whole = _accuracy._drawn_by_prefills(sess, "logits", prefill, "input_ids", np.random.default_rng(3))
+    # assert: the same tokens (each position's distribution is the same function of the tokens before it)
+    assert stepped is not None
+    np.testing.assert_array_equal(stepped, whole)

@@ -21,9 +21,10 @@ from onnx import numpy_helper
 
 from core.config import DecoderBenchmark, JobConfig
 from core.errors import InvalidConfigError
+from core.inputs import cache_pairs
 from core.settings import PipelineSettings
 from tests.workers.conftest import MODELS, Idle, resolver
-from workers.decoder_benchmark import cache_pairs, decoder_section, make_plan, run_decoder_benchmark, weight_bytes
+from workers.decoder_benchmark import decoder_section, make_plan, run_decoder_benchmark, weight_bytes
 from workers.pipeline import PipelineRequest, PipelineResult, run_pipeline
 from workers.report import validate_report
 
