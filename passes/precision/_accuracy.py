@@ -459,11 +459,12 @@ def sample_texts(
     pasts = [n for n in names if (r := roles.get(n)) is not None and r.role == "past_key_values"]
     pairs = cache_pairs(pasts, [o.name for o in sess.get_outputs()]) if pasts else None
     for feed in feeds:
-        stepped = (
-            _drawn_on_cache(sess, logits, feed, token, roles=roles, pairs=pairs, rng=rng)
-            if isinstance(pairs, dict)
-            else None
-        )
+        stepped = None
+        if isinstance(pairs, dict):
+            try:
+                stepped = _drawn_on_cache(sess, logits, feed, token, roles=roles, pairs=pairs, rng=rng)
+            except refused:  # a cache the model does not take back as its past: drawn by prefills instead
+                stepped = None
         feed[token] = stepped if stepped is not None else _drawn_by_prefills(sess, logits, feed, token, rng)
     positions = sum(int(f[token].size) for f in feeds)
     return Texts(feeds, f"{len(feeds)} sequence(s), {positions} token(s) drawn from the original model (seed {seed})")
