@@ -18,6 +18,7 @@ even channels become per-token caches (``Verified.per_token``; ``fuse_rotary._pe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -154,12 +155,28 @@ def _rows(
     return tables[0], tables[1]
 
 
-def _check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarray, np.ndarray], seq: int) -> Verified:
+def _rotated_channels(found: Candidate, got: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(x, q) as run, once the graph's rotated value is proven ``rotate_every_two(x)`` in one 4-D head layout."""
     x, q = got[str(found.x.name)], got[str(found.q.name)]
     if x.ndim != 4 or q.ndim != 4 or x.shape[:3] != q.shape[:3]:
         raise NotInterleaved(f"the rotated channels are {list(x.shape)} of {list(q.shape)}, not one 4-D head layout")
     if not np.array_equal(got[str(found.rotated.name)], rotate_every_two(x)):
         raise NotInterleaved("the rotated value is not stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)")
+    return x, q
+
+
+def _layout(layouts: list[bool], x: np.ndarray, seq: int) -> tuple[bool, int]:
+    """(heads after the sequence, heads) from how cos and sin broadcast (``layouts``: one bsnd per factor)."""
+    if layouts[0] != layouts[1]:
+        raise NotInterleaved("cos and sin broadcast over different axes")
+    bsnd = layouts[0]
+    if x.shape[1 if bsnd else 2] != seq:
+        raise NotInterleaved(f"x {list(x.shape)} has its {seq} positions elsewhere than its cos and sin")
+    return bsnd, int(x.shape[2] if bsnd else x.shape[1])
+
+
+def _check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarray, np.ndarray], seq: int) -> Verified:
+    x, q = _rotated_channels(found, got)
     positions = _positions(found, got, seq).astype(np.int64)
     positions = positions.reshape(1, -1) if positions.ndim == 1 else positions
     rows = tables[0].shape[0]
@@ -182,12 +199,7 @@ def _check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarra
         if not error <= ATOL:
             raise NotInterleaved(f"{op} differs from its cache row at its position by {error:.3g}")
         layouts.append(bsnd)
-    if layouts[0] != layouts[1]:
-        raise NotInterleaved("cos and sin broadcast over different axes")
-    bsnd = layouts[0]
-    if x.shape[1 if bsnd else 2] != seq:
-        raise NotInterleaved(f"x {list(x.shape)} has its {seq} positions elsewhere than its cos and sin")
-    heads = int(x.shape[2] if bsnd else x.shape[1])
+    bsnd, heads = _layout(layouts, x, seq)
     return Verified(tables[0], tables[1], int(x.shape[-1]), int(q.shape[-1]), heads, bsnd)
 
 
@@ -203,33 +215,11 @@ def _per_token(
             "rotary on split pairs over sectioned positions (multimodal rope): not matched per token; left computed"
         )
         return [], [(c, reason) for c in candidates]
-    declined: list[tuple[Candidate, str]] = []
-    proven: dict[int, Verified] = {}
-    for batch, seq, past in [c for c in _CHECKS if feeds.has_past or c[2] == 0]:
-        pending = [c for c in candidates if id(c) not in {id(d) for d, _ in declined}]
-        values = [v for c in pending for v in (c.cos, c.sin, c.x, c.q, c.rotated)]
-        try:
-            got = _run(model, values, feeds, (batch, seq, past, 2))
-        except Exception as exc:
-            declined += [
-                (c, f"the rotation did not run at {batch} x {seq} after {past}: {str(exc)[:200]}") for c in pending
-            ]
-            break
-        for found in pending:
-            try:
-                proven[id(found)] = _check_per_token(found, got, seq)
-            except NotInterleaved as reason:
-                declined.append((found, f"{reason} (sectioned positions, at batch {batch}, {seq} new after {past})"))
-    refused = {id(c) for c, _ in declined}
-    return [(c, proven[id(c)]) for c in candidates if id(c) in proven and id(c) not in refused], declined
+    return _proven_at_checks(model, candidates, feeds, [], _check_per_token, note="sectioned positions, ")
 
 
 def _check_per_token(found: Candidate, got: dict[str, np.ndarray], seq: int) -> Verified:
-    x, q = got[str(found.x.name)], got[str(found.q.name)]
-    if x.ndim != 4 or q.ndim != 4 or x.shape[:3] != q.shape[:3]:
-        raise NotInterleaved(f"the rotated channels are {list(x.shape)} of {list(q.shape)}, not one 4-D head layout")
-    if not np.array_equal(got[str(found.rotated.name)], rotate_every_two(x)):
-        raise NotInterleaved("the rotated value is not stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)")
+    x, q = _rotated_channels(found, got)
     layouts = []
     for op, value in (("cos", found.cos), ("sin", found.sin)):
         factor = got[str(value.name)]
@@ -240,12 +230,7 @@ def _check_per_token(found: Candidate, got: dict[str, np.ndarray], seq: int) -> 
         if not np.array_equal(factor[..., 0::2], factor[..., 1::2]):
             raise NotInterleaved(f"{op} does not repeat each value on two adjacent channels (not interleaved)")
         layouts.append(factor.shape[1] == seq)
-    if layouts[0] != layouts[1]:
-        raise NotInterleaved("cos and sin broadcast over different axes")
-    bsnd = layouts[0]
-    if x.shape[1 if bsnd else 2] != seq:
-        raise NotInterleaved(f"x {list(x.shape)} has its {seq} positions elsewhere than its cos and sin")
-    heads = int(x.shape[2] if bsnd else x.shape[1])
+    bsnd, heads = _layout(layouts, x, seq)
     empty = np.zeros((0, x.shape[-1] // 2), np.float32)
     return Verified(empty, empty, int(x.shape[-1]), int(q.shape[-1]), heads, bsnd, per_token=True)
 
@@ -317,10 +302,28 @@ def verify(
                 tables[id(found)] = (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]))
             except NotInterleaved as reason:
                 declined.append((found, str(reason)))
+
+    def check(found: Candidate, got: dict[str, np.ndarray], seq: int) -> Verified:
+        return (_check_split if split else _check)(found, got, tables[id(found)], seq)
+
+    return _proven_at_checks(model, candidates, feeds, declined, check, ready=lambda c: id(c) in tables)
+
+
+def _proven_at_checks(
+    model: ir.Model,
+    candidates: list[Candidate],
+    feeds: _Feeds,
+    declined: list[tuple[Candidate, str]],
+    check: Callable[[Candidate, dict[str, np.ndarray], int], Verified],
+    *,
+    ready: Callable[[Candidate], bool] = lambda c: True,
+    note: str = "",
+) -> tuple[list[tuple[Candidate, Verified]], list[tuple[Candidate, str]]]:
+    """Each ``ready`` candidate not yet declined, run at every check's shape and held to ``check``: (the proven,
+    each with its proof; ``declined`` with the others, each with where it failed)."""
     proven: dict[int, Verified] = {}
-    checks = [c for c in _CHECKS if feeds.has_past or c[2] == 0]
-    for batch, seq, past in checks:
-        pending = [c for c in candidates if id(c) in tables and id(c) not in {id(d) for d, _ in declined}]
+    for batch, seq, past in [c for c in _CHECKS if feeds.has_past or c[2] == 0]:
+        pending = [c for c in candidates if ready(c) and id(c) not in {id(d) for d, _ in declined}]
         if not pending:
             break
         values = [v for c in pending for v in (c.positions, c.cos, c.sin, c.x, c.q, c.rotated) if v is not None]
@@ -333,8 +336,8 @@ def verify(
             break
         for found in pending:
             try:
-                proven[id(found)] = (_check_split if split else _check)(found, got, tables[id(found)], seq)
+                proven[id(found)] = check(found, got, seq)
             except NotInterleaved as reason:
-                declined.append((found, f"{reason} (at batch {batch}, {seq} new tokens after {past})"))
+                declined.append((found, f"{reason} ({note}at batch {batch}, {seq} new tokens after {past})"))
     refused = {id(c) for c, _ in declined}
     return [(c, proven[id(c)]) for c in candidates if id(c) in proven and id(c) not in refused], declined
