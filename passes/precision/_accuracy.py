@@ -21,6 +21,7 @@ neither.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -393,6 +394,9 @@ class Texts:
 # Tokens drawn per sequence by ``sample_texts`` (each one a run of the prefill): positions enough to judge the
 # greedy tokens by, at a bounded cost on a large decoder.
 TEXT_TOKENS = 48
+# Seconds ``sample_texts`` may spend drawing: past them every sequence is cut to the tokens drawn so far (at
+# least two). A decoder without a cache runs its whole prefix per position: minutes for a 0.5B one.
+DRAW_SECONDS = 30.0
 
 
 def sample_texts(
@@ -404,6 +408,7 @@ def sample_texts(
     *,
     length: int = TEXT_TOKENS,
     seed: int = 0,
+    seconds: float = DRAW_SECONDS,
 ) -> Texts:
     """Token sequences drawn from the model at ``src`` itself, as prefills of ``length`` tokens at the samples'
     batch sizes, and how.
@@ -419,7 +424,9 @@ def sample_texts(
     Each sample's prefill is resized to ``length`` where every input over its sequence has a role that says
     how (token ids, mask, positions, token types: ``_resized``), so a decode step of one token still yields a
     sequence and 0.99 top-1 agreement is judged on a few hundred positions, not a few dozen; else, or where the
-    model refuses that length, it keeps its own length. Empty, with the reason, when none can be drawn."""
+    model refuses that length, it keeps its own length. Drawing stops after ``seconds``: the sequences are then
+    cut to the tokens drawn (at least two each; the reason says so). Empty, with the reason, when none can be
+    drawn."""
     if logits is None:
         return Texts([], "no logits output")
     sess = session(src)
@@ -458,23 +465,41 @@ def sample_texts(
     names = [i.name for i in sess.get_inputs()]
     pasts = [n for n in names if (r := roles.get(n)) is not None and r.role == "past_key_values"]
     pairs = cache_pairs(pasts, [o.name for o in sess.get_outputs()]) if pasts else None
+    deadline = time.monotonic() + seconds
+    drawn, cut = [], False
     for feed in feeds:
         stepped = None
         if isinstance(pairs, dict):
             try:
-                stepped = _drawn_on_cache(sess, logits, feed, token, roles=roles, pairs=pairs, rng=rng)
+                stepped = _drawn_on_cache(sess, logits, feed, token, roles=roles, pairs=pairs, rng=rng, until=deadline)
             except refused:  # a cache the model does not take back as its past: drawn by prefills instead
                 stepped = None
-        feed[token] = stepped if stepped is not None else _drawn_by_prefills(sess, logits, feed, token, rng)
-    positions = sum(int(f[token].size) for f in feeds)
-    return Texts(feeds, f"{len(feeds)} sequence(s), {positions} token(s) drawn from the original model (seed {seed})")
+        ids = stepped if stepped is not None else _drawn_by_prefills(sess, logits, feed, token, rng, until=deadline)
+        kept = feed
+        if ids.shape[1] < feed[token].shape[1]:  # the time ran out: the sequence as far as it was drawn
+            cut = True
+            kept = _resized(feed, token, ids.shape[1], roles)
+            if kept[token].shape[1] != ids.shape[1]:
+                break
+        drawn.append({**kept, token: ids})
+        if time.monotonic() > deadline:
+            cut = cut or len(drawn) < len(feeds)
+            break
+    positions = sum(int(f[token].size) for f in drawn)
+    how = f"{len(drawn)} sequence(s), {positions} token(s) drawn from the original model (seed {seed})"
+    return Texts(drawn, how + (f"; cut at the {seconds:g} s drawing budget" if cut else ""))
 
 
-def _drawn_by_prefills(sess: Any, logits: str, feed: dict[str, np.ndarray], token: str, rng: Any) -> np.ndarray:
+def _drawn_by_prefills(
+    sess: Any, logits: str, feed: dict[str, np.ndarray], token: str, rng: Any, *, until: float
+) -> np.ndarray:
     """Each position drawn from a prefill of the whole sequence (causal: the later, still undrawn tokens do not
-    reach it): one run of every length per position, for a model without a cache."""
+    reach it): one run of every length per position, for a model without a cache. Past ``until`` (monotonic
+    seconds), the ids drawn so far (at least two)."""
     ids = feed[token].copy()
     for t in range(1, ids.shape[1]):
+        if t > 1 and time.monotonic() > until:
+            return ids[:, :t]
         ids[:, t] = _draw(sess.run([logits], {**feed, token: ids})[0][:, t - 1], rng)
     return ids
 
@@ -488,11 +513,13 @@ def _drawn_on_cache(
     roles: Mapping[str, InputRole],
     pairs: Mapping[str, str],
     rng: Any,
+    until: float,
 ) -> np.ndarray | None:
     """Each position drawn from one decode step on the cache the steps before it wrote (present fed back as
     past): a run of one token per position, where ``_drawn_by_prefills`` runs the whole prefix (47 prefills of
     48 tokens against 47 steps of one: a 0.5B decoder's draw would take minutes). None when an input over the
-    new tokens has no role that says how to write it for one token (then the caller draws by prefills)."""
+    new tokens has no role that says how to write it for one token (then the caller draws by prefills). Past
+    ``until``, the ids drawn so far (at least two)."""
     ids = feed[token].copy()
     step = _resized(feed, token, 1, roles)
     if step is feed:
@@ -500,6 +527,8 @@ def _drawn_on_cache(
     outputs = [logits, *pairs.values()]
     encoder = encoder_inputs(roles)
     for t in range(1, ids.shape[1]):
+        if t > 1 and time.monotonic() > until:
+            return ids[:, :t]
         got = dict(zip(outputs, sess.run(outputs, step), strict=True))
         ids[:, t] = _draw(got[logits][:, -1], rng)
         following = {}

@@ -8,6 +8,8 @@ whose greedy tokens hold on those sequences."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 import pytest
@@ -165,9 +167,26 @@ def test_a_decoder_with_a_cache_is_drawn_one_decode_step_per_token_as_its_prefil
     pairs = {p: p.replace("past_key_values", "present") for p in pasts}
     # execute
     stepped = _accuracy._drawn_on_cache(
-        sess, "logits", prefill, "input_ids", roles=roles, pairs=pairs, rng=np.random.default_rng(3)
+        sess, "logits", prefill, "input_ids", roles=roles, pairs=pairs, rng=np.random.default_rng(3), until=math.inf
     )
-    whole = _accuracy._drawn_by_prefills(sess, "logits", prefill, "input_ids", np.random.default_rng(3))
+    whole = _accuracy._drawn_by_prefills(sess, "logits", prefill, "input_ids", np.random.default_rng(3), until=math.inf)
     # assert: the same tokens (each position's distribution is the same function of the tokens before it)
     assert stepped is not None
     np.testing.assert_array_equal(stepped, whole)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_sample_texts_cuts_every_sequence_to_what_it_drew_when_the_drawing_budget_runs_out(cached):
+    # setup: the trained decoder (a cache) or its prefills with the cache inputs withheld from the pairing
+    samples = random_samples()
+    roles = analyze(onnx.load(str(TRAINED))).roles
+    if not cached:
+        roles = {n: r for n, r in roles.items() if r.role != "past_key_values"}
+    # execute: no time at all: the first sequence gets its first drawn token, the rest none
+    texts = _accuracy.sample_texts(TRAINED, "logits", samples, 8, roles, seconds=0.0)
+    # assert
+    (feed,) = texts.feeds
+    assert feed["input_ids"].shape == feed["attention_mask"].shape == feed["position_ids"].shape == (2, 2)
+    assert (
+        texts.how == "1 sequence(s), 4 token(s) drawn from the original model (seed 0); cut at the 0 s drawing budget"
+    )
