@@ -352,20 +352,20 @@ def _per_token(
         anchor, base = found.anchor, f"rotary_emb.per_token{len(made) or ''}"
         half = found.rotary_dim // 2
         seq_axis = 1 if found.bsnd else 2
-        shape = ir.node("Shape", [found.x], name=f"{base}/x_shape")
         batch = ir.node("Shape", [found.x], {"start": 0, "end": 1}, name=f"{base}/batch")
         seq = ir.node("Shape", [found.x], {"start": seq_axis, "end": seq_axis + 1}, name=f"{base}/sequence")
         grid = ir.node("Concat", [batch.outputs[0], seq.outputs[0]], {"axis": 0}, name=f"{base}/grid")
         width = _int64(f"{base}/half", [half])
         rows_shape = ir.node("Concat", [grid.outputs[0], width.outputs[0]], {"axis": 0}, name=f"{base}/rows")
         flat = _int64(f"{base}/flat", [-1, half])
-        nodes = [shape, batch, seq, grid, width, rows_shape, flat]
+        nodes = [batch, seq, grid, width, rows_shape, flat]
         tables = []
         for op, factor in (("cos", cos), ("sin", sin)):
             rows = factor.rows
             assert rows is not None
             if factor.scale != 1.0:
-                scale = _scalar(f"{base}/{op}_scale", factor.scale, rows.dtype or found.x.dtype or ir.DataType.FLOAT)
+                dtype = rows.dtype or found.x.dtype or ir.DataType.FLOAT
+                scale = _constant(f"{base}/{op}_scale", np.array(factor.scale, dtype.numpy()))
                 scaled = ir.node("Mul", [rows, scale.outputs[0]], name=f"{base}/{op}_scaled")
                 nodes += [scale, scaled]
                 rows = scaled.outputs[0]
@@ -392,11 +392,6 @@ def _per_token(
         found, cos=dataclasses.replace(cos, positions=positions), sin=dataclasses.replace(sin, positions=positions)
     )
     return found, (cos_cache, sin_cache)
-
-
-def _scalar(name: str, value: float, dtype: ir.DataType) -> ir.Node:
-    tensor = ir.tensor(np.array(value, dtype.numpy()), name=name)
-    return ir.node("Constant", [], {"value": tensor}, name=f"{name}_value")
 
 
 def _rewrite(graph: ir.Graph, found: RotaryMatch, outputs: set[ir.Value], caches: tuple[ir.Value, ir.Value]) -> None:
@@ -504,7 +499,11 @@ def _transposed_heads(x: ir.Value) -> ir.Value | None:
 
 
 def _int64(name: str, values: list[int] | int) -> ir.Node:
-    return ir.node("Constant", [], {"value": ir.tensor(np.array(values, np.int64), name=name)}, name=f"{name}_shape")
+    return _constant(name, np.array(values, np.int64))
+
+
+def _constant(name: str, array: np.ndarray) -> ir.Node:
+    return ir.node("Constant", [], {"value": ir.tensor(array, name=name)}, name=f"{name}_shape")
 
 
 def _downstream(nodes: list[ir.Node]) -> list[ir.Node]:

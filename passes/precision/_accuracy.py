@@ -437,11 +437,7 @@ def sample_texts(
     resized = [_resized(f, token, length, roles) for f in given]
     feeds = [f for f in resized if f[token].shape[1] > 1]
     first = next(iter(feeds), None)
-    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
-
-    quiet = ort_state.RunOptions()
-    quiet.log_severity_level = 4  # a refusal below is expected and handled
-    refused = (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument)
+    quiet, refused = _quiet_refusals()
     try:
         before = None if first is None else sess.run([logits], first, quiet)[0]
     except refused:  # a position table too short
@@ -488,6 +484,16 @@ def sample_texts(
     positions = sum(int(f[token].size) for f in drawn)
     how = f"{len(drawn)} sequence(s), {positions} token(s) drawn from the original model (seed {seed})"
     return Texts(drawn, how + (f"; cut at the {seconds:g} s drawing budget" if cut else ""))
+
+
+def _quiet_refusals() -> tuple[Any, tuple[type[Exception], ...]]:
+    """Run options that keep ORT from logging a refusal the caller expects and handles, and the exceptions it
+    raises for one (a shape or length the model does not take)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    quiet = ort_state.RunOptions()
+    quiet.log_severity_level = 4
+    return quiet, (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument)
 
 
 def _drawn_by_prefills(
@@ -638,13 +644,10 @@ class TokenProbe:
         feeds = [f for f in (prefill(sess, s, roles) for s in samples) if f is not None][:limit]
         if token is None or not feeds:
             return None
-        from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
-
-        quiet = ort_state.RunOptions()
-        quiet.log_severity_level = 4  # the failure below is expected and handled
+        quiet, refused = _quiet_refusals()
         try:
             reference = [sess.run([logits], f, quiet)[0] for f in feeds]
-        except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument):
+        except refused:
             # An export that cannot start from an empty cache (a cache the graph reads whole that the roles
             # do not tell apart): the samples as they are (their new tokens) still judge the greedy tokens.
             names = [i.name for i in sess.get_inputs()]

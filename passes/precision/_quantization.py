@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import onnx
@@ -40,8 +40,8 @@ import onnx_ir as ir
 from pydantic import Field
 
 from core.config import Tolerance
-from core.inputs import analyze
-from passes._infra import NonMatch, PassOptions, PassResult
+from core.inputs import InputRole, analyze
+from passes._infra import NonMatch, OptionsT, PassOptions, PassResult
 from passes.precision._accuracy import (
     Budget,
     OutputAccuracy,
@@ -66,8 +66,6 @@ from passes.precision._sensitivity import (
     flip_search,
     rank_nodes,
 )
-
-OptionsT = TypeVar("OptionsT", bound=PassOptions)
 
 # Weights above this go to external data in the temporary files (protobuf stops at 2 GiB).
 EXTERNAL_DATA_BYTES = 1536 << 20
@@ -392,14 +390,22 @@ def drive(
     return Quantized(result, counts, non_matches, notes)
 
 
-def drawn_texts(model: ir.Model, samples: Sequence[dict[str, np.ndarray]], limit: int) -> Texts:
-    """``sample_texts`` of ``model`` (written to a temporary file for ORT) at the samples' shapes."""
+def drawn_texts(
+    model: ir.Model,
+    samples: Sequence[dict[str, np.ndarray]],
+    limit: int,
+    *,
+    logits: str | None,
+    roles: Mapping[str, InputRole],
+) -> Texts:
+    """``sample_texts`` of ``model`` (written to a temporary file for ORT) at the samples' shapes; ``logits`` and
+    ``roles`` are the model's (``logits_output``, ``core.inputs.analyze``), as the caller read them."""
     proto = ir.serde.serialize_model(model)
     with workdir() as tmp:
         src = Path(tmp) / "model.onnx"
         save_proto(proto, src, tensor_bytes(proto) > EXTERNAL_DATA_BYTES)
         del proto
-        return sample_texts(src, logits_output(model), samples, limit, analyze(model).roles)
+        return sample_texts(src, logits, samples, limit, roles)
 
 
 def budget_of(options: QuantizationOptions) -> Budget:

@@ -538,7 +538,7 @@ class Judge:
         logits, roles = logits_output(model), analyze(model).roles
         if ctx.samples_are_data or logits is None:
             return cls(logits, roles)
-        texts = q.drawn_texts(model, ctx.samples, limit)
+        texts = q.drawn_texts(model, ctx.samples, limit, logits=logits, roles=roles)
         if not texts.feeds:
             return cls(logits, roles, why=f"the samples' token ids (generated; none drawn: {texts.how})")
         return cls(logits, roles, texts, texts.how)
