@@ -42,12 +42,13 @@ def sites(model: ir.Model, op_types: tuple[str, ...] = _OP_TYPES, *, transposed:
     the token table itself, and unfused it would store a transposed copy beside it."""
     found = []
     for node in model.graph:
-        if not node.name or node.op_type not in op_types or _weight(node) is None:
+        if node.op_type not in op_types or _weight(node) is None:
             continue
         attrs = node.attributes
         if node.op_type == "Gemm" and node.domain in ("", "ai.onnx"):
             if (
-                attrs.get_int("transA", 0)
+                not node.name  # the quantizers know a Gemm's MatMul by the Gemm's name
+                or attrs.get_int("transA", 0)
                 or attrs.get_float("alpha", 1.0) != 1.0
                 or attrs.get_float("beta", 1.0) != 1.0
             ):
@@ -69,7 +70,7 @@ def unfuse(model: ir.Model, op_types: tuple[str, ...] = _OP_TYPES, *, transposed
     for node in sites(model, op_types, transposed=transposed):
         x, weight = node.inputs[0], _weight(node)
         assert weight is not None
-        name = node.name
+        name = node.name or f"{weight.name}_matmul"  # an unnamed FusedMatMul's, named after its weight
         if node.attributes.get_int("transB", 0):
             tensor = ir.tensor(weight.const_value.numpy().T.copy(), name=f"{weight.name}_transposed_for_{name}")
             weight = ir.Value(

@@ -248,3 +248,17 @@ def test_quantize_int4_finds_a_tied_fusedmatmul_head_and_leaves_it_reading_the_t
     ops = {n.name: n.op_type for n in result.model.graph}
     assert ops["lm_head"] == "FusedMatMul" and ops["embed"] == "Gather"
     assert failures(tied_fused_lm(), result.model, id_samples(vocab=64, shapes=((1, 5), (2, 33)), seed=3), LOOSE) == []
+
+
+def test_quantize_dynamic_unfuses_an_unnamed_tied_fusedmatmul_head_as_it_did_before_the_shared_module():
+    # setup: the tied head without a node name (quantize_dynamic's own unfusing took those too)
+    model = tied_fused_lm()
+    (head,) = [n for n in model.graph if n.op_type == "FusedMatMul"]
+    head.name = ""
+    # execute
+    result = QuantizeDynamic({"min_cosine": 0.9})(model, PassContext(samples=id_samples(vocab=64)))
+    # assert: read back as a MatMul named after its weight, and quantized
+    assert result.modified, result.non_matches
+    assert result.notes["fused_matmuls_unfused"] == 1
+    assert not [n for n in result.model.graph if n.op_type == "FusedMatMul"]
+    assert result.counts["nodes_quantized"] == 2
