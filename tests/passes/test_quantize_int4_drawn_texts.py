@@ -15,14 +15,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from core.config import JobConfig
 from core.inputs import analyze
-from core.settings import PipelineSettings
 from passes.precision import _accuracy
 from tests.models.build_decoders import OUT, Signature, decoder_feeds
 from tests.models.build_heldout_mrope import mrope_feeds
 from tests.passes.test_quantize_int4 import session
-from workers.pipeline import PipelineRequest, run_pipeline
+from tests.test_seq2seq import quick_job
 
 TRAINED = OUT / "trained_llama_past_ts.onnx"
 
@@ -120,14 +118,9 @@ def test_sample_texts_draws_nothing_when_a_position_reads_later_tokens(tmp_path)
 
 @pytest.fixture(scope="module")
 def trained_int4_job(tmp_path_factory):
-    settings = PipelineSettings(
-        verify_shape_sets=3, benchmark_warmup=1, benchmark_min_runs=3, benchmark_max_seconds=0.1, ledger_runs=3,
-        intra_op_threads=1,
-    )  # fmt: skip
-    # rollback_slower off: int4 of a 90k-weight decoder is a timing question; this asks what was verified
-    config = JobConfig(preset="int4", rollback_slower=False, benchmark=False)
-    result = run_pipeline(PipelineRequest(TRAINED, tmp_path_factory.mktemp("job") / "out", config, settings))
-    return next(p for p in result.report["passes"] if p["name"] == "quantize_int4")
+    # rollback_slower off (quick_job): int4 of a 90k-weight decoder is a timing question; this asks what was verified
+    _, report = quick_job(TRAINED, tmp_path_factory.mktemp("job") / "out", preset="int4")
+    return next(p for p in report["passes"] if p["name"] == "quantize_int4")
 
 
 def test_int4_job_without_samples_judges_the_greedy_tokens_on_drawn_sequences_and_keeps_a_mix(trained_int4_job):
