@@ -54,6 +54,13 @@ class Tolerance(_Strict):
             return self.atol, self.rtol
         return max(self.atol, floor), max(self.rtol, floor)
 
+    def close(self, ref: np.ndarray, got: np.ndarray, dtype: Any) -> np.ndarray:
+        """Which elements of ``got`` are within this tolerance of ``ref`` (float64 arrays of an output of ``dtype``):
+        ``numpy.isclose`` at ``bounds(dtype)``, NaN matching NaN. The engine's verification and the quantizers'
+        budget count mismatches by this one rule."""
+        atol, rtol = self.bounds(dtype)
+        return np.isclose(got, ref, atol=atol, rtol=rtol, equal_nan=True)
+
     def in_precision(self, compute: str | None) -> Tolerance:
         """This tolerance for a model that computes in ``compute`` ("float16", "bfloat16" or None) whatever
         its outputs' type: a half-precision model with float32 inputs and outputs (ORT's float16 converter with

@@ -115,7 +115,7 @@ def compare_output(input_set: str, name: str, ref: np.ndarray, got: np.ndarray, 
         stats.nan_ref, stats.nan_got = int(np.isnan(r64).sum()), int(np.isnan(g64).sum())
         stats.inf_ref, stats.inf_got = int(np.isinf(r64).sum()), int(np.isinf(g64).sum())
         atol, rtol = tolerance.bounds(ref.dtype)
-        close = np.isclose(g64, r64, atol=atol, rtol=rtol, equal_nan=True)
+        close = tolerance.close(r64, g64, ref.dtype)
         both = np.isfinite(r64) & np.isfinite(g64)
         if both.any():
             diff = np.abs(g64[both] - r64[both])

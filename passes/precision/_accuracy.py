@@ -74,8 +74,7 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, elements: Tolerance | None 
         return OutputAccuracy(beyond=None if elements is None else 0.0)
     beyond = None
     if elements is not None:
-        atol, rtol = elements.bounds(np.asarray(ref).dtype)
-        beyond = 1.0 - float(np.count_nonzero(np.isclose(g, r, atol=atol, rtol=rtol, equal_nan=True))) / r.size
+        beyond = 1.0 - float(np.count_nonzero(elements.close(r, g, np.asarray(ref).dtype))) / r.size
     diff = g - r
     if not np.all(np.isfinite(diff)):
         return OutputAccuracy(math.inf, math.inf, -1.0, beyond)
