@@ -27,7 +27,15 @@ transposed input, ``MatMul(Transpose(x), W) (+ b)``, is the same MatMul of ``x``
 product, the default when q, k and v have one width) selects q, k and v with ``unflatten / unsqueeze /
 transpose / squeeze / select``: each is read as a Slice of the last axis of the (lifted) product, once the
 selection's index map, run on a probe of element ids, proves it one. Scalar scales on q, on k or on the product are one
-``scale`` (float rounding only). A site is rewritten only where the shapes prove each fold (``S`` kept, the
+``scale`` (float rounding only).
+
+fairseq's ``MultiheadAttention`` (FSMT's port of it, and fairseq's own exports) folds k and v through a 4-D view,
+``Reshape(Transpose(Reshape(P, [S, B, N, d]), [1,2,0,3]), [B*N, S, d])``: element ``[b*N + n, s, j]`` is ``P[s, b,
+n*d + j]`` as in the 3-D fold, so it is read as one. It masks on a 4-D view of the scores, ``Reshape(Where(mask,
+fill, Reshape(s3, [B, N, S, T])), [B*N, S, T])`` (the Softmax before or after the fold back: fuse_transformer moves
+it onto the 4-D view first); such a Where is the additive bias ``Where(mask, fill, 0)`` on the unfolded scores
+when the fill is -inf or at most -1e30 (``s + fill`` rounds to ``fill``: ``_where_mask``'s argument), and a 4-D
+term is taken as it is. A site is rewritten only where the shapes prove each fold (``S`` kept, the
 last dim an int ``d`` dividing ``E``) and every scale is a constant; a scale applied after a bias, a Softmax
 read twice or a product read by anything but the out-projection's Transpose is left as it is.
 """
@@ -44,6 +52,7 @@ from passes.fusion._batched_heads import same_dim
 
 _ONNX = ("", "ai.onnx")
 _SCALES = ("Mul", "Div")
+_LARGE_NEGATIVE = -1e30  # a masking fill: torch.finfo(dtype).min in practice, or -inf
 
 
 def _op(value: ir.Value | None, *ops: str) -> ir.Node | None:
@@ -95,10 +104,16 @@ def _folded(value: ir.Value | None, perm: list[int]) -> _Heads | None:
         composed = [_perm(node)[i] for i in composed]
         value = node.inputs[0]
         node = _op(value, "Transpose")
-    if composed != perm:
-        return None
     reshape = _op(value, "Reshape")
     if reshape is None:
+        return None
+    viewed = _through_4d_view(reshape)
+    if viewed is not None:  # [B*N, S, d] from the 4-D view: the 3-D fold transposed by (1, 0, 2)
+        composed = [[1, 0, 2][i] for i in composed]
+        if composed != perm:
+            return None
+        return viewed
+    if composed != perm:
         return None
     source = reshape.inputs[0]
     dims, folded = _dims(source), _dims(value)
@@ -108,6 +123,28 @@ def _folded(value: ir.Value | None, perm: list[int]) -> _Heads | None:
     if not (isinstance(hidden, int) and isinstance(head, int) and head > 0 and hidden % head == 0):
         return None
     if not same_dim(dims[0], folded[0]):  # the sequence axis kept: the Reshape splits [B, E] alone
+        return None
+    return _Heads(source, head, hidden)
+
+
+def _through_4d_view(fold: ir.Node) -> _Heads | None:
+    """fairseq's fold, ``Reshape(Transpose(Reshape(P[S,B,E], [S, B, N, d]), [1,2,0,3]), [B*N, S, d])``: the
+    projection and the fold's sizes, proven by the shapes (S kept by both Reshapes, ``N*d == E``; B then follows
+    from the element count), else None."""
+    flip = _op(fold.inputs[0], "Transpose")
+    if flip is None or _perm(flip) != [1, 2, 0, 3]:
+        return None
+    split = _op(flip.inputs[0], "Reshape")
+    if split is None:
+        return None
+    source = split.inputs[0]
+    dims, heads4, folded = _dims(source), _dims(split.outputs[0]), _dims(fold.outputs[0])
+    if dims is None or heads4 is None or folded is None or (len(dims), len(heads4), len(folded)) != (3, 4, 3):
+        return None
+    hidden, heads, head = dims[2], heads4[2], heads4[3]
+    if not all(isinstance(d, int) and d > 0 for d in (hidden, heads, head)) or heads * head != hidden:
+        return None
+    if not (same_dim(dims[0], heads4[0]) and same_dim(dims[0], folded[1]) and folded[2] == head):
         return None
     return _Heads(source, head, hidden)
 
@@ -137,6 +174,9 @@ class _Site:
     v: _Heads
     scale: float
     terms: list[ir.Value]
+    # Terms on a 4-D view of the scores ([B|1, N|1, S|1, T]): a value added, or a masking Where (its bias is built)
+    viewed_terms: list[ir.Value | ir.Node] = dataclasses.field(default_factory=list)
+    view: ir.Value | None = None  # the scores unfolded to [B, N, S, T], where viewed_terms apply
 
 
 def _unique_reader(value: ir.Value) -> ir.Node | None:
@@ -144,6 +184,33 @@ def _unique_reader(value: ir.Value) -> ir.Node | None:
     if len(uses) != 1 or value.is_graph_output():
         return None
     return uses[0].node
+
+
+def _masking_where(where: ir.Node, value: ir.Value) -> bool:
+    """``Where(mask, fill, value)`` or ``Where(mask, value, fill)`` with a fill of -inf or at most -1e30: the
+    scores plus the bias ``Where(mask, fill, 0)`` (or ``Where(mask, 0, fill)``), exactly after the Softmax."""
+    if len(where.inputs) != 3 or where.inputs[0] is None or value not in (where.inputs[1], where.inputs[2]):
+        return False
+    fill = _scalar(where.inputs[2] if where.inputs[1] is value else where.inputs[1])
+    return fill is not None and fill <= _LARGE_NEGATIVE
+
+
+def _view_of(scores: ir.Value, reshape: ir.Node, heads: int) -> bool:
+    """Whether ``reshape`` unfolds the folded scores ``[B*N, S, T]`` to ``[B, N, S, T]``."""
+    folded, view = _dims(scores), _dims(reshape.outputs[0])
+    if folded is None or view is None or len(folded) != 3 or len(view) != 4 or view[1] != heads:
+        return False
+    return same_dim(view[2], folded[1]) and same_dim(view[3], folded[2])
+
+
+def _folds_back(reshape: ir.Node | None, view: ir.Value) -> bool:
+    """Whether ``reshape`` folds the 4-D view ``[B, N, S, T]`` back to ``[B*N, S, T]``."""
+    if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in _ONNX:
+        return False
+    dims, folded = _dims(view), _dims(reshape.outputs[0])
+    if dims is None or folded is None or len(dims) != 4 or len(folded) != 3:
+        return False
+    return same_dim(dims[2], folded[1]) and same_dim(dims[3], folded[2])
 
 
 def _match(product: ir.Node, opset: int) -> _Site | None:
@@ -154,7 +221,11 @@ def _match(product: ir.Node, opset: int) -> _Site | None:
     if q is None or k is None or q.head_size != k.head_size or q.hidden != k.hidden:
         return None
     scale = lhs[1] * rhs[1]
-    value, terms, biased = product.outputs[0], [], False
+    for heads in (q, k):  # a scalar scale on the projection before its fold (fairseq's q) is the product's too
+        under = _through_scales(heads.source)
+        if under is not None and under[0] is not None:
+            heads.source, scale = under[0], scale * under[1]
+    value, terms, viewed_terms, biased, view = product.outputs[0], [], [], False, None
     while (reader := _unique_reader(value)) is not None and reader.domain in _ONNX:
         if reader.op_type in _SCALES and not biased:
             index = next(i for i, v in enumerate(reader.inputs) if v is value)
@@ -166,18 +237,40 @@ def _match(product: ir.Node, opset: int) -> _Site | None:
             other = reader.inputs[1] if reader.inputs[0] is value else reader.inputs[0]
             if other is None or other is value:
                 return None
-            terms.append(other)
+            (viewed_terms if view is not None else terms).append(other)
+            biased = True
+        elif reader.op_type == "Reshape" and view is None and not terms:
+            if not _view_of(value, reader, q.hidden // q.head_size):
+                break
+            view = reader
+        elif reader.op_type == "Where" and view is not None:
+            if not _masking_where(reader, value):
+                return None
+            viewed_terms.append(reader)
             biased = True
         else:
             break
         value = reader.outputs[0]
+    # fairseq masks on a 4-D view and folds back, before the Softmax or (moved by fuse_transformer) after it
+    fold = _unique_reader(value) if view is not None else None
+    if _folds_back(fold, value):
+        value = fold.outputs[0]
+    else:
+        fold = None
     softmax = _unique_reader(value)
     if softmax is None or softmax.op_type != "Softmax" or softmax.domain not in _ONNX:
         return None
-    if softmax.attributes.get_int("axis", -1 if opset >= 13 else 1) not in (-1, 2):  # 1 before opset 13
+    rank = len(value.shape) if value.shape is not None else 3
+    if softmax.attributes.get_int("axis", -1 if opset >= 13 else 1) not in (-1, rank - 1):  # 1 before opset 13
         return None
-    context = _unique_reader(softmax.outputs[0])
-    if context is None or context.op_type != "MatMul" or context.inputs[0] is not softmax.outputs[0]:
+    probs = softmax.outputs[0]
+    if view is not None and fold is None:
+        fold = _unique_reader(probs)
+        if not _folds_back(fold, probs):
+            return None
+        probs = fold.outputs[0]
+    context = _unique_reader(probs)
+    if context is None or context.op_type != "MatMul" or context.inputs[0] is not probs:
         return None
     v = _folded(context.inputs[1], [1, 0, 2])
     if v is None or v.head_size != q.head_size:
@@ -187,7 +280,7 @@ def _match(product: ir.Node, opset: int) -> _Site | None:
         return None
     if merge.outputs[0].is_graph_output():  # kept simple: the model's output keeps the node that names it
         return None
-    return _Site(product, softmax, context, merge, q, k, v, scale, terms)
+    return _Site(product, softmax, context, merge, q, k, v, scale, terms, viewed_terms, view and view.outputs[0])
 
 
 def _const(values: list[int], name: str) -> ir.Node:
@@ -382,17 +475,68 @@ def _attention_bias(site: _Site, heads: int, qk: tuple[ir.Value, ir.Value], pref
     unfold = ir.node("Reshape", [total, target.outputs[0]], name=f"{prefix}/bias_4d")
     nodes += [shape, lead_c, target, unfold]
     full = all(len(d) >= 2 and same_dim(d[-2], scores[1]) and same_dim(d[-1], scores[2]) for d in dims)
-    if full:
-        return unfold.outputs[0]
+    return unfold.outputs[0] if full else _expanded(unfold.outputs[0], qk, prefix, nodes)
+
+
+def _expanded(bias: ir.Value, qk: tuple[ir.Value, ir.Value], prefix: str, nodes: list[ir.Node]) -> ir.Value:
+    """``bias [B|1, N|1, s, t]`` expanded to the query and key lengths, which MultiHeadAttention requires."""
     # the lengths from q and k, not from the scores' product: a reader of it would keep the 3-D attention alive
     q, k = qk
     rows = ir.node("Shape", [q], {"start": 1, "end": 2}, name=f"{prefix}/query_length")
     cols = ir.node("Shape", [k], {"start": 1, "end": 2}, name=f"{prefix}/key_length")
     ones = _const([1, 1], f"{prefix}/ones")
     to = ir.node("Concat", [ones.outputs[0], rows.outputs[0], cols.outputs[0]], {"axis": 0}, name=f"{prefix}/expand_to")
-    expand = ir.node("Expand", [unfold.outputs[0], to.outputs[0]], name=f"{prefix}/bias_expand")
+    expand = ir.node("Expand", [bias, to.outputs[0]], name=f"{prefix}/bias_expand")
     nodes += [rows, cols, ones, to, expand]
     return expand.outputs[0]
+
+
+def _term_dims(term: ir.Value | ir.Node) -> list | None:
+    """A term's dims on the 4-D view: a masking Where's are its mask's (the bias built from it broadcasts so)."""
+    return _dims(term.inputs[0] if isinstance(term, ir.Node) else term)
+
+
+def _viewed_layout(site: _Site, heads: int) -> bool | None:
+    """Whether the terms on the 4-D view already span the query and key lengths (no Expand needed); None when a
+    term cannot be an attention bias (a rank above 4, a head dim other than N or 1): the site is skipped."""
+    view, proven = _dims(site.view), True
+    for term in site.viewed_terms:
+        dims = _term_dims(term)
+        if view is None or dims is None or len(dims) > 4:
+            return None
+        dims = [1] * (4 - len(dims)) + dims
+        if dims[1] not in (1, heads):
+            return None
+        proven = proven and same_dim(dims[2], view[2]) and same_dim(dims[3], view[3])
+    return proven
+
+
+def _viewed_bias(site: _Site, qk: tuple[ir.Value, ir.Value], proven: bool, prefix: str, nodes: list[ir.Node]):
+    """The sum of the terms on the 4-D view of the scores as ``[B|1, N|1, S, T]``: a masking Where becomes its
+    additive bias, a term of lower rank gains leading 1s; expanded to the lengths unless ``proven`` already."""
+    total = None
+    for index, term in enumerate(site.viewed_terms):
+        rank = len(_term_dims(term))
+        value = term
+        if isinstance(term, ir.Node):  # Where(mask, fill, scores) -> Where(mask, fill, 0)
+            fill_at = 1 if _scalar(term.inputs[1]) is not None else 2
+            fill = _tensor(term.inputs[fill_at]).numpy()
+            zero = ir.node("Constant", [], {"value": ir.tensor(np.zeros((), fill.dtype))}, name=f"{prefix}/zero{index}")
+            branches = [term.inputs[fill_at], zero.outputs[0]][:: 1 if fill_at == 1 else -1]
+            bias = ir.node("Where", [term.inputs[0], *branches], name=f"{prefix}/mask{index}")
+            nodes += [zero, bias]
+            value = bias.outputs[0]
+        if rank < 4:
+            axes = _const(list(range(4 - rank)), f"{prefix}/lead_axes{index}")
+            lifted = ir.node("Unsqueeze", [value, axes.outputs[0]], name=f"{prefix}/lead{index}")
+            nodes += [axes, lifted]
+            value = lifted.outputs[0]
+        if total is not None:
+            add = ir.node("Add", [total, value], name=f"{prefix}/bias_sum{index}")
+            nodes.append(add)
+            value = add.outputs[0]
+        total = value
+    return total if proven else _expanded(total, qk, prefix, nodes)
 
 
 def fuse_folded_heads(model: ir.Model) -> int:
@@ -408,11 +552,17 @@ def fuse_folded_heads(model: ir.Model) -> int:
         heads = site.q.hidden // site.q.head_size
         if site.terms and not _bias_layout(site):
             continue
+        proven = _viewed_layout(site, heads) if site.viewed_terms else None
+        if site.viewed_terms and proven is None:
+            continue
         nodes: list[ir.Node] = []
         q, k, v = (
             _batch_first(h, f"{prefix}/{n}", nodes, shared) for h, n in ((site.q, "q"), (site.k, "k"), (site.v, "v"))
         )
-        bias = _attention_bias(site, heads, (q, k), prefix, nodes)
+        if site.viewed_terms:
+            bias = _viewed_bias(site, (q, k), proven, prefix, nodes)
+        else:
+            bias = _attention_bias(site, heads, (q, k), prefix, nodes)
         inputs = [q, k, v] + ([None, None, bias] if bias is not None else [])
         attrs = {"num_heads": heads, "scale": float(site.scale)}
         mha = ir.node("MultiHeadAttention", inputs, attrs, domain="com.microsoft", name=f"{prefix}/mha")

@@ -5,7 +5,9 @@ multiplies ``[B*heads, S, d]`` heads folded from a ``[S, B, E]`` projection with
 reads 4-D heads only, so none fused (WavLM 0/2 under every exporter, bench/README.md). The exports are
 ``python -m tests.models.build_heldout_3d_heads`` (and ``nn.MultiheadAttention``'s ``need_weights=False`` path,
 sequence first); each fused model is compared with the export under ORT with
-optimizations off at shapes other than the export's (batch 2, 20 frames; batch 2, 5 tokens).
+optimizations off at shapes other than the export's (batch 2, 20 frames; batch 2, 5 tokens). fairseq's form (k and
+v folded through a 4-D view, the padding mask a ``Where`` on the scores unfolded to 4-D) is FSMT's encoder,
+``python -m tests.models.build_heldout_probe heldout_round11 fsmt`` (0/2 attention fused before, either exporter).
 """
 
 from __future__ import annotations
@@ -180,3 +182,98 @@ def test_attention_option_none_leaves_folded_heads_attention_to_ort():
     ops = op_histogram(model)
     assert ops["Softmax"] == 2 and "com.microsoft::MultiHeadAttention" not in ops
     assert result.notes["candidates"]["onnxscript"]["onnxscript_counts"].get("folded_heads_mha", 0) == 0
+
+
+def _id_feeds(batch: int, seq: int, rng) -> dict[str, np.ndarray]:
+    mask = np.ones((batch, seq), np.int64)
+    mask[0, seq - 3 :] = 0  # a right-padded row
+    if batch > 2:
+        mask[1, :2] = 0  # a left-padded one
+    return {"input_ids": rng.integers(2, 128, (batch, seq)).astype(np.int64), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("exporter", ["ts", "dynamo"])
+def test_fairseq_attention_masked_on_a_4d_view_fuses_exactly(exporter):
+    path = HELDOUT / f"fsmt_{exporter}.onnx"
+    model, result = _fused(path)
+    ops = op_histogram(model)
+    assert result.counts["fused_attention"] == 2 and "Softmax" not in ops
+    assert "attention" not in (result.notes.get("missing") or {})
+    for node in model.graph:  # the padding mask is the attention_bias, built from the same condition
+        if node.op_type in ("MultiHeadAttention", "Attention"):
+            assert len(node.inputs) == 6 and node.inputs[5] is not None
+            assert node.attributes.get_int("num_heads") == 2
+    reference, fused = session(path), session(model)
+    rng = np.random.default_rng(3)
+    for batch, seq in ((1, 5), (3, 23)):
+        feeds = _id_feeds(batch, seq, rng)
+        want, got = reference.run(None, feeds)[0], fused.run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{batch}x{seq}")
+
+
+def _fairseq_graph(fill: str) -> onnx.ModelProto:
+    """fairseq's attention by hand: q folded ``[S, B*2, 4]``, k and v through ``[S, B, 2, 4]`` views, the scores
+    unfolded to ``[B, 2, S, S]`` and masked with ``Where(pad, fill, scores)``, folded back before the Softmax."""
+    weights = {n: ", ".join(str(0.1 * ((i * m) % p - p // 2)) for i in range(64)) for n, m, p in
+               (("wq", 7, 11), ("wk", 5, 13), ("wv", 3, 7))}  # fmt: skip
+    return parse(
+        f"""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[S, 2, 8] x, bool[2, S] pad) => (float[S, 2, 8] y)
+          <float[4, S, 4] kh, float[4, S, 4] vh, float[4, S, S] scores, float[2, 2, S, S] s4, float[4, S, S] s3> {{
+          wq = Constant <value = float[8, 8] {{{weights["wq"]}}}> ()
+          wk = Constant <value = float[8, 8] {{{weights["wk"]}}}> ()
+          wv = Constant <value = float[8, 8] {{{weights["wv"]}}}> ()
+          c = Constant <value = float {{0.5}}> ()
+          fill = Constant <value = float {{{fill}}}> ()
+          fold = Constant <value = int64[3] {{0, 4, 4}}> ()
+          view = Constant <value = int64[4] {{0, 2, 2, 4}}> ()
+          heads = Constant <value = int64[3] {{4, -1, 4}}> ()
+          unfold = Constant <value = int64[4] {{2, 2, 0, -1}}> ()
+          refold = Constant <value = int64[3] {{4, -1, 0}}> ()
+          axes = Constant <value = int64[2] {{1, 2}}> ()
+          back = Constant <value = int64[3] {{0, 2, 8}}> ()
+          q = MatMul (x, wq)
+          k = MatMul (x, wk)
+          v = MatMul (x, wv)
+          qs = Mul (q, c)
+          q3 = Reshape (qs, fold)
+          qh = Transpose <perm = [1, 0, 2]> (q3)
+          k4 = Reshape (k, view)
+          kb = Transpose <perm = [1, 2, 0, 3]> (k4)
+          kh = Reshape (kb, heads)
+          kt = Transpose <perm = [0, 2, 1]> (kh)
+          v4 = Reshape (v, view)
+          vb = Transpose <perm = [1, 2, 0, 3]> (v4)
+          vh = Reshape (vb, heads)
+          scores = MatMul (qh, kt)
+          s4 = Reshape (scores, unfold)
+          m4 = Unsqueeze (pad, axes)
+          masked = Where (m4, fill, s4)
+          s3 = Reshape (masked, refold)
+          probs = Softmax <axis = -1> (s3)
+          ctx = MatMul (probs, vh)
+          merged = Transpose <perm = [1, 0, 2]> (ctx)
+          y = Reshape (merged, back)
+        }}
+        """
+    )
+
+
+def test_hand_built_fairseq_attention_fuses_and_a_where_that_is_no_mask_stays():
+    proto = _fairseq_graph("-3.4028234663852886e38")
+    model, fused = _run(proto)
+    assert fused == 1 and "Softmax" not in op_histogram(model)
+    mha = next(n for n in model.graph if n.op_type == "MultiHeadAttention")
+    assert mha.attributes.get_float("scale") == pytest.approx(0.5) and mha.inputs[5] is not None
+    reference, fused_session = session(ir.serde.deserialize_model(proto)), session(model)
+    rng = np.random.default_rng(4)
+    for seq in (3, 9):
+        pad = np.zeros((2, seq), bool)
+        pad[1, seq - 2 :] = True
+        feeds = {"x": rng.standard_normal((seq, 2, 8)).astype(np.float32), "pad": pad}
+        want, got = reference.run(None, feeds)[0], fused_session.run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"sequence {seq}")
+    # a Where that writes an ordinary value is not a mask: no additive bias equals it
+    model, fused = _run(_fairseq_graph("-1.0"))
+    assert fused == 0 and op_histogram(model)["Softmax"] == 1

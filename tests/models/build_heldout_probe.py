@@ -1,0 +1,50 @@
+"""Copy a held-out probe's exports the regression tests read into ``tests/models/heldout/``.
+
+Run ``python -m tests.models.build_heldout_probe ROUND NAME [NAME ...]`` (needs torch and transformers), ROUND
+the probe module under ``bench/`` (``heldout_round11``): each model is made and exported as that probe makes it
+(TorchScript opset 17 and dynamo opset 18, weights perturbed, checked against torch at two other batches), its
+per-node metadata stripped; the .onnx files are committed so the tests need neither. Made so far:
+
+* ``heldout_round9 conditional_detr`` (``tests/passes/test_heldout_conditional_detr.py``);
+* ``heldout_round11 fsmt`` (``tests/passes/test_fuse_3d_heads.py``: fairseq's attention).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import tempfile
+from pathlib import Path
+
+import onnx
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.models.corpus import _strip  # noqa: E402
+
+DIR = Path(__file__).resolve().parent / "heldout"
+
+
+def build(probe: str, names: tuple[str, ...]) -> list[Path]:
+    from bench._torch_export import build_models
+    from bench.heldout_round4 import built
+
+    models = importlib.import_module(f"bench.{probe}")._models
+    paths = []
+    with tempfile.TemporaryDirectory() as tmp:
+        build_models(built(models(), list(names)), Path(tmp), list(names))
+        for exported in sorted(Path(tmp).glob("*.onnx")):
+            path = DIR / exported.name
+            meta = {"source": f"tests/models/build_heldout_probe.py ({exported.stem}, bench/{probe}.py)"}
+            onnx.save(_strip(onnx.load(str(exported)), meta), str(path))
+            paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: python -m tests.models.build_heldout_probe ROUND NAME [NAME ...]")
+    for made in build(sys.argv[1], tuple(sys.argv[2:])):
+        print(made, made.stat().st_size, "bytes")
