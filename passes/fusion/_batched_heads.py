@@ -420,6 +420,38 @@ def softmax_before_fold(model: ir.Model) -> int:
     return moved
 
 
+def transpose_through_folds(model: ir.Model) -> int:
+    """``Reshape(Transpose(Reshape(k4, [B*h, S, d]), [0, 2, 1]), [B, h, d, S])`` rewritten as ``Transpose(k4, [0, 1,
+    3, 2])``: torch's math decomposition of ``scaled_dot_product_attention`` writes ``k.transpose(-2, -1)`` so in
+    some dynamo exports (BridgeTower's image tower, one head of 64), and the SDPA rule reads a 4-D transpose of k
+    only. Exact: the fold merges the two leading dims (S and d kept, proven by the shapes), the 3-D Transpose swaps
+    the last two, and the unfold splits the leading dim back with h and the swapped sizes kept, so element ``[b, n,
+    j, s]`` is ``k4[b, n, s, j]`` either way. The number rewritten."""
+    done = 0
+    for unfold in list(model.graph):
+        if unfold.op_type != "Reshape" or unfold.domain not in _ONNX or unfold.outputs[0].is_graph_output():
+            continue
+        flip = unfold.inputs[0].producer() if unfold.inputs[0] is not None else None
+        if flip is None or flip.op_type != "Transpose" or flip.domain not in _ONNX:
+            continue
+        if list(flip.attributes.get_ints("perm", [])) != [0, 2, 1] or len(list(flip.outputs[0].uses())) != 1:
+            continue
+        source = _unfolded(flip.inputs[0])
+        dims, target = _dims(source), _dims(unfold.outputs[0])
+        if source is None or dims is None or target is None or len(target) != 4:
+            continue
+        if not (same_dim(target[1], dims[1]) and same_dim(target[2], dims[3]) and same_dim(target[3], dims[2])):
+            continue
+        node = ir.node("Transpose", [source], {"perm": [0, 1, 3, 2]}, name=f"{unfold.name or 'unfold'}/transpose_4d")
+        node.outputs[0].shape, node.outputs[0].dtype = unfold.outputs[0].shape, unfold.outputs[0].dtype
+        model.graph.insert_before(unfold, node)
+        ir.convenience.replace_all_uses_with(unfold.outputs[0], node.outputs[0])
+        done += 1
+    if done:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return done
+
+
 def unfold_batched_heads(model: ir.Model) -> int:
     """Rewrite every proven ``[B*h, S, d]`` attention product to its 4-D form; the number rewritten (the
     unfolds distributed over relative-position sums first, ``distribute_unfolds``)."""

@@ -105,6 +105,7 @@ from passes.fusion._batched_heads import (
     fold_after_cut,
     fold_static_sizes,
     softmax_before_fold,
+    transpose_through_folds,
     unfold_batched_heads,
 )
 from passes.fusion._einsum_matmul import einsum_to_matmul
@@ -585,6 +586,7 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["folds_after_cut"] = fold_after_cut(model)  # q, k, v unbound from a folded qkv
     report["softmax_unfolded"] = softmax_before_fold(model)  # a Softmax on folded heads: after it, the folds go
     report["bmm_unfolded"] = unfold_batched_heads(model)
+    report["folded_transposes"] = transpose_through_folds(model)  # k^T through a fold (dynamo's SDPA decomposition)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
     report["softmax_forms"] = softmax_forms.apply(model)  # before the masks: XSoftmax's axis 3, PB-Relax
     report["where_masks"] = where_mask.apply(model)

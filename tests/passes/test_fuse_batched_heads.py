@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import pytest
 
-from passes.fusion._batched_heads import fold_static_sizes, unfold_batched_heads
+from passes.fusion._batched_heads import fold_static_sizes, transpose_through_folds, unfold_batched_heads
 from tests.passes._util import parse, session
 
 BMM = """
@@ -77,3 +77,50 @@ def test_unfold_batched_heads_is_left_when_the_unfold_splits_other_heads(heads):
     model = _model(heads)
     assert unfold_batched_heads(model) == 0
     assert [n.op_type for n in model.graph].count("Reshape") == 3
+
+
+KT = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[B, 4, S, 8] k) => (float[B2, %d, 8, S2] out)
+  <int64[1] minus_one = {-1}, int64[1] heads = {%d}> {
+    seq = Shape <start = 2, end = 3> (k)
+    size = Shape <start = 3, end = 4> (k)
+    fold = Concat <axis = 0> (minus_one, seq, size)
+    kf = Reshape(k, fold)
+    kt = Transpose <perm = [0, 2, 1]> (kf)
+    target = Concat <axis = 0> (minus_one, heads, size, seq)
+    y = Reshape(kt, target)
+    out = Identity(y)
+}
+"""
+
+
+def _k_transposed(heads: int) -> ir.Model:
+    """torch's SDPA decomposition of ``k.transpose(-2, -1)`` in a dynamo export (BridgeTower's image tower), shapes
+    annotated as symbolic shape inference annotates them."""
+    model = ir.serde.deserialize_model(parse(KT % (heads, heads), check=False))
+    common_passes.ShapeInferencePass()(model)
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    batch = "B" if heads == 4 else "B_other"
+    for name, dims in {"kf": ["B4", "S", 8], "kt": ["B4", 8, "S"], "y": [batch, heads, 8, "S"]}.items():
+        values[name].shape = ir.Shape(dims)
+    return model
+
+
+def test_a_transpose_of_folded_heads_unfolded_again_is_the_4d_transpose():
+    model = _k_transposed(4)
+    assert transpose_through_folds(model) == 1
+    assert [(n.op_type, list(n.attributes.get_ints("perm", []))) for n in model.graph] == [
+        ("Transpose", [0, 1, 3, 2]),
+        ("Identity", []),
+    ]
+    reference, candidate = session(ir.serde.deserialize_model(parse(KT % (4, 4), check=False))), session(model)
+    for batch, seq in ((1, 3), (3, 11)):
+        feeds = {"k": np.random.default_rng(seq).standard_normal((batch, 4, seq, 8), dtype=np.float32)}
+        np.testing.assert_array_equal(candidate.run(None, feeds)[0], reference.run(None, feeds)[0])
+
+
+def test_a_transpose_of_folded_heads_unfolded_to_other_heads_stays():
+    model = _k_transposed(2)
+    assert transpose_through_folds(model) == 0
+    assert [n.op_type for n in model.graph].count("Reshape") == 2
