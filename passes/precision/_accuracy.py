@@ -311,13 +311,26 @@ def encoder_inputs(roles: Mapping[str, InputRole]) -> frozenset[str]:
     )
 
 
+def _role_of(roles: Mapping[str, InputRole], name: str, floats: bool) -> str | None:
+    """An input's role as the graph gives it; for an input the analysis did not see, the role its name says
+    (a float ``*past*`` cache, a ``*mask*``, ``*position*``), else None."""
+    if name in roles:
+        return roles[name].role
+    low = name.lower()
+    if "past" in low and floats:
+        return "past_key_values"
+    return "attention_mask" if "mask" in low else "position_ids" if "position" in low else None
+
+
 def prefill(sess: Any, sample: dict[str, np.ndarray], roles: Mapping[str, InputRole]) -> dict[str, np.ndarray] | None:
-    """``sample`` as a prefill of its tokens: the self-attention cache inputs (float inputs named ``*past*``)
-    empty, the attention mask cut to the new tokens and the positions counted from 0; the encoder's inputs
-    (``encoder_inputs`` of ``roles``, the graph's roles) as they are. A sample without a self-attention cache,
-    or with an empty one, is fed as it is; None when the sample lacks an input or its token ids are not 2-D."""
+    """``sample`` as a prefill of its tokens: the self-attention cache inputs empty, the attention mask cut to
+    the new tokens and the positions counted from 0; the encoder's inputs (``encoder_inputs``) as they are. Each
+    input is read by its role in ``roles`` (the graph's: a cache is found by what the graph does with it, not by
+    its name). A sample without a self-attention cache, or with an empty one, is fed as it is; None when the
+    sample lacks an input or its token ids are not 2-D."""
     inputs = sess.get_inputs()
-    token = _token_input(inputs)
+    tokens = [i for i in inputs if i.name in roles and roles[i.name].role == "token_ids"]
+    token = _token_input(tokens) if len(tokens) > 1 else tokens[0].name if tokens else _token_input(inputs)
     if token is None or token not in sample or np.asarray(sample[token]).ndim != 2:
         return None
     ids = np.asarray(sample[token])
@@ -325,28 +338,29 @@ def prefill(sess: Any, sample: dict[str, np.ndarray], roles: Mapping[str, InputR
     encoder = encoder_inputs(roles) & {i.name for i in inputs}
     if any(name not in sample for name in encoder):
         return None
+    role = {i.name: _role_of(roles, i.name, i.type.startswith("tensor(float")) for i in inputs}
     pasts = {
         i.name: _past_axis(roles.get(i.name))
         for i in inputs
-        if "past" in i.name.lower() and i.type.startswith("tensor(float") and i.name not in encoder
+        if role[i.name] == "past_key_values" and i.type.startswith("tensor(float") and i.name not in encoder
     }
     if any(name not in sample for name in pasts):
         return None
     had_past = any(np.asarray(sample[name]).ndim >= 2 and sample[name].shape[axis] for name, axis in pasts.items())
     feed: dict[str, np.ndarray] = {}
     for i in inputs:
-        name, low = i.name, i.name.lower()
+        name = i.name
         if name in encoder:
             feed[name] = sample[name]
         elif name in pasts and had_past:
             shape = list(sample[name].shape)
             shape[pasts[name]] = 0
             feed[name] = np.zeros(shape, dtype=sample[name].dtype)
-        elif "mask" in low and had_past:
+        elif role[name] == "attention_mask" and had_past:
             mask = sample.get(name)
             cut = mask[:, -seq:] if mask is not None and mask.ndim == 2 and mask.shape[1] >= seq else None
             feed[name] = np.ones((batch, seq), dtype=np.dtype(i.type[7:-1])) if cut is None else cut.copy()
-        elif "position" in low and had_past:
+        elif role[name] == "position_ids" and had_past:
             dtype = np.dtype(i.type[7:-1])
             feed[name] = _arange_like(sample.get(name), len(i.shape), batch, seq, dtype)
         elif name in sample:

@@ -330,6 +330,31 @@ def test_prefill_empties_the_cache_and_counts_positions_from_0_when_the_sample_i
     assert _accuracy.prefill(sess, {k: v for k, v in sample.items() if k != "input_ids"}, roles) is None
 
 
+def test_prefill_finds_a_cache_by_its_role_when_no_input_is_named_past(tmp_path):
+    """A cache named ``key_cache.N`` / ``value_cache.N`` (hand-written exports, other runtimes' conventions) is a
+    key/value cache to the graph's input analysis; the prefill empties it as it empties ``past_key_values.*``."""
+    proto = onnx.load(str(OUT / "llama_past_ts.onnx"))
+    renamed = {}
+    for value in proto.graph.input:
+        if value.name.startswith("past_key_values."):
+            _, layer, kind = value.name.split(".")
+            renamed[value.name] = f"{kind}_cache.{layer}"
+            value.name = renamed[value.name]
+    for node in proto.graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    path = tmp_path / "llama_cache_names.onnx"
+    onnx.save(proto, str(path))
+    sess = session(path)
+    roles = analyze(ir.load(path)).roles
+    assert all(roles[name].role == "past_key_values" for name in renamed.values())
+    signature = Signature.of(OUT / "llama_past_ts.onnx")
+    sample = {renamed.get(k, k): v for k, v in decoder_feeds(signature, 2, 3, 6, seed=5).items()}
+    feed = _accuracy.prefill(sess, sample, roles)
+    assert all(feed[name].shape[2] == 0 for name in renamed.values())  # the caches emptied, the mask cut to 3
+    assert feed["attention_mask"].shape == (2, 3) and (feed["position_ids"] == np.arange(3)).all()
+    assert sess.run(["logits"], feed)[0].shape == (2, 3, signature.vocab)
+
+
 def test_assemble_gives_the_model_a_direct_quantization_gives_when_some_matmuls_are_taken_from_the_8bit_one():
     # setup: full int4 and full 8-bit from one model; two MatMuls to take from the 8-bit one
     from passes.precision._quantization import assemble
