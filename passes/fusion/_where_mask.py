@@ -38,6 +38,16 @@ A mask subtracted from the scores (``scores - 10000 * (1 - mask)``, hand-written
 added negated, bit-exact (``SubtractedMask``)::
 
     Softmax(Sub(s, m))   ==>   Softmax(Add(s, Neg(m)))
+
+A causal mask applied by multiplying (GPT-1's ``w * b + -1e4 * (1 - b)``, ``b`` the 0/1 lower triangle) is the
+additive mask it already holds (``MultipliedMask``)::
+
+    Add(Mul(s, b), Mul(Sub(1, b), fill))   ==>   Add(s, Mul(Sub(1, b), fill))
+
+Where ``b`` is 1 both are ``s``; where it is 0 the product gives ``fill`` and the sum ``s + fill``. With the fill at
+most -1e4 (BERT's and GPT-1's) a masked position's ``exp(. - max)`` underflows to an exact 0 either way, unless a
+masked score exceeds the row's kept maximum by about 1e4; a causal row always keeps its diagonal. ``b`` must be
+proven 0/1: a constant (read through Slice, Reshape, Unsqueeze, Cast and the like) or a Cast from bool.
 """
 
 from __future__ import annotations
@@ -172,6 +182,51 @@ class ZeroedMaskedRowsFillSecond(_ZeroedMaskedRows):
     fill_first = False
 
 
+_SELECTIONS = ("Slice", "Reshape", "Unsqueeze", "Squeeze", "Cast", "Expand", "Identity", "Transpose", "Gather")
+_MULTIPLIED_FILL = -1e4  # BERT's and GPT-1's additive mask value: the largest fill read as masking here
+
+
+def _binary(value: ir.Value | None) -> bool:
+    """Whether ``value`` holds 0s and 1s only: a Cast from bool, or a constant's elements selected and
+    converted (Slice, Reshape, Cast, ...) that are all 0 or 1."""
+    for _ in range(8):
+        if value is None:
+            return False
+        if value.const_value is not None:
+            array = value.const_value.numpy()
+            return bool(array.size) and bool(np.isin(array, (0, 1)).all())
+        node = value.producer()
+        if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _SELECTIONS:
+            return False
+        if node.op_type == "Cast" and node.inputs[0] is not None and node.inputs[0].dtype == ir.DataType.BOOL:
+            return True
+        value = node.inputs[0]
+    return False
+
+
+class MultipliedMask(pattern.RewriteRuleClassBase):
+    """``Add(Mul(s, b), Mul(Sub(1, b), fill))`` as ``Add(s, Mul(Sub(1, b), fill))`` (the module's docstring)."""
+
+    def pattern(self, op, scores, keep, one, fill):
+        return op.Add(op.Mul(scores, keep), op.Mul(op.Sub(one, keep), fill))
+
+    def check(self, context, scores, keep, one, fill, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if _fill(one) != 1:
+            return result.fail("the complement is not taken from a one-element 1", one)
+        number = _fill(fill)
+        if number is None or not (np.isneginf(number) or number <= _MULTIPLIED_FILL):
+            return result.fail("the masked positions' value is not a constant at most -1e4", fill)
+        if not _is_scores(scores):
+            return result.fail("what the mask multiplies is not attention scores (MatMul, scaled)", scores)
+        if not _binary(keep):
+            return result.fail("the multiplying mask is not proven to hold 0s and 1s only", keep)
+        return result
+
+    def rewrite(self, op, scores, keep, one, fill, **_):
+        return op.Add(scores, op.Mul(op.Sub(one, keep), fill))
+
+
 # the expanded forms first: the plain ones would take the Expand as the condition and keep the second read
 _masks = pattern.RewriteRuleSet(
     [
@@ -183,10 +238,11 @@ _masks = pattern.RewriteRuleSet(
     ]
 )
 _zeroed_rows = pattern.RewriteRuleSet([ZeroedMaskedRowsFillFirst.rule(), ZeroedMaskedRowsFillSecond.rule()])
+_multiplied = pattern.RewriteRuleSet([MultipliedMask.rule()], commute=True)  # either operand order of Add and Mul
 
 
 def apply(model: ir.Model) -> int:
     """Every mask form of this module rewritten in ``model``; how many. The zeroed rows go first, in a sweep of
     their own: a rule set tries its rules node by node, and the Softmax, which the mask rules root at, comes
     before the zeroing Where, which the zeroed-rows rules root at."""
-    return _zeroed_rows.apply_to_model(model) + _masks.apply_to_model(model)
+    return _zeroed_rows.apply_to_model(model) + _multiplied.apply_to_model(model) + _masks.apply_to_model(model)

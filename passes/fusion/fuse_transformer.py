@@ -91,6 +91,7 @@ from passes import _io_signature as io_signature
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._match import take_graph_output
 from passes._subgraphs import in_branches
+from passes.fusion import _attention_shapes as attention_shapes
 from passes.fusion import _fused_matmul as fused_matmul
 from passes.fusion import _fusion_families as fam
 from passes.fusion import _layer_reasons as layer_reasons
@@ -589,6 +590,7 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["folded_transposes"] = transpose_through_folds(model)  # k^T through a fold (dynamo's SDPA decomposition)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
     report["softmax_forms"] = softmax_forms.apply(model)  # before the masks: XSoftmax's axis 3, PB-Relax
+    report["attention_shapes"] = attention_shapes.read_at_origin(model)  # TorchScript sizes read off attention
     report["where_masks"] = where_mask.apply(model)
     report["gemm"] = gemm_to_matmul(model)
     guarded = nan_guard.count_guards(model)
