@@ -97,8 +97,10 @@ def looks_rotary(add: ir.Node) -> bool:
     return _rotate_half_mul(add) is not None
 
 
-def _rotate_half_mul(add: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node] | None:
-    """(plain Mul, rotated Mul, rotate_half Concat) of ``Add(Mul(x, cos), Mul(rotate_half(x), sin))``."""
+def _rotate_half_mul(add: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node, bool] | None:
+    """(plain Mul, rotated Mul, rotate_half Concat, flipped) of ``Add(Mul(x, cos), Mul(rotate_half(x), sin))``:
+    ``rotate_half`` is ``Concat(-x2, x1)``, or flipped, ``Concat(x2, -x1)`` (NanoChat's: the rotation by -angle,
+    which is the usual one with sin negated)."""
     if add.op_type != "Add" or add.domain not in _ONNX or len(add.inputs) != 2:
         return None
     muls = [_producer(v, "Mul") for v in add.inputs]
@@ -107,8 +109,11 @@ def _rotate_half_mul(add: ir.Node) -> tuple[ir.Node, ir.Node, ir.Node] | None:
     for plain, rotated in ((muls[0], muls[1]), (muls[1], muls[0])):
         for v in rotated.inputs:
             concat = _producer(v, "Concat")
-            if concat is not None and len(concat.inputs) == 2 and _producer(concat.inputs[0], "Neg") is not None:
-                return plain, rotated, concat
+            if concat is None or len(concat.inputs) != 2:
+                continue
+            negated = [_producer(part, "Neg") is not None for part in concat.inputs]
+            if negated[0] != negated[1]:
+                return plain, rotated, concat, negated[1]
     return None
 
 
@@ -363,13 +368,16 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
     parts = _rotate_half_mul(add)
     if parts is None:
         raise Declined("not Add(Mul(x, cos), Mul(rotate_half(x), sin))")
-    plain, rotated, concat = parts
+    plain, rotated, concat, flipped = parts
     sin_value = next(v for v in rotated.inputs if v is not concat.outputs[0])
     if len(plain.inputs) != 2 or concat.outputs[0] not in rotated.inputs:
         raise Declined("rotate_half's Mul is not binary")
-    neg = _producer(concat.inputs[0], "Neg")
+    neg = _producer(concat.inputs[1 if flipped else 0], "Neg")
     assert neg is not None
-    second, first = _producer(neg.inputs[0], "Slice"), _producer(concat.inputs[1], "Slice")
+    if flipped:  # Concat(x2, -x1)
+        second, first = _producer(concat.inputs[0], "Slice"), _producer(neg.inputs[0], "Slice")
+    else:  # Concat(-x2, x1)
+        second, first = _producer(neg.inputs[0], "Slice"), _producer(concat.inputs[1], "Slice")
     if int_attr(concat, "axis", 0) not in (-1, 3):
         raise Declined("rotate_half concatenates on an axis other than the last")
     cos_value = None
@@ -391,6 +399,8 @@ def match(add: ir.Node, graph_outputs: set[ir.Value]) -> RotaryMatch:
         raise Declined("cos and sin are the same values")
     if cos.scale != sin.scale:
         raise Declined(f"cos is scaled by {cos.scale}, sin by {sin.scale}")
+    if flipped:  # x*cos + Concat(x2, -x1)*sin is x*cos + Concat(-x2, x1)*(-sin): the sin cache negated
+        sin = dataclasses.replace(sin, scale=-sin.scale)
     if cos.heads_axis != sin.heads_axis:
         raise Declined("cos and sin are unsqueezed on different axes")
     bsnd = cos.heads_axis == 2

@@ -323,7 +323,7 @@ def _caches(
     """The initializers holding this match's cos and sin caches, shared by every match with the same ones."""
     dtype = found.x.dtype or ir.DataType.FLOAT
     cos, sin = found.cos, found.sin
-    key = (cos.kind, cos.values.tobytes(), sin.values.tobytes(), cos.scale, max_positions, dtype)
+    key = (cos.kind, cos.values.tobytes(), sin.values.tobytes(), cos.scale, sin.scale, max_positions, dtype)
     if key not in made:
         values = []
         for op, factor in (("cos", cos), ("sin", sin)):
