@@ -39,14 +39,15 @@ def _dims(value: ir.Value | None) -> list | None:
     return None if value is None or value.shape is None else list(value.shape)
 
 
-def _reaches_softmax(value: ir.Value, depth: int = 4) -> bool:
+def reaches_softmax(value: ir.Value, depth: int = 4) -> bool:
+    """Whether ``value`` reaches a Softmax through at most ``depth`` ops a mask or a scale is written with."""
     for use in value.uses():
         node = use.node
         if node.domain not in _ONNX:
             continue
         if node.op_type == "Softmax":
             return True
-        if depth and node.op_type in _MASKING and _reaches_softmax(node.outputs[0], depth - 1):
+        if depth and node.op_type in _MASKING and reaches_softmax(node.outputs[0], depth - 1):
             return True
     return False
 
@@ -114,7 +115,7 @@ def read_at_origin(model: ir.Model) -> int:
         target, dims = shape.inputs[0], _dims(shape.inputs[0])
         if shape.outputs[0].is_graph_output() or dims is None or not dims:
             continue
-        if not (_reaches_softmax(target) or _from_probabilities(target)):
+        if not (reaches_softmax(target) or _from_probabilities(target)):
             continue
         rank = len(dims)
         start, end = shape.attributes.get_int("start", 0), shape.attributes.get_int("end", rank)

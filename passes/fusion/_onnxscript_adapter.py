@@ -48,6 +48,7 @@ from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _erf_gelu as erf_gelu
 from passes.fusion import _heads_3d as heads_3d
+from passes.fusion import _key_transpose as key_transpose
 from passes.fusion import _layer_norm_forms as layer_norm_forms
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _mha_bias_order as mha_bias_order
@@ -240,6 +241,9 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
     # Ours: a scaled query another product reads too (DeBERTa's content-to-position term) gets a copy of its
     # scaling for the scores, which the SDPA rule otherwise refuses to replace (_shared_scale); after the CSE above.
     counts["scores_scale_copied"] = 0 if "sdpa" in cut else shared_scale.give_scores_their_own_scale(model)
+    # Ours: a key laid out [B, h, d, S] by its own projection (SqueezeBERT's), given the transpose the SDPA rule
+    # reads; here, after the optimizer, which would fold the pair away (_key_transpose).
+    counts["key_transposes_exposed"] = 0 if "sdpa" in cut else key_transpose.expose(model)
     fuse("sdpa", shape_inference=True)
     # onnxscript's GQA rewrite computes seqlens_k as the row maximum of the RotaryEmbedding's [batch, sequence]
     # position_ids; fuse_rotary gives a rotation whose table is cut to the sequence the kernel's one-element

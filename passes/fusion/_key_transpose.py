@@ -1,0 +1,54 @@
+"""A key laid out ``[B, h, d, S]`` by its own projection handed to the SDPA rule as the transpose of a ``[B, h, S,
+d]`` key.
+
+SqueezeBERT projects q, k and v with 1-D convolutions over ``[B, C, S]`` and views k straight to ``[B, h, d, S]``
+(its ``transpose_key_for_scores`` is a view, no permute): the scores are ``MatMul(q, kT)`` with no Transpose in
+front of ``kT``. onnxscript's SDPA rule reads the key as ``Transpose(k, [0, 1, 3, 2])`` and found no match at all
+(0/2 under both exporters). Such a key is written as the transpose of its transpose::
+
+    MatMul(q, kT)   ==>   MatMul(q, Transpose(Transpose(kT, [0, 1, 3, 2]), [0, 1, 3, 2]))
+
+Exact: the two transposes cancel. The rule then takes ``Transpose(kT, [0, 1, 3, 2])`` as k. Run just before the
+SDPA step, after onnxscript's optimizer, which would fold the pair away. Only scores that reach a ``Softmax``
+and whose key is not already a Transpose's output (the forms the rule reads, or a permutation straight from the
+heads, GPT-1's ``[0, 2, 3, 1]``) are touched.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from passes.fusion._attention_shapes import reaches_softmax
+
+_ONNX = ("", "ai.onnx")
+_SWAP = [0, 1, 3, 2]
+
+
+def expose(model: ir.Model) -> int:
+    """Every rank-4 score product whose key is laid out ``[B, h, d, S]`` by a producer other than a Transpose
+    given the transpose pair; how many."""
+    done = 0
+    for product in list(model.graph):
+        if product.op_type != "MatMul" or product.domain not in _ONNX or len(product.inputs) != 2:
+            continue
+        q, key = product.inputs
+        if q is None or key is None or q.shape is None or key.shape is None or len(q.shape) != 4:
+            continue
+        if len(key.shape) != 4 or key.const_value is not None:
+            continue
+        producer = key.producer()
+        if producer is not None and producer.domain in _ONNX and producer.op_type == "Transpose":
+            continue
+        if not reaches_softmax(product.outputs[0]):
+            continue
+        prefix = product.name or f"scores_{done}"
+        k = ir.node("Transpose", [key], {"perm": _SWAP}, name=f"{prefix}/key")
+        back = ir.node("Transpose", [k.outputs[0]], {"perm": _SWAP}, name=f"{prefix}/key_t")
+        dims = list(key.shape)
+        k.outputs[0].shape = ir.Shape([dims[0], dims[1], dims[3], dims[2]])
+        back.outputs[0].shape = key.shape
+        k.outputs[0].dtype = back.outputs[0].dtype = key.dtype
+        model.graph.insert_before(product, [k, back])
+        product.replace_input_with(1, back.outputs[0])
+        done += 1
+    return done
