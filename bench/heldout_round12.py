@@ -25,6 +25,23 @@ _SMALL = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": 2, "n
           "intermediate_size": 128}  # fmt: skip
 
 
+def padded(batch: int) -> tuple:
+    """``batch`` rows of token ids and their mask, the first row padded (rounds 12 and 13)."""
+    import torch
+
+    seq = 8 + 5 * batch
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    mask[0, seq - 3 :] = 0
+    return torch.randint(3, VOCAB, (batch, seq)), mask
+
+
+def hidden(model):
+    """``model``'s ``last_hidden_state`` from ``input_ids`` and ``attention_mask`` (rounds 12 and 13)."""
+    from bench.heldout_round4 import _module
+
+    return _module(lambda m, i, a: m(input_ids=i, attention_mask=a).last_hidden_state, 2)(model.eval())
+
+
 def _models():
     import torch
     import transformers as tf
@@ -34,18 +51,9 @@ def _models():
     batch_seq = ((0, "batch"), (1, "sequence"))
     names = ("input_ids", "attention_mask")
 
-    def padded(batch: int) -> tuple:
-        seq = 8 + 5 * batch
-        mask = torch.ones(batch, seq, dtype=torch.int64)
-        mask[0, seq - 3 :] = 0
-        return torch.randint(3, VOCAB, (batch, seq)), mask
-
     def unpadded(batch: int) -> tuple:
         seq = 8 + 5 * batch
         return torch.randint(3, VOCAB, (batch, seq)), torch.ones(batch, seq, dtype=torch.int64)
-
-    def hidden(model):
-        return _module(lambda m, i, a: m(input_ids=i, attention_mask=a).last_hidden_state, 2)(model.eval())
 
     encoders = {
         "nomic_bert": lambda: tf.NomicBertModel(tf.NomicBertConfig(**_SMALL, max_position_embeddings=128)),

@@ -31,19 +31,11 @@ def _models():
     import transformers as tf
 
     from bench.heldout_round4 import _module, fixed_images
+    from bench.heldout_round12 import hidden, padded
 
     batch_seq = ((0, "batch"), (1, "sequence"))
     batch_axis = ((0, "batch"),)
     names = ("input_ids", "attention_mask")
-
-    def padded(batch: int) -> tuple:
-        seq = 8 + 5 * batch
-        mask = torch.ones(batch, seq, dtype=torch.int64)
-        mask[0, seq - 3 :] = 0
-        return torch.randint(3, VOCAB, (batch, seq)), mask
-
-    def hidden(model):
-        return _module(lambda m, i, a: m(input_ids=i, attention_mask=a).last_hidden_state, 2)(model.eval())
 
     encoders = {
         "squeezebert": lambda: tf.SqueezeBertModel(tf.SqueezeBertConfig(**_SMALL, embedding_size=HIDDEN)),

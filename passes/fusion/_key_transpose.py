@@ -10,8 +10,8 @@ front of ``kT``. onnxscript's SDPA rule reads the key as ``Transpose(k, [0, 1, 3
 
 Exact: the two transposes cancel. The rule then takes ``Transpose(kT, [0, 1, 3, 2])`` as k. Run just before the
 SDPA step, after onnxscript's optimizer, which would fold the pair away. Only scores that reach a ``Softmax``
-and whose key is not already a Transpose's output (the forms the rule reads, or a permutation straight from the
-heads, GPT-1's ``[0, 2, 3, 1]``) are touched.
+and whose key is a ``Reshape``'s view are touched: a transposed key, or one scaled after its transpose (torch's
+SDPA decomposition), is a form the rule reads itself.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ _SWAP = [0, 1, 3, 2]
 
 
 def expose(model: ir.Model) -> int:
-    """Every rank-4 score product whose key is laid out ``[B, h, d, S]`` by a producer other than a Transpose
-    given the transpose pair; how many."""
+    """Every rank-4 score product whose key is viewed to ``[B, h, d, S]`` by a Reshape given the transpose pair;
+    how many."""
     done = 0
     for product in list(model.graph):
         if product.op_type != "MatMul" or product.domain not in _ONNX or len(product.inputs) != 2:
@@ -37,8 +37,8 @@ def expose(model: ir.Model) -> int:
         if len(key.shape) != 4 or key.const_value is not None:
             continue
         producer = key.producer()
-        if producer is not None and producer.domain in _ONNX and producer.op_type == "Transpose":
-            continue
+        if producer is None or producer.domain not in _ONNX or producer.op_type != "Reshape":
+            continue  # only a view to [B, h, d, S]; a transposed or scaled key is a form the rule reads itself
         if not reaches_softmax(product.outputs[0]):
             continue
         prefix = product.name or f"scores_{done}"

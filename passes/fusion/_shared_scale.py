@@ -19,21 +19,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from passes.fusion._attention_shapes import reaches_softmax
+
 _ONNX = ("", "ai.onnx")
-# Between the scores' MatMul and their Softmax: a scale, the bias and mask Adds, a Where mask.
-_TO_SOFTMAX = ("Add", "Mul", "Div", "Where")
-
-
-def _reaches_softmax(value: ir.Value, depth: int = 3) -> bool:
-    for use in value.uses():
-        node = use.node
-        if node.domain not in _ONNX:
-            continue
-        if node.op_type == "Softmax":
-            return True
-        if node.op_type in _TO_SOFTMAX and depth > 0 and _reaches_softmax(node.outputs[0], depth - 1):
-            return True
-    return False
 
 
 def _scalar_scaling(value: ir.Value | None) -> ir.Node | None:
@@ -49,7 +37,7 @@ def give_scores_their_own_scale(model: ir.Model) -> int:
     """The copies made (module docstring): one per operand of a scores ``MatMul`` that leads to a Softmax."""
     made = 0
     for matmul in list(model.graph):
-        if matmul.op_type != "MatMul" or matmul.domain not in _ONNX or not _reaches_softmax(matmul.outputs[0]):
+        if matmul.op_type != "MatMul" or matmul.domain not in _ONNX or not reaches_softmax(matmul.outputs[0], depth=3):
             continue
         for index in (0, 1):
             scaling = _scalar_scaling(matmul.inputs[index])

@@ -66,6 +66,7 @@ OURS = (
     "concat_shapes_split",
     "folded_heads_mha",
     "scores_scale_copied",
+    "key_transposes_exposed",
     "tanh_gelu",
     "erf_gelu_half_first",
     "noop_bias_expands",
