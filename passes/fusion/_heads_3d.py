@@ -49,10 +49,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from passes.fusion._batched_heads import same_dim
+from passes.fusion._where_mask import is_masking_fill
 
 _ONNX = ("", "ai.onnx")
 _SCALES = ("Mul", "Div")
-_LARGE_NEGATIVE = -1e30  # a masking fill: torch.finfo(dtype).min in practice, or -inf
 
 
 def _op(value: ir.Value | None, *ops: str) -> ir.Node | None:
@@ -192,7 +192,7 @@ def _masking_where(where: ir.Node, value: ir.Value) -> bool:
     if len(where.inputs) != 3 or where.inputs[0] is None or value not in (where.inputs[1], where.inputs[2]):
         return False
     fill = _scalar(where.inputs[2] if where.inputs[1] is value else where.inputs[1])
-    return fill is not None and fill <= _LARGE_NEGATIVE
+    return fill is not None and is_masking_fill(fill)
 
 
 def _view_of(scores: ir.Value, reshape: ir.Node, heads: int) -> bool:

@@ -38,7 +38,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-_LARGE_NEGATIVE = -1e30
+from passes.fusion._where_mask import is_masking_fill
+
 _ONNX = ("", "ai.onnx")
 
 
@@ -100,7 +101,7 @@ class _WhereThenAdd(pattern.RewriteRuleClassBase):
         number = _scalar(fill)
         if number is None:
             return result.fail("the masked fill is not a one-element constant", fill)
-        if not (np.isneginf(number) or number <= _LARGE_NEGATIVE):
+        if not is_masking_fill(number):
             return result.fail(f"the masked fill {number} is not -inf or a large negative number", fill)
         _scores(scores, result, "MatMul", "Mul", "Div")
         return result
@@ -129,7 +130,7 @@ class ClampAfterMask(pattern.RewriteRuleClassBase):
         number = _scalar(floor)
         if number is None or floor.const_value.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
             return result.fail("the clamp is not a one-element float32/64 constant", floor)
-        if not number <= _LARGE_NEGATIVE:
+        if not is_masking_fill(number):  # -inf or at most -1e30, as the clamp's floor
             return result.fail(f"the clamp {number} is not a large negative number", floor)
         _scores(scores, result, "MatMul", "Mul", "Div", "Reshape")
         if result and scores.producer().op_type == "Reshape":

@@ -67,6 +67,11 @@ def _fill(value: ir.Value) -> float | None:
     return float(tensor.numpy().reshape(-1)[0])
 
 
+def is_masking_fill(number: float) -> bool:
+    """-inf or at most -1e30: a fill whose sum with any attention score rounds to the fill (the module's docstring)."""
+    return bool(np.isneginf(number) or number <= _LARGE_NEGATIVE)
+
+
 def _is_scores(value: ir.Value) -> bool:
     """``value`` is attention scores: made by a MatMul, possibly scaled or biased (what every mask form here
     must be applied to)."""
@@ -86,7 +91,7 @@ class _WhereMask(pattern.RewriteRuleClassBase):
         number = _fill(fill)
         if number is None:
             return result.fail("the masked fill is not a one-element constant", fill)
-        if not (np.isneginf(number) or number <= _LARGE_NEGATIVE):
+        if not is_masking_fill(number):
             return result.fail(f"the masked fill {number} is not -inf or a large negative number", fill)
         if not _is_scores(scores):
             return result.fail("the unmasked branch is not attention scores (MatMul, scaled)", scores)
