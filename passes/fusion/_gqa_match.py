@@ -20,7 +20,9 @@ heads (GPT-2), ``k_rep`` is ``k_all``.
 The scale may also sit on q and k^T (one Mul each). Soft-capped scores (Gemma 2: ``cap * tanh(scores /
 cap)`` before the mask) are read as the scores and the cap (``Site.softcap``). Attention sinks (GPT-OSS: a
 learned logit per head joins each row, ``Softmax(Concat(scores + mask, sink))[..., :-1]``, the row's max
-subtracted first) are read as the scores and the sinks (``Site.sink``), GroupQueryAttention's ``head_sink``.
+subtracted first) are read as the scores and the sinks (``Site.sink``), GroupQueryAttention's ``head_sink``;
+so is the same sink written after the context (Granite SWA: ``MatMul(probs, v) * sigmoid(logsumexp(scores) -
+sink)``, the share the sink column would have taken, ``_sink_scaled``).
 Casts between float types around the Softmax (a float16 export's softmax in float32) and single-input
 Concat/Identity copies are looked through. q, k_new and v_new are opaque values, so rotary embedding, fused
 (``fuse_rotary``'s RotaryEmbedding) or not, composes in either order. Shapes (heads,
@@ -122,13 +124,18 @@ def _match(layer: int, softmax: ir.Node) -> Site:
     context = _single_use(probs, "MatMul", "the Softmax's output")
     if context.inputs[0] is not probs:
         raise Declined("found the probabilities as the MatMul's second input, not its first")
-    reshaped = _shape_restoring_reshape(context.outputs[0])
-    out_t = _single_use(reshaped or context.outputs[0], "Transpose", "MatMul(probs, v)")
+    scaled = _sink_scaled(context.outputs[0], softmax)
+    if scaled is not None and sunk is not None:
+        raise Declined("found both a dropped sink column and a sink scale after the context")
+    context_out, scaled_sink = scaled if scaled is not None else (context.outputs[0], None)
+    reshaped = _shape_restoring_reshape(context_out)
+    out_t = _single_use(reshaped or context_out, "Transpose", "MatMul(probs, v)")
     if list(out_t.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
         raise Declined(f"found Transpose perm {list(out_t.attributes.get_ints('perm', []))} after MatMul(probs, v)")
     scores, sink = _strip_max_shift(_under_float_cast(softmax.inputs[0])), None
     if sunk is not None:
         scores, sink = _strip_sink(scores)
+    sink = scaled_sink if scaled_sink is not None else sink
     scores, mask = _strip_mask(scores)
     scores, softcap = _strip_softcap(scores)
     q, kt, scale = _strip_scale(scores)
@@ -262,16 +269,56 @@ def _strip_sink(value: ir.Value) -> tuple[ir.Value, np.ndarray]:
     concat = _producer(value, "Concat")
     if concat is None or len(concat.inputs) != 2 or concat.attributes.get_int("axis", 0) not in (-1, 3):
         raise Declined("found the Softmax's last column dropped, but not over Concat(scores, sink, axis=-1)")
-    column = concat.inputs[1]
-    while (array := const_array(column)) is None:
-        node = _producer(column, "Expand", "Reshape", "Unsqueeze", "Cast")
+    return concat.inputs[0], _per_head_constant(concat.inputs[1])
+
+
+def _through_float_casts(value: ir.Value, *ops: str) -> ir.Node | None:
+    """The node of one of ``ops`` computing ``value``, read up through float-to-float Casts."""
+    node = _producer(value, "Cast", *ops)
+    while node is not None and node.op_type == "Cast" and "Cast" not in ops:
+        if not _float_cast(node.inputs[0], node):
+            return None
+        node = _producer(node.inputs[0], "Cast", *ops)
+    return node
+
+
+def _per_head_constant(value: ir.Value) -> np.ndarray:
+    """The float constant under Expand, Reshape, Unsqueeze and float Casts of ``value``, one value per head
+    (at most one dim above 1), flattened; Declined, saying what computes it, otherwise."""
+    while (array := const_array(value)) is None:
+        node = _producer(value, "Expand", "Reshape", "Unsqueeze", "Cast")
         if node is None or (node.op_type == "Cast" and not _float_cast(node.inputs[0], node)):
-            found = column.producer().op_type if column.producer() is not None else "a graph input"
-            raise Declined(f"found the sink column computed by {found}, not a constant per head")
-        column = node.inputs[0]
+            found = value.producer().op_type if value.producer() is not None else "a graph input"
+            raise Declined(f"found the sink computed by {found}, not a constant per head")
+        value = node.inputs[0]
     if not np.issubdtype(array.dtype, np.floating) or sum(d > 1 for d in array.shape) > 1:
         raise Declined(f"found a sink of shape {list(array.shape)}, not one value per head")
-    return concat.inputs[0], array.reshape(-1).astype(np.float32)
+    return array.reshape(-1).astype(np.float32)
+
+
+def _sink_scaled(context: ir.Value, softmax: ir.Node) -> tuple[ir.Value, np.ndarray] | None:
+    """(the scaled context, the sink per head) of ``Mul(context, Unsqueeze(Sigmoid(ReduceLogSumExp(x, axis=-1)
+    - sink), -1))`` where x is what the Softmax reads (float Casts looked through); None for any other reader.
+    ``softmax(x) * sigmoid(lse(x) - s)`` is ``exp(x) / (sum(exp(x)) + exp(s))``, the kept columns of the
+    softmax over ``[x, s]``: GroupQueryAttention's ``head_sink``."""
+    uses = _live_uses(context)
+    mul = uses[0].node if len(uses) == 1 else None
+    if mul is None or mul.op_type != "Mul" or mul.domain not in _ONNX:
+        return None
+    gate = mul.inputs[1] if mul.inputs[0] is context else mul.inputs[0]
+    node = _through_float_casts(gate, "Unsqueeze", "Sigmoid")
+    unsqueezed = node is not None and node.op_type == "Unsqueeze"
+    if unsqueezed:
+        if axes_of(node) not in ([-1], [3]):
+            return None
+        node = _through_float_casts(node.inputs[0], "Sigmoid")
+    sub = _through_float_casts(node.inputs[0], "Sub") if node is not None and node.op_type == "Sigmoid" else None
+    lse = _through_float_casts(sub.inputs[0], "ReduceLogSumExp") if sub is not None else None
+    if lse is None or axes_of(lse) not in ([-1], [3]) or lse.attributes.get_int("keepdims", 1) != int(not unsqueezed):
+        return None
+    if lse.inputs[0] not in (softmax.inputs[0], _under_float_cast(softmax.inputs[0])):
+        return None
+    return mul.outputs[0], _per_head_constant(sub.inputs[1])
 
 
 def _single_use(value: ir.Value, op: str, what: str) -> ir.Node:

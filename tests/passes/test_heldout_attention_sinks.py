@@ -108,4 +108,4 @@ def _attention_with_sink_input() -> ir.Model:
 def test_a_sink_column_that_is_no_constant_is_declined_with_what_computes_it() -> None:
     sites, declined = match_sites(_attention_with_sink_input().graph)
     assert not sites
-    assert "sink column computed by a graph input, not a constant per head" in declined[0].reason
+    assert "sink computed by a graph input, not a constant per head" in declined[0].reason
