@@ -15,6 +15,7 @@ import itertools
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 from onnx_ir.passes.common import ShapeInferencePass
@@ -226,3 +227,40 @@ def test_every_t5_norm_fuses_exactly_when_committed_export(exporter, kind):
         expected, actual = run_named(want, feeds), run_named(got, feeds)
         for name, value in expected.items():
             np.testing.assert_allclose(actual[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("constants", ["initializers", "nodes"])
+@pytest.mark.parametrize("weight_first", [True, False])
+def test_a_pow_inverse_root_is_divided_so_the_session_fuses_the_norm(tmp_path, constants, weight_first):
+    """Gemma 4's ``x * pow(mean(x^2) + eps, -0.5) * weight`` in a decoder whose family the adapter's rules do not
+    run on: ``divide_rms_norms`` writes the root as ``Div(1, Sqrt(.))``, which ORT's session fuses into
+    SimplifiedLayerNormalization at its default level (it fuses the Pow form not at all). The exponent and
+    epsilon as initializers (dynamo) or Constant nodes (TorchScript, no value_info)."""
+    proto = _norm_graph(axes_input=True, inverse="pow", weight_first=weight_first)
+    if constants == "nodes":
+        for init in [i for i in proto.graph.initializer if i.name in ("two", "eps", "power")]:
+            proto.graph.node.insert(0, helper.make_node("Constant", [], [init.name], value=init))
+            proto.graph.initializer.remove(init)
+    model = ir.serde.deserialize_model(proto)
+    assert divide_rms_norms(model.graph) == 1
+    ops = op_histogram(model)
+    assert ops["Pow"] == 1 and ops["Sqrt"] == 1 and ops["Div"] == 1  # the square stays, the root is divided
+    assert_equivalent(proto, model, SHAPES, rtol=1e-6, atol=1e-6)
+
+    def session_ops(m: onnx.ModelProto, name: str) -> set[str]:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / name)
+        options.log_severity_level = 3
+        ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return {n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node}
+
+    assert SLN not in session_ops(proto, "upload.onnx")
+    assert session_ops(ir.serde.serialize_model(model), "divided.onnx") == {SLN}
+
+
+def test_a_pow_of_another_exponent_or_of_no_mean_square_is_left():
+    for proto in (
+        _norm_graph(axes_input=True, inverse="pow", weight_first=True, exponent=-1.0),
+        _norm_graph(axes_input=True, inverse="pow", weight_first=True, axis=1),  # not over the last axis
+    ):
+        assert divide_rms_norms(ir.serde.deserialize_model(proto).graph) == 0
