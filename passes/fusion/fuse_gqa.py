@@ -45,7 +45,8 @@ across it; up to ``window_edge_up_to`` positions), on which this and every later
 Soft-capped scores (Gemma 2's ``cap * tanh(scores / cap)`` between the scale and the mask) become GQA's
 ``softcap``, also where the mask is not causal (T5Gemma's encoder): GQA with ``causal=0``, the mask as its
 ``attention_bias`` and every key counted. Attention sinks (GPT-OSS's learned logit per head in each row's
-softmax) become its ``head_sink``; multi-query attention whose one kv head MatMul broadcasts over the query
+softmax, or Granite SWA's same sink as a scale of the context, ``sigmoid(logsumexp(scores) - sink)``) become its
+``head_sink``; multi-query attention whose one kv head MatMul broadcasts over the query
 heads (Falcon's eager attention, no repeat_kv) becomes ``kv_num_heads=1``. MultiHeadAttention has none of
 them, so the fallback declines all three.
 
