@@ -229,16 +229,18 @@ def _presents_without_past(
         take_graph_output(graph, old, new, "/unfused")
 
 
-def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int]) -> None:
+def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int], value_head: int) -> None:
     """The layer's attention core as MultiHeadAttention: q flat, the repeated keys and values as they are
     ([B,H,T,D], after the cache Concat, which stays), the graph's own mask as ``attention_bias``. Exact for
-    any mask, padding and batch: the fallback where GroupQueryAttention does not fit."""
+    any mask, padding and batch: the fallback where GroupQueryAttention does not fit. Values of another head
+    size than the keys (``value_head``: multi-head latent attention) go flat, [B,T,H*D] each: ORT's kernel
+    takes keys and values of different widths only so."""
     heads = sizes[0]
     prefix = f"fuse_gqa/layer_{site.layer}"
     q, nodes = flat_heads(graph, site.q, f"{prefix}/q", bsnd=False, heads=heads)
     key, value = site.k_rep, site.v_rep
-    if site.k_bsnd:  # keys [B,S,H,D]: MHA then takes both keys and values as [B,S,H*D]
-        key, made_k = flat_heads(graph, site.k_rep, f"{prefix}/k", bsnd=True)
+    if site.k_bsnd or value_head != sizes[2]:  # MHA then takes both keys and values as [B,S,H*D]
+        key, made_k = flat_heads(graph, site.k_rep, f"{prefix}/k", bsnd=site.k_bsnd)
         value, made_v = flat_heads(graph, site.v_rep, f"{prefix}/v", bsnd=False)
         nodes += made_k + made_v
     mha = ir.node(
@@ -252,7 +254,7 @@ def rewrite_mha(graph: ir.Graph, site: Site, sizes: tuple[int, int, int]) -> Non
     if site.guarded:  # MultiHeadAttention returns NaN for a query whose every key is masked with -inf
         guard = nan_guard.zero_nan_rows(out)
         out = guard[-1].outputs[0]
-    _replace_output(graph, site, [*nodes, mha, *guard], out, sizes)
+    _replace_output(graph, site, [*nodes, mha, *guard], out, (*sizes[:2], value_head))
 
 
 def _replace_output(graph: ir.Graph, site: Site, nodes: list[ir.Node], out: ir.Value, sizes) -> None:

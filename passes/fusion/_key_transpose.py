@@ -52,3 +52,37 @@ def expose(model: ir.Model) -> int:
         product.replace_input_with(1, back.outputs[0])
         done += 1
     return done
+
+
+_READ = ([0, 1, 3, 2], [0, 2, 3, 1])  # k^T of heads-first keys, or of [B, S, h, d] keys: read as they are
+
+
+def split_permuted(model: ir.Model) -> int:
+    """Every rank-4 score product whose key is ``Transpose(X, p)`` with another permutation than the two the
+    matcher reads, rewritten ``Transpose(Transpose(X, [p0, p1, p3, p2]), [0, 1, 3, 2])``; how many."""
+    done = 0
+    for product in list(model.graph):
+        if product.op_type != "MatMul" or product.domain not in _ONNX or len(product.inputs) != 2:
+            continue
+        key = product.inputs[1]
+        producer = key.producer() if key is not None else None
+        if producer is None or producer.op_type != "Transpose" or producer.domain not in _ONNX:
+            continue
+        perm = list(producer.attributes.get_ints("perm", []))
+        if len(perm) != 4 or perm in _READ or perm == sorted(perm) or not reaches_softmax(product.outputs[0]):
+            continue
+        prefix = product.name or f"scores_{done}"
+        inner = ir.node(
+            "Transpose", [producer.inputs[0]], {"perm": [perm[0], perm[1], perm[3], perm[2]]}, name=f"{prefix}/key"
+        )
+        swap = ir.node("Transpose", [inner.outputs[0]], {"perm": _SWAP}, name=f"{prefix}/key_t")
+        if key.dtype is not None:  # an untyped key (no value_info) leaves both untyped: Tensor(None) cannot serialize
+            inner.outputs[0].dtype = swap.outputs[0].dtype = key.dtype
+        if key.shape is not None:
+            dims = list(key.shape)
+            inner.outputs[0].shape = ir.Shape([dims[0], dims[1], dims[3], dims[2]])
+            swap.outputs[0].shape = key.shape
+        model.graph.insert_before(product, [inner, swap])
+        product.replace_input_with(1, swap.outputs[0])
+        done += 1
+    return done

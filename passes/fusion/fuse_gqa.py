@@ -58,7 +58,10 @@ positions provably derived from ``seqlens_k`` would make it exact, and an input 
 
 Fallback: ``com.microsoft::MultiHeadAttention`` on the repeated keys and values with the graph's own mask as
 ``attention_bias`` (the cache Concat stays), exact for any mask, padding and batch, where GQA does not fit:
-a mask that is not causal + key padding, a head size ORT's CPU GQA refuses (not a multiple of 8), or sample
+a mask that is not causal + key padding, a head size ORT's CPU GQA refuses (not a multiple of 8), multi-head
+latent attention with ``attention='mha'`` (DeepSeek, MiniCPM3: values narrower than keys, both expanded from a
+cached latent after the cache, so no cache Concat feeds them; MHA takes them flat, ``[B, T, H*d]`` each, which
+measured slower than the unfused graph, so ``auto`` leaves them with that reason), or sample
 inputs GQA cannot compute like the graph (a padded mask; a batch of prompts after a cache, which ORT's GQA
 refuses). ``attention`` chooses: ``auto`` (GQA where it fits, else MHA), ``gqa`` only, ``mha`` only. A job
 without samples verifies on ``core.inputs``' sets for a decoder-only language model, the calls generation
@@ -83,6 +86,7 @@ from pydantic import Field
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._subgraphs import in_branches
 from passes.fusion import _gqa_rewrite as rewrite
+from passes.fusion import _key_transpose as key_transpose
 from passes.fusion import _score_mask_order as score_mask_order
 from passes.fusion._gqa_match import Site, match_sites
 from passes.fusion._gqa_probe import Feeder, MaskKind, ProbeError, measure_shapes, probe_mask
@@ -95,12 +99,20 @@ LEFT_PADDING = (
 )
 
 
+# bench/README.md "Stop 41": `python -m bench.mla_attention_ab` (MiniCPM3 at hidden 1024, 16 heads, one thread)
+MLA_SLOWER = (
+    "left unfused under attention='auto': on multi-head latent attention MultiHeadAttention takes the keys and "
+    "values flat, a transpose of each every call, and measured slower than the unfused graph (MiniCPM3 at "
+    "hidden 1024: 1.5% on a prefill of 64, 5-10% on a decode after 128 and 512); attention='mha' fuses it"
+)
+
+
 class FuseGqaOptions(PassOptions):
     attention: Literal["auto", "gqa", "mha"] = Field(
         "auto",
         description="'auto': GroupQueryAttention where it fits the mask, head size and sample inputs, else "
-        "MultiHeadAttention (exact for any mask and padding); 'gqa': GroupQueryAttention only; 'mha': "
-        "MultiHeadAttention only.",
+        "MultiHeadAttention (exact for any mask and padding), except on multi-head latent attention, measured "
+        "slower so; 'gqa': GroupQueryAttention only; 'mha': MultiHeadAttention wherever it fits (MLA too).",
     )
     local_window: bool = Field(
         True,
@@ -135,12 +147,14 @@ class FuseGqa(Pass[FuseGqaOptions]):
         # Scores masked before their scale or through a causal Where (CodeGen, GPT-Neo) are first put in the
         # order the match reads; an edit that stands even where nothing fuses, so the result says it changed.
         reordered = 0 if ctx.target == "tensorrt" else score_mask_order.rules.apply_to_model(model)
+        # A key transposed to [B, h, d, S] from another layout (dynamo's cached MiniCPM3) gets the matcher's form
+        split = 0 if ctx.target == "tensorrt" else key_transpose.split_permuted(model)
         sites, declined = match_sites(model.graph)
         notes: dict[str, Any] = {"attention_layers": len(sites) + len(declined), "padding": LEFT_PADDING}
 
         def unfused(non_matches: list[NonMatch]) -> PassResult:
-            counts = {"scores_reordered": reordered} if reordered else {}
-            return PassResult(model, bool(reordered), counts, non_matches, notes)
+            counts = {k: v for k, v in (("scores_reordered", reordered), ("key_transposes_split", split)) if v}
+            return PassResult(model, bool(reordered or split), counts, non_matches, notes)
 
         if ctx.target == "tensorrt":
             reason = "TensorRT parses standard ONNX only: contrib attention ops would fall back"
@@ -188,11 +202,14 @@ class FuseGqa(Pass[FuseGqaOptions]):
                     why += f"; bidirectional GroupQueryAttention (its soft-cap): {unfit_bidirectional}"
                 declined.append(NonMatch(f"{head}: {why}", node=site.softmax.name, op_type="Softmax"))
                 continue
-            why_not = self._why_not_gqa(sizes, kind, unfit)
+            latent = _why_not_gqa_keys(site, shapes, sizes, feeder)
+            why_not = latent or self._why_not_gqa(sizes, kind, unfit)
             if why_not is None:
                 plans.append((site, sizes, "gqa", kind))
                 continue
             mha = "attention='gqa'" if self.options.attention == "gqa" else _mha_unfit(site, shapes, sizes, feeder)
+            if mha is None and latent and self.options.attention == "auto":
+                mha = MLA_SLOWER
             if mha is None:
                 plans.append((site, sizes, "mha", kind))
                 reason = f"{head}: fused as MultiHeadAttention, not GroupQueryAttention: {why_not}"
@@ -218,7 +235,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
                 elif op == "gqa":
                     crops_dropped += rewrite.rewrite_gqa(model.graph, site, lengths, sizes, kind.window)
                 else:
-                    rewrite.rewrite_mha(model.graph, site, sizes)
+                    rewrite.rewrite_mha(model.graph, site, sizes, shapes[site.v_all.name][3])
         folded = fold_head_reshapes(model.graph)
         common_passes.RemoveUnusedNodesPass()(model)
         model.graph.sort()
@@ -239,6 +256,7 @@ class FuseGqa(Pass[FuseGqaOptions]):
             "head_reshapes_folded": folded,
             "past_crops_dropped": crops_dropped,
             "scores_reordered": reordered,
+            "key_transposes_split": split,
         }
         return PassResult(model, True, counts, declined, notes, verify_inputs=edge)
 
@@ -426,31 +444,54 @@ def _sizes(site: Site, shapes: dict[str, tuple[int, ...]], probe: tuple[int, int
         shapes = {**shapes, site.k_rep.name: k_all}
     batch, seq, past = probe
     total = seq + past if site.k_past is not None else seq
+    if site.k_past is None and len(k_all) == 4 and k_all[2] == seq + past:
+        total = seq + past  # keys computed from a cache upstream (MLA's latent): see _why_not_gqa_keys
     if len(q) != 4 or q[0] != batch or q[2] != seq:
         raise ProbeError(f"q has shape {q} at {seq} new tokens, not [{batch}, heads, {seq}, head_size]")
     heads, head_size = q[1], q[3]
-    if len(k_all) != 4 or k_all[0] != batch or k_all[2] != total or k_all[3] != head_size or v_all != k_all:
+    if len(k_all) != 4 or k_all[0] != batch or k_all[2] != total or k_all[3] != head_size or v_all[:3] != k_all[:3]:
         raise ProbeError(f"key/value have shapes {k_all}/{v_all}, not [{batch}, kv_heads, {total}, {head_size}]")
-    kv_heads = k_all[1]
+    kv_heads, v_head = k_all[1], v_all[3] if len(v_all) == 4 else head_size
     expanded = (batch, heads, total, head_size)
     # Multi-query attention may leave its single key/value head unrepeated (Falcon-7B's eager attention):
     # MatMul broadcasts that axis over the query heads, which is what GroupQueryAttention's kv_num_heads=1 does.
     broadcast = (batch, 1, total, head_size)
-    if kv_heads == 1 and shapes[site.k_rep.name] == broadcast and shapes[site.v_rep.name] == broadcast:
+    if kv_heads == 1 and shapes[site.k_rep.name] == broadcast and shapes[site.v_rep.name][:3] == broadcast[:3]:
         expanded = broadcast
-    if shapes[site.k_rep.name] != expanded or shapes[site.v_rep.name] != expanded or heads % kv_heads:
+    if shapes[site.k_rep.name] != expanded or shapes[site.v_rep.name] != (*expanded[:3], v_head) or heads % kv_heads:
         raise ProbeError(f"repeated key/value {shapes[site.k_rep.name]} are not {expanded} from {kv_heads} kv heads")
     if site.reshaped is not None and shapes[site.reshaped.name] != shapes[site.context.outputs[0].name]:
         raise ProbeError(
             f"MatMul(probs, v) {shapes[site.context.outputs[0].name]} is reshaped to {shapes[site.reshaped.name]}"
         )
-    if shapes[site.out.name] != (batch, seq, heads, head_size):
+    if shapes[site.out.name] != (batch, seq, heads, v_head):
         raise ProbeError(
-            f"the attention output has shape {shapes[site.out.name]}, not [{batch}, {seq}, {heads}, {head_size}]"
+            f"the attention output has shape {shapes[site.out.name]}, not [{batch}, {seq}, {heads}, {v_head}]"
         )
     if site.sink is not None and site.sink.size not in (1, heads):
         raise ProbeError(f"the attention sinks hold {site.sink.size} values for {heads} heads")
     return heads, kv_heads, head_size
+
+
+def _why_not_gqa_keys(
+    site: Site, shapes: dict[str, tuple[int, ...]], sizes: tuple[int, int, int], feeder: Feeder
+) -> str | None:
+    """Why GroupQueryAttention cannot take the layer's keys and values as the graph computes them, where
+    MultiHeadAttention can (multi-head latent attention: transformers caches MLA's compressed latent and
+    expands it to every head's keys and values after the cache, whose values are narrower than its keys)."""
+    value_head = shapes[site.v_all.name][3]
+    if value_head != sizes[2]:
+        return (
+            f"its value heads are {value_head} wide and its query/key heads {sizes[2]} (multi-head latent "
+            "attention); GroupQueryAttention takes one head size"
+        )
+    keys = shapes[site.k_all.name][1 if site.k_bsnd else 2]
+    if site.k_past is None and keys != feeder.probe_shape[1]:
+        return (
+            "its keys span the cache but no cache Concat makes them (they are computed from a cached latent); "
+            "GroupQueryAttention takes the new keys and the cache itself"
+        )
+    return None
 
 
 def _mha_unfit(
