@@ -192,21 +192,34 @@ def _angles(emb: ir.Value | None, nodes: list[ir.Node]) -> tuple[tuple[ir.Value,
 
 def _sliced_table(value: ir.Value | None, op: str) -> CosSin | None:
     """``[Cast] Slice(table, 0:S, axis -2)`` of a constant table whose leading dims are 1 (``[P, D]``, ``[1, 1, P,
-    D]``): rows 0..S-1 for every sequence, broadcast over the batch and heads. None when it is not that form."""
+    D]``): rows 0..S-1 for every sequence, broadcast over the batch and heads. The table uncut is read so too
+    where it has more than one row (DINOv3's 2-D rope over a fixed grid of patches, folded by dynamo to a ``[P, D]``
+    constant): x's sequence must then be its P rows, which the broadcast itself requires. None when it is not that
+    form."""
     nodes: list[ir.Node] = []
     cast = _producer(value, "Cast")
     if cast is not None:
         nodes.append(cast)
         value = cast.inputs[0]
     sliced = _producer(value, "Slice")
-    if sliced is None or len(sliced.inputs) < 4:
-        return None
-    table = const(sliced.inputs[0])
-    if table is None or table.ndim < 2 or any(d != 1 for d in table.shape[:-2]) or table.dtype.kind != "f":
-        return None
-    start, axis = one_int(sliced.inputs[1], {}), one_int(sliced.inputs[3], {})
-    step = one_int(sliced.inputs[4], {}) if len(sliced.inputs) > 4 and sliced.inputs[4] is not None else 1
-    if start != 0 or step != 1 or axis is None or axis % table.ndim != table.ndim - 2:
+    if sliced is None:
+        table = const(value)
+        if table is None or table.ndim < 2 or table.shape[-2] < 2:
+            return None
+        source = value
+    else:
+        if len(sliced.inputs) < 4:
+            return None
+        table = const(sliced.inputs[0])
+        if table is None or table.ndim < 2:
+            return None
+        start, axis = one_int(sliced.inputs[1], {}), one_int(sliced.inputs[3], {})
+        step = one_int(sliced.inputs[4], {}) if len(sliced.inputs) > 4 and sliced.inputs[4] is not None else 1
+        if start != 0 or step != 1 or axis is None or axis % table.ndim != table.ndim - 2:
+            return None
+        nodes.append(sliced)
+        source = sliced.outputs[0]
+    if any(d != 1 for d in table.shape[:-2]) or table.dtype.kind != "f":
         return None
     rows = table.reshape(table.shape[-2:])
     if rows.shape[1] % 2:
@@ -214,8 +227,7 @@ def _sliced_table(value: ir.Value | None, op: str) -> CosSin | None:
     half = rows.shape[1] // 2
     if not np.array_equal(rows[:, :half], rows[:, half:]):
         raise Declined(f"the {op.lower()} table's halves differ (not the rotate_half layout)")
-    nodes.append(sliced)
-    return CosSin("table", None, rows[:, :half].astype(np.float32), 1.0, tuple(nodes), rows=sliced.outputs[0])
+    return CosSin("table", None, rows[:, :half].astype(np.float32), 1.0, tuple(nodes), rows=source)
 
 
 def cos_sin(value: ir.Value | None, op: Literal["Cos", "Sin"]) -> CosSin:
