@@ -115,6 +115,9 @@ def _split_of(node: ir.Node) -> tuple[int, int] | None:
     """(heads, head_size) of a ``[B, S, N, H] -> [B, N, S, H]`` transpose whose dims are known, else None."""
     if node.op_type != "Transpose" or ints_attr(node, "perm") != [0, 2, 1, 3]:
         return None
+    merged = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if merged is not None and merged.op_type == "MatMul":  # the heads' merge, probs @ v back to [B, S, N, H]
+        return None
     shape = node.outputs[0].shape
     if shape is not None and len(shape) == 4 and _static(shape[1]) and _static(shape[3]):
         return int(shape[1]), int(shape[3])

@@ -89,3 +89,43 @@ def test_gather_nd_over_index_pairs_is_no_position_table_when_not_unsqueezed_las
     """GatherND whose index tuples are not one long (Unsqueeze on axis 0) picks elements, not rows."""
     proto = _embedding_graph("unsqueeze", "GatherND", unsqueeze_axis=0)
     assert _decoder_structure.detect(ir.serde.deserialize_model(proto))["max_positions"] is None
+
+
+def _one_attention(tokens: int) -> ir.Model:
+    """x [B, tokens, 32] split to 4 heads of 8, self-attention, and the heads merged back by the same perm: an
+    encoder over a fixed number of tokens (Gemma 4's vision tower: 81 patches), every dim static but the batch."""
+    f = TensorProto.FLOAT
+    rng = np.random.default_rng(1)
+    inits = [
+        helper.make_tensor("w", f, [32, 32], rng.standard_normal(32 * 32)),
+        helper.make_tensor("split", TensorProto.INT64, [4], [0, 0, 4, 8]),
+        helper.make_tensor("merge", TensorProto.INT64, [3], [0, 0, 32]),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["proj"]),
+        helper.make_node("Reshape", ["proj", "split"], ["heads"]),
+        helper.make_node("Transpose", ["heads"], ["q"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["q"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "q"], ["context"]),
+        helper.make_node("Transpose", ["context"], ["merged"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["merged", "merge"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "attention", [helper.make_tensor_value_info("x", f, ["batch", tokens, 32])],
+        [helper.make_tensor_value_info("y", f, ["batch", tokens, 32])], inits,
+    )  # fmt: skip
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    ShapeInferencePass()(model)
+    return model
+
+
+@pytest.mark.parametrize("tokens", [81, 3])
+def test_heads_are_read_from_the_split_not_from_the_merge_of_a_fixed_length(tokens: int) -> None:
+    """The merge's Transpose(0, 2, 1, 3) has [B, tokens, 4, 8] as output: read as a split, it once made 81 the
+    heads (the most seen) of an 81-token encoder."""
+    structure = _decoder_structure.detect(_one_attention(tokens), [])
+    assert (structure["heads"], structure["head_size"]) == (4, 8)
