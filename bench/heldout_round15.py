@@ -9,8 +9,8 @@ Models from transformers config objects (nothing downloaded; 2 layers or stages,
 weights perturbed), exported with the TorchScript exporter (opset 17) and dynamo (opset 18), each checked
 against torch at two other batch sizes. Inputs: ``pixel_values [batch, 3, 64, 64]``; Gemma 4's ``pixel_values
 [batch, 81, 192]`` (a 9 x 9 grid of 8 x 8 x 3 patches: its pooling takes 3 x 3) and ``pixel_position_ids [batch,
-81, 2]`` (the patches' x, y on the grid); VideoPrism's ``pixel_values_videos [batch, 2, 3, 32, 32]``; CLAP's ``input_features [batch, 1, 64,
-16]`` (64 frames of 16 mel bins).
+81, 2]`` (the patches' x, y on the grid); VideoPrism's ``pixel_values_videos [batch, 2, 3, 32, 32]``; CLAP's
+``input_features [batch, 1, 64, 16]`` (64 frames of 16 mel bins).
 """
 
 from __future__ import annotations
