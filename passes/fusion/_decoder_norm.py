@@ -57,14 +57,15 @@ def _last_axis(mean: ir.Node, power: ir.Node) -> bool:
     return axes is not None and shape is not None and axes == [len(shape) - 1]
 
 
-def _dtype(root: ir.Value | None, reciprocal: ir.Node) -> ir.DataType | None:
-    """The root's type: annotated, else the epsilon constant's (an export without value_info, T5's dynamo
-    files, annotates nothing before shape inference; ``Add(mean, eps)`` has one type)."""
+def _dtype(root: ir.Value | None, inverse: ir.Node) -> ir.DataType | None:
+    """The root's type: annotated (on it or on ``inverse``, the Reciprocal or Pow it replaces), else the epsilon
+    constant's (an export without value_info, T5's dynamo files, annotates nothing before shape inference;
+    ``Add(mean, eps)`` has one type)."""
     if root is None:
         return None
-    if root.dtype is not None or reciprocal.outputs[0].dtype is not None:
-        return root.dtype or reciprocal.outputs[0].dtype
-    add = root.producer().inputs[0].producer()  # Sqrt(Add(..)), as _rms_sqrt found it
+    if root.dtype is not None or inverse.outputs[0].dtype is not None:
+        return root.dtype or inverse.outputs[0].dtype
+    add = root.producer().inputs[0].producer()  # Sqrt(Add(..)): _rms_sqrt's, or the one made for a Pow
     eps = next((array for v in add.inputs if (array := const(v)) is not None), None)  # a Constant's (TorchScript)
     return ir.DataType.from_numpy(eps.dtype) if eps is not None and np.issubdtype(eps.dtype, np.floating) else None
 

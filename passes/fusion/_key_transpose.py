@@ -41,15 +41,7 @@ def expose(model: ir.Model) -> int:
             continue  # only a view to [B, h, d, S]; a transposed or scaled key is a form the rule reads itself
         if not reaches_softmax(product.outputs[0]):
             continue
-        prefix = product.name or f"scores_{done}"
-        k = ir.node("Transpose", [key], {"perm": _SWAP}, name=f"{prefix}/key")
-        back = ir.node("Transpose", [k.outputs[0]], {"perm": _SWAP}, name=f"{prefix}/key_t")
-        dims = list(key.shape)
-        k.outputs[0].shape = ir.Shape([dims[0], dims[1], dims[3], dims[2]])
-        back.outputs[0].shape = key.shape
-        k.outputs[0].dtype = back.outputs[0].dtype = key.dtype
-        model.graph.insert_before(product, [k, back])
-        product.replace_input_with(1, back.outputs[0])
+        _through_pair(model, product, key, _SWAP, product.name or f"scores_{done}")
         done += 1
     return done
 
@@ -71,18 +63,24 @@ def split_permuted(model: ir.Model) -> int:
         perm = list(producer.attributes.get_ints("perm", []))
         if len(perm) != 4 or perm in _READ or perm == sorted(perm) or not reaches_softmax(product.outputs[0]):
             continue
-        prefix = product.name or f"scores_{done}"
-        inner = ir.node(
-            "Transpose", [producer.inputs[0]], {"perm": [perm[0], perm[1], perm[3], perm[2]]}, name=f"{prefix}/key"
+        _through_pair(
+            model, product, producer.inputs[0], [perm[0], perm[1], perm[3], perm[2]], product.name or f"scores_{done}"
         )
-        swap = ir.node("Transpose", [inner.outputs[0]], {"perm": _SWAP}, name=f"{prefix}/key_t")
-        if key.dtype is not None:  # an untyped key (no value_info) leaves both untyped: Tensor(None) cannot serialize
-            inner.outputs[0].dtype = swap.outputs[0].dtype = key.dtype
-        if key.shape is not None:
-            dims = list(key.shape)
-            inner.outputs[0].shape = ir.Shape([dims[0], dims[1], dims[3], dims[2]])
-            swap.outputs[0].shape = key.shape
-        model.graph.insert_before(product, [inner, swap])
-        product.replace_input_with(1, swap.outputs[0])
         done += 1
     return done
+
+
+def _through_pair(model: ir.Model, product: ir.Node, source: ir.Value, perm: list[int], prefix: str) -> None:
+    """``product``'s key read as ``Transpose(Transpose(source, perm), [0, 1, 3, 2])``: the inner one the ``[B, h,
+    S, d]`` key the rules read, ``perm`` what makes it from ``source``."""
+    key = product.inputs[1]
+    inner = ir.node("Transpose", [source], {"perm": perm}, name=f"{prefix}/key")
+    swap = ir.node("Transpose", [inner.outputs[0]], {"perm": _SWAP}, name=f"{prefix}/key_t")
+    if key.dtype is not None:  # an untyped key (no value_info) leaves both untyped: Tensor(None) cannot serialize
+        inner.outputs[0].dtype = swap.outputs[0].dtype = key.dtype
+    if key.shape is not None:
+        dims = list(key.shape)
+        inner.outputs[0].shape = ir.Shape([dims[0], dims[1], dims[3], dims[2]])
+        swap.outputs[0].shape = key.shape
+    model.graph.insert_before(product, [inner, swap])
+    product.replace_input_with(1, swap.outputs[0])

@@ -67,9 +67,10 @@ def _fill(value: ir.Value) -> float | None:
     return float(tensor.numpy().reshape(-1)[0])
 
 
-def is_masking_fill(number: float) -> bool:
-    """-inf or at most -1e30: a fill whose sum with any attention score rounds to the fill (the module's docstring)."""
-    return bool(np.isneginf(number) or number <= _LARGE_NEGATIVE)
+def is_masking_fill(number: float, at_most: float = _LARGE_NEGATIVE) -> bool:
+    """-inf or at most ``at_most`` (-1e30: a fill whose sum with any attention score rounds to the fill, the
+    module's docstring; a multiplied mask reads -1e4, ``MultipliedMask``)."""
+    return bool(np.isneginf(number) or number <= at_most)
 
 
 def _is_scores(value: ir.Value) -> bool:
@@ -220,7 +221,7 @@ class MultipliedMask(pattern.RewriteRuleClassBase):
         if _fill(one) != 1:
             return result.fail("the complement is not taken from a one-element 1", one)
         number = _fill(fill)
-        if number is None or not (np.isneginf(number) or number <= _MULTIPLIED_FILL):
+        if number is None or not is_masking_fill(number, at_most=_MULTIPLIED_FILL):
             return result.fail("the masked positions' value is not a constant at most -1e4", fill)
         if not _is_scores(scores):
             return result.fail("what the mask multiplies is not attention scores (MatMul, scaled)", scores)
