@@ -11,17 +11,17 @@ constant folding, CSE, dead nodes): the two sessions then run the same graph, an
 other for 17-19 s (workers/gate.py) can only find noise. When the graphs ORT would run are equal, the artifact
 is not slower by construction and the gate hands it back untimed.
 
-Canonical form (``program_digest``): every node gets a Merkle digest of (domain, op_type, which output slots
-it fills, attributes, its inputs) where an input is a graph input (by name), an initializer (by content: type,
-shape, bytes), or a producer's digest and output slot; the program is the IR version and opsets, the sorted
-multiset of node digests, the graph inputs (name, type), and each graph output (name, type) with the digest of
-what produces it. Node names, value names inside the graph, value_info, metadata, doc strings and the order of
-nodes in the file are ignored (a reordering that keeps the dataflow is the same program: ORT orders the nodes
-it runs itself); any attribute or initializer byte that differs makes them unequal. Graphs this form does not
-cover are "not proven" and timed as before: subgraphs (If, Loop, Scan attributes), sparse initializers,
-external data or files over 1 GB (far from ORT's 2 GB limit for the single file it writes), session options
-on the artifact (a ``tune_session`` recipe: another session), and sessions that could not save their graph
-(compiled EPs such as TensorRT).
+Canonical form (``program_digest``): every node gets a Merkle digest of (domain, op_type, which output slots it
+fills, attributes, its inputs) where an input is a graph input (by name), an initializer (by content: type, shape,
+bytes), or a producer's digest and output slot; the program is the IR version and the opsets its nodes use, the
+sorted multiset of node digests, the graph inputs (name, type), and each graph output (name, type) with the digest
+of what produces it; a type's symbolic dimensions count without their names. Node names, value names inside the
+graph, value_info, metadata, doc strings and the order of nodes in the file are ignored (a reordering that keeps
+the dataflow is the same program: ORT orders the nodes it runs itself); any attribute or initializer byte that
+differs makes them unequal. Graphs this form does not cover are "not proven" and timed as before: subgraphs (If,
+Loop, Scan attributes), sparse initializers, external data or files over 1 GB (far from ORT's 2 GB limit for the
+single file it writes), session options on the artifact (a ``tune_session`` recipe: another session), and sessions
+that could not save their graph (compiled EPs such as TensorRT).
 
 Cost: one extra ORT_ENABLE_ALL session build, save and hash per model (0.2-0.3 s on the corpus CNNs, 0.6 s on
 wav2vec2, 2.9 s on BART at bench size, load 3-4), paid on every gate; the benchmark's pooled sessions are not
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from onnx import numpy_helper
+from onnx import AttributeProto, numpy_helper
 
 from workers.sessions import make_session
 
@@ -96,7 +96,32 @@ def _attribute_digest(attr: onnx.AttributeProto) -> str:
 
 
 def _type_digest(value: onnx.ValueInfoProto) -> str:
-    return _h(value.type.SerializeToString(deterministic=True))
+    kind = onnx.TypeProto()
+    kind.CopyFrom(value.type)
+    _unname_dims(kind)
+    return _h(kind.SerializeToString(deterministic=True))
+
+
+def _unname_dims(kind: onnx.TypeProto) -> None:
+    """Drops the names of symbolic dimensions: ORT's shape inference names the unnamed ones (``unk__0``), and the
+    name of an input's free axis picks no kernel (what ORT builds from it shows in the optimized graph)."""
+    for dim in kind.tensor_type.shape.dim:
+        if dim.HasField("dim_param"):
+            dim.ClearField("dim_param")
+    for inner in (kind.sequence_type.elem_type, kind.optional_type.elem_type, kind.map_type.value_type):
+        if inner.ByteSize():
+            _unname_dims(inner)
+
+
+def _domains(graph: onnx.GraphProto | onnx.FunctionProto) -> set[str]:
+    """The operator domains the nodes of ``graph`` and of its subgraphs use ("" for ONNX's own)."""
+    used = set()
+    for node in graph.node:
+        used.add(node.domain or "")
+        for attr in node.attribute:
+            for sub in (attr.g, *attr.graphs) if attr.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) else ():
+                used |= _domains(sub)
+    return used
 
 
 def program_digest(model: onnx.ModelProto) -> str:
@@ -129,7 +154,9 @@ def program_digest(model: onnx.ModelProto) -> str:
         if len(waiting) == len(pending):
             raise NotProvable(f"node {waiting[0].op_type} reads a value no node or input produces")
         pending = waiting
-    opsets = sorted(f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.opset_import)
+    # An opset no node uses (one a clean-up pass dropped) changes no kernel ORT picks.
+    used = _domains(graph) | {d for f in model.functions for d in _domains(f)}
+    opsets = sorted(f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.opset_import if (o.domain or "") in used)
     outputs = [_h(o.name, _type_digest(o), names.get(o.name, _h("missing", o.name))) for o in graph.output]
     ins = [_h(i.name, _type_digest(i)) for i in graph.input]
     return _h(str(model.ir_version), *opsets, "|in", *ins, "|out", *outputs, "|nodes", *sorted(node_digests))

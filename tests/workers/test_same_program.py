@@ -60,6 +60,23 @@ def test_program_digest_is_equal_when_only_names_order_and_doc_strings_differ() 
     assert program_digest(base) == program_digest(other)
 
 
+def test_program_digest_ignores_an_opset_no_node_uses_and_the_names_of_free_axes() -> None:
+    """What a clean-up pass leaves different and no kernel choice reads: the unused ``ai.onnx.ml`` import of an
+    skl2onnx classifier it dropped, and the ``unk__0`` names ORT's shape inference gives unnamed axes."""
+    base = _cnn()
+    base.opset_import.append(helper.make_opsetid("ai.onnx.ml", 1))
+    base.graph.input[0].type.tensor_type.shape.dim[0].ClearField("dim_param")  # unnamed
+    other = _cnn()
+    other.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "unk__0"
+    assert program_digest(base) == program_digest(other)
+    fixed = _cnn()
+    fixed.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1  # a fixed axis is another interface
+    assert program_digest(fixed) != program_digest(other)
+    newer = _cnn()
+    newer.opset_import[0].version = 18  # the version of an opset the nodes use still counts
+    assert program_digest(newer) != program_digest(other)
+
+
 def test_program_digest_differs_when_one_attribute_differs() -> None:
     assert program_digest(_cnn(alpha=0.1)) != program_digest(_cnn(alpha=0.2))
 
