@@ -11,7 +11,9 @@ That is ``com.microsoft::RotaryEmbedding(interleaved=0)`` of ``Concat(x1, x2)``:
 key is cached in, so it is kept (``RotaryEmbedding(interleaved=1)`` of x would put the pairs back together).
 GPT-OSS's ``_apply_rotary_emb`` writes the same expression over ``torch.chunk(x, 2, dim=-1)``, the contiguous
 halves (two Slices from TorchScript, one two-way Split from dynamo): ``RotaryEmbedding(interleaved=0)`` of x
-itself, the rotate-half rope with a half-width cache (``Parts.halves``).
+itself, the rotate-half rope with a half-width cache (``Parts.halves``). OpenAI's privacy filter writes the
+pairs back in place, ``stack((x1*c - x2*s, x2*c + x1*s), -1).flatten(-2)`` over the even and odd channels
+(``Parts.stacked``): ``RotaryEmbedding(interleaved=1)`` of x.
 c and s are read as the interleaved probe reads its factors (``_rotary_interleaved_probe``): run once at one
 row of the cache's length, their rows are the cache, then the whole rotation is checked on its own values at
 other shapes (``check``) before anything is rewritten.
@@ -32,6 +34,7 @@ from passes.fusion._rotary_interleaved import (
     _depends_on,
     _positions,
     _producer,
+    _stacked,
     _strided,
     _table_rows,
 )
@@ -59,7 +62,8 @@ def _other(pair: tuple[ir.Value, ir.Value], value: ir.Value) -> ir.Value | None:
 
 class Parts(NamedTuple):
     """``Concat(x1*c - x2*s, x2*c + x1*s, axis=-1)`` read: x1/x2 are x's even and odd channels, or its first and
-    second halves (``halves``); ``nodes`` are the rotation's, its cuts included."""
+    second halves (``halves``); or the two stacked on a new last axis and flattened back (``stacked``, even and
+    odd channels only); ``nodes`` are the rotation's, its cuts included."""
 
     x: ir.Value
     x1: ir.Value
@@ -68,10 +72,13 @@ class Parts(NamedTuple):
     s: ir.Value
     nodes: list[ir.Node]
     halves: bool
+    stacked: bool = False
 
 
-def looks_split_pairs(concat: ir.Node) -> bool:
-    return concat.op_type == "Concat" and concat.domain in ("", "ai.onnx") and split_parts(concat) is not None
+def looks_split_pairs(anchor: ir.Node) -> bool:
+    return (
+        anchor.op_type in ("Concat", "Reshape") and anchor.domain in ("", "ai.onnx") and split_parts(anchor) is not None
+    )
 
 
 def _last_axis_cut(node: ir.Node | None) -> ir.Value | None:
@@ -108,11 +115,23 @@ def _cut(x1: ir.Value, x2: ir.Value) -> tuple[ir.Value, list[ir.Node], bool] | N
     return None if halves is None else (*halves, True)
 
 
-def split_parts(concat: ir.Node) -> Parts | None:
-    """``Concat(x1*c - x2*s, x2*c + x1*s, axis=-1)``, x1/x2 the even/odd channels or the halves, read."""
-    if len(concat.inputs) != 2 or int_attr(concat, "axis", 0) not in (-1, 3):
+def split_parts(anchor: ir.Node) -> Parts | None:
+    """``Concat(x1*c - x2*s, x2*c + x1*s, axis=-1)``, x1/x2 the even/odd channels or the halves, read; or
+    ``Reshape(stack((x1*c - x2*s, x2*c + x1*s), -1))`` of the even/odd channels."""
+    if anchor.op_type == "Reshape":
+        stacked = _stacked(anchor.outputs[0])
+        if stacked is None:
+            return None
+        first, second, joins = stacked
+        found = _pairs(_producer(first, "Sub"), _producer(second, "Add"), [*joins])
+        return found._replace(stacked=True) if found is not None and not found.halves else None
+    if anchor.op_type != "Concat" or len(anchor.inputs) != 2 or int_attr(anchor, "axis", 0) not in (-1, 3):
         return None
-    sub, add = _producer(concat.inputs[0], "Sub"), _producer(concat.inputs[1], "Add")
+    return _pairs(_producer(anchor.inputs[0], "Sub"), _producer(anchor.inputs[1], "Add"), [anchor])
+
+
+def _pairs(sub: ir.Node | None, add: ir.Node | None, joins: list[ir.Node]) -> Parts | None:
+    """x1*c - x2*s and x2*c + x1*s read, ``joins`` the nodes that put them together."""
     minus, plus = _products(sub), _products(add)
     if sub is None or add is None or minus is None or plus is None:
         return None
@@ -129,13 +148,13 @@ def split_parts(concat: ir.Node) -> Parts | None:
                 continue
             muls = [p for v in (*sub.inputs, *add.inputs) if (p := v.producer()) is not None]  # type: ignore[union-attr]
             x, cuts, halves = cut
-            return Parts(x, x1, x2, c, s, [concat, sub, add, *muls, *cuts], halves)  # type: ignore[list-item]
+            return Parts(x, x1, x2, c, s, [*joins, sub, add, *muls, *cuts], halves)  # type: ignore[list-item]
     return None
 
 
-def candidate(concat: ir.Node, graph: ir.Graph) -> Candidate:
-    """The rotation ending at ``concat`` (unverified); ``rotated`` is its output, checked whole by ``check``."""
-    found = split_parts(concat)
+def candidate(anchor: ir.Node, graph: ir.Graph) -> Candidate:
+    """The rotation ending at ``anchor`` (unverified); ``rotated`` is its output, checked whole by ``check``."""
+    found = split_parts(anchor)
     if found is None:
         raise NotInterleaved("not Concat(x1*c - x2*s, x2*c + x1*s) of x's even and odd channels or its halves")
     x, c, s, nodes = found.x, found.c, found.s, found.nodes
@@ -146,7 +165,7 @@ def candidate(concat: ir.Node, graph: ir.Graph) -> Candidate:
     cone = _data_cone([c, s])
     positions = _positions(cone, list(graph.inputs))
     cone_nodes = [n for n in cone if n.op_type not in _SHAPE_ONLY]
-    return Candidate(concat, x, x, concat.outputs[0], c, s, positions, _table_rows(cone), (*nodes, *cone_nodes))
+    return Candidate(anchor, x, x, anchor.outputs[0], c, s, positions, _table_rows(cone), (*nodes, *cone_nodes))
 
 
 def rows(found: Candidate, got: dict[str, np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,11 +180,16 @@ def rows(found: Candidate, got: dict[str, np.ndarray], count: int) -> tuple[np.n
     return tables[0], tables[1]
 
 
-def expected(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, halves: bool = False) -> np.ndarray:
+def expected(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, halves: bool = False, stacked: bool = False
+) -> np.ndarray:
     """What the rotation must compute, from x and the cache rows broadcast as the graph's factors are."""
     half = x.shape[-1] // 2
     x1, x2 = (x[..., :half], x[..., half:]) if halves else (x[..., 0::2], x[..., 1::2])
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    first, second = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if stacked:
+        return np.stack([first, second], axis=-1).reshape(x.shape)
+    return np.concatenate([first, second], axis=-1)
 
 
 def check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarray, np.ndarray], seq: int, atol: float):
@@ -191,7 +215,8 @@ def check(found: Candidate, got: dict[str, np.ndarray], tables: tuple[np.ndarray
             raise NotInterleaved(f"{op} differs from its cache row at its position")
         factors.append(np.broadcast_to(want, (x.shape[0], 1, seq, table.shape[1])))
     parts = split_parts(found.anchor)
-    want = expected(x.astype(np.float32), *factors, halves=parts is not None and parts.halves)
+    halves, stacked = (parts.halves, parts.stacked) if parts is not None else (False, False)
+    want = expected(x.astype(np.float32), *factors, halves=halves, stacked=stacked)
     # a half-precision graph rounds each product and the sum: a few units in the last place of the largest value
     tolerance = 10 * atol + (8 * float(np.finfo(y.dtype).eps) * float(np.abs(x).max()) if y.itemsize < 4 else 0.0)
     if not np.abs(y.astype(np.float32) - want).max() <= tolerance:

@@ -22,7 +22,8 @@ Cohere, RoFormer: ``rotate_every_two``, channel pairs (2i, 2i+1)) becomes ``Rota
 other shapes, ``_rotary_interleaved_probe``). DeepSeek's MLA rotates pairs too but writes them evens first,
 ``cat([x1*c - x2*s, x2*c + x1*s])`` (``_rotary_split_pairs``): ``RotaryEmbedding(interleaved=0)`` of
 ``Concat(x[..., 0::2], x[..., 1::2])``, its caches read and proven the same way; GPT-OSS writes that expression
-over x's contiguous halves, which is ``RotaryEmbedding(interleaved=0)`` of x with a half-width cache. A
+over x's contiguous halves, which is ``RotaryEmbedding(interleaved=0)`` of x with a half-width cache, and
+OpenAI's privacy filter stacks its two results back into pairs, ``RotaryEmbedding(interleaved=1)`` of x. A
 rotation of [B, S, N, D] (GPT-J, before its head transpose) goes in flat, [B, S, N*D] with ``num_heads``, and
 comes back to its four dims. The consumers of the rotated
 q and k are unchanged (an attention fusion after this one sees opaque values). Nodes left without a
@@ -205,9 +206,19 @@ def _split_pairs(model: ir.Model, max_positions: int, declined: list[NonMatch]) 
     for found, proof, cos, sin in _proven_tables(graph, proven):
         parts = split_parts(found.anchor)
         assert parts is not None
-        rotated = found.x if parts.halves else _evens_then_odds(graph, found.anchor, parts)
+        rotated = found.x if parts.halves or parts.stacked else _evens_then_odds(graph, found.anchor, parts)
         matches.append(
-            RotaryMatch(found.anchor, rotated, proof.rotary_dim, False, proof.num_heads, cos, sin, found.nodes)
+            RotaryMatch(
+                found.anchor,
+                rotated,
+                proof.rotary_dim,
+                False,
+                proof.num_heads,
+                cos,
+                sin,
+                found.nodes,
+                interleaved=parts.stacked,
+            )
         )
     return matches
 

@@ -6,7 +6,10 @@ the probe module under ``bench/`` (``heldout_round11``): each model is made and 
 per-node metadata stripped; the .onnx files are committed so the tests need neither. Made so far:
 
 * ``heldout_round9 conditional_detr`` (``tests/passes/test_heldout_conditional_detr.py``);
-* ``heldout_round11 fsmt`` (``tests/passes/test_fuse_3d_heads.py``: fairseq's attention).
+* ``heldout_round11 fsmt`` (``tests/passes/test_fuse_3d_heads.py``: fairseq's attention);
+* ``heldout_dec_round9 openai_privacy_filter`` (``tests/passes/test_fuse_rotary_stacked_pairs.py``): a decoder
+  round's model without a cache, at hidden 32 with heads of 8 and the no-cache probe's vocabulary (its cached
+  form at these dims is the round's own ``--tiny``).
 """
 
 from __future__ import annotations
@@ -27,14 +30,33 @@ from tests.models.corpus import _strip  # noqa: E402
 DIR = Path(__file__).resolve().parent / "heldout"
 
 
-def build(probe: str, names: tuple[str, ...]) -> list[Path]:
-    from bench._torch_export import build_models
-    from bench.heldout_round4 import built
+def _decoders(probe: str, names: tuple[str, ...], out: Path) -> None:
+    import dataclasses
 
-    models = importlib.import_module(f"bench.{probe}")._models
+    from bench import heldout_dec_nocache as nocache
+    from bench.heldout_dec_round2 import SPECS
+
+    importlib.import_module(f"bench.{probe}")  # registers its models
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "vocab_size": nocache.VOCAB, "head_dim": 8}
+    specs = {n: dataclasses.replace(SPECS[n], kwargs={**SPECS[n].kwargs, **tiny}) for n in names}
+    for name in names:
+        for exporter in ("ts_eager", "dynamo"):
+            info = nocache.build(name, exporter, out, specs, f"bench.{probe}")
+            if not info.get("ok"):
+                sys.exit(f"{name} {exporter}: {info.get('error')}")
+
+
+def build(probe: str, names: tuple[str, ...]) -> list[Path]:
     paths = []
     with tempfile.TemporaryDirectory() as tmp:
-        build_models(built(models(), list(names)), Path(tmp), list(names))
+        if probe.startswith("heldout_dec_"):
+            _decoders(probe, names, Path(tmp))
+        else:
+            from bench._torch_export import build_models
+            from bench.heldout_round4 import built
+
+            models = importlib.import_module(f"bench.{probe}")._models
+            build_models(built(models(), list(names)), Path(tmp), list(names))
         for exported in sorted(Path(tmp).glob("*.onnx")):
             path = DIR / exported.name
             meta = {"source": f"tests/models/build_heldout_probe.py ({exported.stem}, bench/{probe}.py)"}
