@@ -36,6 +36,7 @@ from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _onnxscript_adapter as adapter
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
 from passes.fusion import _shared_scale as shared_scale
+from passes.fusion import _sink_column as sink_column
 from passes.fusion import _tanh_gelu as tanh_gelu
 from passes.fusion._decoder_structure import attention_kinds
 
@@ -142,6 +143,13 @@ def _attention_left_by_design(softmax: ir.Node) -> str | None:
             f"its scores are scaled by a tensor of {values} distinct values (a learned temperature per head: "
             "cross-covariance attention, EdgeNeXt's and XCiT's), and the fused attention kernels take one scalar "
             "scale"
+        )
+    if sink_column.is_sink_column(softmax):
+        return (
+            "its scores take an attention sink as a softmax column: GroupQueryAttention takes sinks only causal "
+            "(fuse_gqa's reason for this layer says why not here) and MultiHeadAttention has no sink input; written "
+            "as one more key with a zero value and the sink in the bias it fuses exactly but measured slower than "
+            "unfused (1.45x at 128 tokens, 1.55x at 512: bench/sink_attention_ab.py), so this layer stays unfused"
         )
     if _one_query_row(softmax):
         return (
