@@ -34,7 +34,7 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module, fixed_images
+    from bench.heldout_round4 import _module, fixed_images, image_hidden
     from bench.heldout_round12 import hidden, padded
 
     batch_seq = ((0, "batch"), (1, "sequence"))
@@ -65,9 +65,6 @@ def _models():
     for name, make in encoders.items():
         yield name, (lambda make=make: hidden(make())), padded, names, (batch_seq, batch_seq)
 
-    def last_hidden(model):
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model.eval())
-
     images = {
         "pvt": lambda: tf.PvtModel(
             tf.PvtConfig(
@@ -89,7 +86,7 @@ def _models():
         "sapiens2": lambda: tf.Sapiens2Model(tf.Sapiens2Config(**_IMAGE, intermediate_size=128, num_register_tokens=2)),
     }
     for name, make in images.items():
-        yield name, (lambda make=make: last_hidden(make())), fixed_images(64), ("pixel_values",), (batch_axis,)
+        yield name, (lambda make=make: image_hidden(make())), fixed_images(64), ("pixel_values",), (batch_axis,)
 
     speech = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 4, "num_mel_bins": 16}  # fmt: skip

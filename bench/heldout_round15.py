@@ -27,12 +27,9 @@ def _models():
     import torch
     import transformers as tf
 
-    from bench.heldout_round4 import _module, fixed_images
+    from bench.heldout_round4 import _module, fixed_images, image_hidden
 
     batch_axis = ((0, "batch"),)
-
-    def last_hidden(model):
-        return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model.eval())
 
     images = {
         "smolvlm_vision": lambda: tf.SmolVLMVisionTransformer(
@@ -52,7 +49,7 @@ def _models():
         ),
     }
     for name, make in images.items():
-        yield name, (lambda make=make: last_hidden(make())), fixed_images(64), ("pixel_values",), (batch_axis,)
+        yield name, (lambda make=make: image_hidden(make())), fixed_images(64), ("pixel_values",), (batch_axis,)
 
     def gemma4_vision():
         config = tf.Gemma4VisionConfig(**_VIT, num_key_value_heads=4, head_dim=16, patch_size=8,

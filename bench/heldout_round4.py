@@ -241,6 +241,11 @@ def _Audio(model):
     return _module(lambda m, x: m(input_values=x).last_hidden_state, 1)(model)
 
 
+def image_hidden(model):
+    """``model`` (eval mode) as a module from ``pixel_values`` to its ``last_hidden_state``."""
+    return _module(lambda m, p: m(pixel_values=p).last_hidden_state, 1)(model.eval())
+
+
 def fixed_images(side: int, width: int | None = None):
     """An example maker: ``batch`` images of ``side`` x ``width or side`` pixels, for the later rounds' exports that
     fix the image size."""
