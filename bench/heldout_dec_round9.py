@@ -21,20 +21,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import heldout_dec_round2 as round2  # noqa: E402
-from bench.heldout_dec_round2 import _GROUPED_MOE, _MOE, Model  # noqa: E402
+from bench.heldout_dec_round2 import _MOE, Model  # noqa: E402
+from bench.heldout_dec_round8 import _BATCHED, _MLA, _mla  # noqa: E402  (round 8's latent sizes and experts)
 
 OUT = REPO / "bench" / "out" / "heldout" / "dec_round9"
 SCRIPT = "bench.heldout_dec_round9"
-_MLA = {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 8, "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16, "v_head_dim": 16}  # fmt: skip
-_BATCHED = {**_GROUPED_MOE, "experts_implementation": "batched_mm"}
 _LOCAL = {"num_local_experts": 4, "experts_implementation": "batched_mm", **_MOE}
 _WINDOWED = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
 _INDEXER = {"index_n_heads": 2, "index_head_dim": 16, "index_topk": 8}
-
-
-def _mla(name: str, config: str, model: str, extra: dict, note: str) -> Model:
-    return Model(name, config, model, {**_MLA, **extra}, kv_heads=1, cache_head_dim=8, note=note)
 
 
 NAMES = round2.register(
