@@ -28,9 +28,10 @@ after which MultiHeadAttention, SkipLayerNormalization with bias and (via ORT) F
 more exporter forms are rewritten, exactly, into those onnxscript reads: a leading-dims flatten that
 ``upstream_reshape`` moved above a LayerNorm goes back below it (``sink_flatten_below_norm``); attention on
 heads folded into the batch (``torch.bmm``, DeBERTa-v2) becomes 4-D (``_batched_heads``); a boolean mask
-applied with ``Where`` becomes an additive one (``_where_mask``); and a Reshape to its own input's shape
-(TorchScript SDPA's attention output) is dropped, so that the MHA rule takes the merge of the heads too
-(``_identity_reshape``); a two-operand Einsum that is a batched matrix product (CvT's attention) becomes that
+applied with ``Where`` becomes an additive one (``_where_mask``); a query scaled per head dimension after its
+head split (TimesFM) is scaled before it, so the rules see a scalar scale (``_query_scale``); and a Reshape to its
+own input's shape (TorchScript SDPA's attention output) is dropped, so that the MHA rule takes the merge of the
+heads too (``_identity_reshape``); a two-operand Einsum that is a batched matrix product (CvT's attention) becomes that
 MatMul (``_einsum_matmul``). A LayerNorm without a bias gets the zero one ONNX defines for it, which the skip-norm
 rules bind (``zero_norm_biases``). TorchScript SDPA's NaN guard, which onnxscript's SDPA rule absorbs, is put
 back on the fused op's output where the mask can hold -inf (``_nan_guard``): the fused kernels return NaN for a
@@ -97,6 +98,7 @@ from passes.fusion import _fusion_families as fam
 from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
+from passes.fusion import _query_scale as query_scale
 from passes.fusion import _rms_norm as rms_norm
 from passes.fusion import _slice_dims as slice_dims
 from passes.fusion import _softmax_forms as softmax_forms
@@ -589,6 +591,7 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["bmm_unfolded"] = unfold_batched_heads(model)
     report["folded_transposes"] = transpose_through_folds(model)  # k^T through a fold (dynamo's SDPA decomposition)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
+    report["query_scales_moved"] = query_scale.move_head_dim_scales(model)  # TimesFM's per-dimension scale
     report["softmax_forms"] = softmax_forms.apply(model)  # before the masks: XSoftmax's axis 3, PB-Relax
     report["attention_shapes"] = attention_shapes.read_at_origin(model)  # TorchScript sizes read off attention
     report["where_masks"] = where_mask.apply(model)
