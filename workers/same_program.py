@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from onnx import AttributeProto, numpy_helper
+from onnx import numpy_helper
 
 from workers.sessions import make_session
 
@@ -113,15 +113,14 @@ def _unname_dims(kind: onnx.TypeProto) -> None:
             _unname_dims(inner)
 
 
+def _domain(name: str) -> str:
+    """ONNX's own domain under its one name: a node and the opset import may spell it "" or "ai.onnx"."""
+    return name or "ai.onnx"
+
+
 def _domains(graph: onnx.GraphProto | onnx.FunctionProto) -> set[str]:
-    """The operator domains the nodes of ``graph`` and of its subgraphs use ("" for ONNX's own)."""
-    used = set()
-    for node in graph.node:
-        used.add(node.domain or "")
-        for attr in node.attribute:
-            for sub in (attr.g, *attr.graphs) if attr.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) else ():
-                used |= _domains(sub)
-    return used
+    """The operator domains the nodes of ``graph`` use (a subgraph is NotProvable before this is asked)."""
+    return {_domain(node.domain) for node in graph.node}
 
 
 def program_digest(model: onnx.ModelProto) -> str:
@@ -156,7 +155,7 @@ def program_digest(model: onnx.ModelProto) -> str:
         pending = waiting
     # An opset no node uses (one a clean-up pass dropped) changes no kernel ORT picks.
     used = _domains(graph) | {d for f in model.functions for d in _domains(f)}
-    opsets = sorted(f"{o.domain or 'ai.onnx'}:{o.version}" for o in model.opset_import if (o.domain or "") in used)
+    opsets = sorted(f"{_domain(o.domain)}:{o.version}" for o in model.opset_import if _domain(o.domain) in used)
     outputs = [_h(o.name, _type_digest(o), names.get(o.name, _h("missing", o.name))) for o in graph.output]
     ins = [_h(i.name, _type_digest(i)) for i in graph.input]
     return _h(str(model.ir_version), *opsets, "|in", *ins, "|out", *outputs, "|nodes", *sorted(node_digests))

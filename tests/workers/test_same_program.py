@@ -75,6 +75,9 @@ def test_program_digest_ignores_an_opset_no_node_uses_and_the_names_of_free_axes
     newer = _cnn()
     newer.opset_import[0].version = 18  # the version of an opset the nodes use still counts
     assert program_digest(newer) != program_digest(other)
+    spelled = _cnn()
+    spelled.opset_import[0].domain, spelled.opset_import[0].version = "ai.onnx", 18  # the nodes' "" by its name
+    assert program_digest(spelled) == program_digest(newer) != program_digest(other)
 
 
 def test_program_digest_differs_when_one_attribute_differs() -> None:
