@@ -19,23 +19,17 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from passes.fusion._rotary_eval import const, scalar
+
 _ONNX = ("", "ai.onnx")
 
 
 def _vector(value: ir.Value | None) -> np.ndarray | None:
     """A constant of shape [..., D] (every axis before the last of size 1, D > 1), flattened; else None."""
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
-    if tensor is None:
-        return None
-    array = tensor.numpy()
-    if array.ndim == 0 or array.shape[-1] < 2 or any(d != 1 for d in array.shape[:-1]) or array.ndim > 4:
+    array = const(value)
+    if array is None or not 0 < array.ndim <= 4 or array.shape[-1] < 2 or any(d != 1 for d in array.shape[:-1]):
         return None
     return array.reshape(-1)
-
-
-def _scalar(value: ir.Value | None) -> bool:
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
-    return tensor is not None and tensor.numpy().size == 1
 
 
 def _reaches_scores(value: ir.Value) -> bool:
@@ -46,7 +40,7 @@ def _reaches_scores(value: ir.Value) -> bool:
             continue
         if node.op_type == "MatMul" and use.idx == 0:
             return True
-        if node.op_type == "Mul" and _scalar(node.inputs[1 - use.idx]):
+        if node.op_type == "Mul" and scalar(node.inputs[1 - use.idx]) is not None:
             return any(u.node.op_type == "MatMul" and u.idx == 0 for u in node.outputs[0].uses())
     return False
 

@@ -44,6 +44,7 @@ from passes.fusion._rotary_eval import (
     one_int,
     scalar,
 )
+from passes.fusion._rotary_interleaved import _producer
 
 _ONNX = ("", "ai.onnx")
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
@@ -83,13 +84,6 @@ class RotaryMatch:
     nodes: tuple[ir.Node, ...]  # every matched node, for cleaning up the dead ones
     interleaved: bool = False  # pairs (2i, 2i+1) rotate together (GPT-J's rotate_every_two), not (i, i + r/2)
     bsnd: bool = False  # x is [batch, sequence, heads, head_size] (GPT-J rotates before its head transpose)
-
-
-def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.domain not in _ONNX or node.op_type not in ops:
-        return None
-    return node
 
 
 def looks_rotary(add: ir.Node) -> bool:

@@ -25,13 +25,9 @@ import onnx_ir as ir
 
 from passes._match import const_ints, is_constant
 from passes.fusion._rotary_eval import int_attr
+from passes.fusion._rotary_interleaved import _producer
 
 _ONNX = ("", "ai.onnx")
-
-
-def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.domain in _ONNX and node.op_type in ops else None
 
 
 def _only_use(value: ir.Value) -> ir.Node | None:
@@ -39,8 +35,9 @@ def _only_use(value: ir.Value) -> ir.Node | None:
     return uses[0].node if len(uses) == 1 else None
 
 
-def _last_axis(node: ir.Node, rank: int = 4) -> bool:
-    return int_attr(node, "axis", -1) in (-1, rank - 1)
+def _last_axis(node: ir.Node) -> bool:
+    """The node's ``axis`` is the last of a rank-4 tensor's."""
+    return int_attr(node, "axis", -1) in (-1, 3)
 
 
 def _scores_matmul(value: ir.Value) -> ir.Node | None:
