@@ -32,6 +32,7 @@ import onnx_ir as ir
 from passes._infra import NonMatch
 from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _fusion_families as fam
+from passes.fusion import _kernel_fit as kernel_fit
 from passes.fusion import _merge_heads as merge_heads
 from passes.fusion import _onnxscript_adapter as adapter
 from passes.fusion import _rms_norm_opset17 as rms_norm_opset17
@@ -81,7 +82,7 @@ def layer_reasons(
         label, layer = order.get((anchor.op_type, anchor.name), (None, "?"))
         kind = label or {"attention": "attention", "skip_layer_norm": "residual norm", "gelu": "GELU"}[group]
         head = f"{kind} layer {layer} ({family}, node {anchor.name})"
-        known = _attention_left_by_design(anchor) if group == "attention" else None
+        known = _attention_left_by_design(anchor, family) if group == "attention" else None
         if known is not None:
             reason = f"attention: {head}: {known}"
         else:
@@ -125,8 +126,9 @@ def attention_by_design(model: ir.Model) -> dict[str, str]:
     return found
 
 
-def _attention_left_by_design(softmax: ir.Node) -> str | None:
-    """Why an attention cannot or should not fuse whatever the rules match, when the graph says so; else None."""
+def _attention_left_by_design(softmax: ir.Node, family: str | None = None) -> str | None:
+    """Why an attention cannot or should not fuse whatever the rules match, when the graph says so; else None.
+    ``family``: fuse_transformer's; in a decoder, values narrower than the keys are multi-head latent attention."""
     if (shown := _probabilities_shown(softmax)) is not None:
         return (
             f"its probabilities are the model's output {shown!r} (output_attentions): a fused attention kernel "
@@ -144,6 +146,14 @@ def _attention_left_by_design(softmax: ir.Node) -> str | None:
             "cross-covariance attention, EdgeNeXt's and XCiT's), and the fused attention kernels take one scalar "
             "scale"
         )
+    if sink_column.is_sink_column(softmax) and sink_column.sink_computed(softmax):
+        return (
+            "its scores take an attention sink as a softmax column computed per token (a projection of the states, "
+            "not one learned logit per head): GroupQueryAttention's head_sink is one constant per head and "
+            "MultiHeadAttention has no sink input; written as one more key with a zero value and the sink in the "
+            "bias it fuses exactly but measured slower than unfused (1.45x at 128 tokens, 1.55x at 512: "
+            "bench/sink_attention_ab.py), so this layer stays unfused"
+        )
     if sink_column.is_sink_column(softmax):
         return (
             "its scores take an attention sink as a softmax column: GroupQueryAttention takes sinks only causal "
@@ -151,6 +161,14 @@ def _attention_left_by_design(softmax: ir.Node) -> str | None:
             "as one more key with a zero value and the sink in the bias it fuses exactly but measured slower than "
             "unfused (1.45x at 128 tokens, 1.55x at 512: bench/sink_attention_ab.py), so this layer stays unfused"
         )
+    if (why := kernel_fit.marked(softmax)) is not None:
+        return why
+    if (found := kernel_fit.operands(softmax)) is not None:
+        query, value = found
+        if (why := kernel_fit.heads_along_input(query)) is not None:
+            return why
+        if family in kernel_fit.DECODER_FAMILIES and kernel_fit.latent(query, value):
+            return f"multi-head latent attention (values narrower than the keys): {kernel_fit.LATENT_SLOWER}"
     if _one_query_row(softmax):
         return (
             "its queries are one row (a slice of the output, the CLS token's, moved up into the block by "

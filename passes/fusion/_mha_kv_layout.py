@@ -12,8 +12,10 @@ reads them in place, so the Transpose and Reshape are dropped::
 
 Exact (the same values, read in the layout the kernel accepts). Only where the shapes prove each Reshape
 merges exactly the last two dims of the transposed ``[B, N, T, H]`` source, with N the node's ``num_heads``,
-and the node has no projection ``bias``, ``key_padding_mask`` or past/present inputs and outputs, which ORT
-does not combine with BNSH keys.
+key and value have one head size (ORT requires BNSH keys and values of one shape: multi-head latent attention's
+values are narrower than its keys, and its 3-D flat form is what the kernel takes), and the node has no
+projection ``bias``, ``key_padding_mask`` or past/present inputs and outputs, which ORT does not combine with
+BNSH keys.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def read_heads_first_kv(model: ir.Model) -> int:
         if heads <= 0 or any(v is not None for v in inputs[3:5] + inputs[6:]) or len(node.outputs) > 1:
             continue
         key, value = _heads_first(inputs[1], heads), _heads_first(inputs[2], heads)
-        if key is None or value is None:
+        if key is None or value is None or key.shape[3] != value.shape[3]:  # type: ignore[index]
             continue
         node.replace_input_with(1, key)
         node.replace_input_with(2, value)

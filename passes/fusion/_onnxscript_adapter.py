@@ -22,7 +22,9 @@ sequence-first folded heads, which no SDPA rule reads, straight to ``MultiHeadAt
 (GPT-2's GELU with its bias) and ``_erf_gelu`` (ESM's erf GELU, the half applied first), each before the step
 it feeds. Two steps' rules are onnxscript's with a check of ours (``_RULE_CLASSES``): ``mha_bias``
 (only 1-D projection biases join MultiHeadAttention's ``bias``) and ``partial_rotary_embedding`` (the merged
-rotation gets the ``num_heads`` ORT requires, ``_rotary_heads``).
+rotation gets the ``num_heads`` ORT requires, ``_rotary_heads``); ``sdpa`` refuses what no ORT kernel takes or
+was measured slower fused (``_kernel_fit``: heads along an input's axis; with ``latent_attention=False``,
+multi-head latent attention).
 After every onnxscript step, a constant its rewriter unregistered while nodes still read it is registered
 again (``passes/_dangling.py``; counted as ``constants_reattached``).
 """
@@ -48,6 +50,7 @@ from passes.fusion import _attention_bias as attention_bias
 from passes.fusion import _concat_shape as concat_shape
 from passes.fusion import _erf_gelu as erf_gelu
 from passes.fusion import _heads_3d as heads_3d
+from passes.fusion import _kernel_fit as kernel_fit
 from passes.fusion import _key_transpose as key_transpose
 from passes.fusion import _layer_norm_forms as layer_norm_forms
 from passes.fusion import _merge_heads as merge_heads
@@ -90,6 +93,7 @@ _RULE_CLASSES: dict[str, tuple[str, str]] = {
     "mha_bias": (f"{_FUSIONS}.mha_bias", "FuseBiasMHA"),
     "partial_rotary_embedding": (f"{_FUSIONS}.rotary_embedding", "PartialRotaryEmbeddingFusion"),
 }
+_SDPA_CLASS = (f"{_FUSIONS}.sdpa", "SDPA")  # the SDPA rule, with the kernels' fit checked (_sdpa_rules)
 # The steps a stop point leaves out: "mha" keeps MultiHeadAttention unpacked, "none" leaves no SDPA to fuse.
 _CUT = {"attention": (), "mha": ("attention",), "none": ("sdpa", "attention")}
 
@@ -107,7 +111,8 @@ def rule_set(step: str) -> pattern.RewriteRuleSet:
     ours for the steps in ``_RULE_CLASSES``)."""
     if step in _RULE_CLASSES:
         return _checked_rules(step)
-    return _resolve(*_RULE_SETS[step], pattern.RewriteRuleSet)
+    rules = _resolve(*_RULE_SETS[step], pattern.RewriteRuleSet)  # resolved each time: check_api's test renames it
+    return _sdpa_rules(latent_attention=True) if step == "sdpa" else rules
 
 
 @functools.cache  # one rule set per step, as onnxscript's own are module-level: fuse_for_ort asks for it per run
@@ -152,6 +157,28 @@ def _checked_rules(step: str) -> pattern.RewriteRuleSet:
     return pattern.RewriteRuleSet([WithHeads.rule(name=base.__name__)])
 
 
+@functools.cache
+def _sdpa_rules(latent_attention: bool) -> pattern.RewriteRuleSet:
+    """onnxscript's SDPA rule refusing attention no ORT kernel takes (heads along an input's axis), and with
+    ``latent_attention`` False multi-head latent attention, measured slower fused (``_kernel_fit``)."""
+    base = _resolve(*_SDPA_CLASS, type)
+
+    class KernelFit(base):  # type: ignore[misc, valid-type]
+        def check(self, context, query, value, **bindings):  # type: ignore[no-untyped-def]
+            why = kernel_fit.heads_along_input(query)
+            if why is None and not latent_attention and kernel_fit.latent(query, value):
+                why = f"multi-head latent attention (values narrower than the keys): {kernel_fit.LATENT_SLOWER}"
+            if why is None:
+                return super().check(context, query=query, value=value, **bindings)
+            # The report reads the reason off the Softmax: shapes known here may be gone by then (TorchScript's).
+            for node in context.nodes:
+                if node.op_type == "Softmax":
+                    kernel_fit.mark(node, why)
+            return pattern.MatchResult().fail(why, query)
+
+    return pattern.RewriteRuleSet([KernelFit.rule(name=base.__name__)])
+
+
 def _resolve(module_name: str, attribute: str, kind: type) -> object:
     where = f"{module_name}.{attribute}"
     try:
@@ -172,7 +199,8 @@ def check_api() -> list[str]:
     """Resolve every unexported name used here; the dotted names, or OnnxscriptAPIChangedError on the first gone."""
     for step in _RULE_SETS:
         rule_set(step)
-    return [".".join(location) for location in (*_RULE_SETS.values(), *_RULE_CLASSES.values())]
+    _sdpa_rules(latent_attention=False)
+    return [".".join(location) for location in (*_RULE_SETS.values(), *_RULE_CLASSES.values(), _SDPA_CLASS)]
 
 
 def _changed(where: str, what: str) -> OnnxscriptAPIChangedError:
@@ -182,11 +210,15 @@ def _changed(where: str, what: str) -> OnnxscriptAPIChangedError:
     )
 
 
-def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none"] = "attention") -> dict[str, int]:
+def fuse_for_ort(
+    model: ir.Model, stop_before: Literal["attention", "mha", "none"] = "attention", latent_attention: bool = True
+) -> dict[str, int]:
     """onnxscript's ORT fusions in place, in ``optimize_for_ort``'s order; the count applied per step.
 
     ``stop_before`` names the deepest attention fusion wanted: "attention" (packed Q/K/V), "mha"
     (MultiHeadAttention, projections left separate) or "none" (the attention core left to ORT).
+    ``latent_attention``: whether attention with values narrower than its keys fuses (False in a decoder:
+    multi-head latent attention, ``_kernel_fit``).
     """
     cut = _CUT[stop_before]
     counts: dict[str, int] = {"constants_reattached": 0}
@@ -205,7 +237,8 @@ def fuse_for_ort(model: ir.Model, stop_before: Literal["attention", "mha", "none
         return result
 
     def fuse(step: str, shape_inference: bool = False, count_as: str | None = None) -> None:
-        counts[count_as or step] = 0 if step in cut else settled(rule_set(step).apply_to_model(model))
+        rules = _sdpa_rules(latent_attention) if step == "sdpa" else rule_set(step)
+        counts[count_as or step] = 0 if step in cut else settled(rules.apply_to_model(model))
         if shape_inference and step not in cut:  # the SDPA rules add nodes whose shapes later steps read
             common_passes.ShapeInferencePass()(model)
 

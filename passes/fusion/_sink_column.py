@@ -142,6 +142,18 @@ def is_sink_column(softmax: ir.Node) -> bool:
     return True
 
 
+_LAYOUT = ("Expand", "Reshape", "Unsqueeze", "Squeeze", "Transpose", "Cast", "Tile", "Identity")
+
+
+def sink_computed(softmax: ir.Node) -> bool:
+    """Whether the sink column of ``softmax`` (an ``is_sink_column`` attention) is computed from activations, as
+    Inkling 2's per-token ``sink_proj(hidden)``, rather than laid out from one learned logit per head."""
+    value = _Sink(softmax).column
+    while (node := value.producer() if value is not None else None) is not None and node.op_type in _LAYOUT:
+        value = node.inputs[0]
+    return value is not None and not is_constant(value) and not value.is_initializer()
+
+
 def as_extra_key(model: ir.Model) -> int:
     """Every attention of ``model`` whose sink is a softmax column rewritten with the sink as one more key
     (module docstring); returns how many."""

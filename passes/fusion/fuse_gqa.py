@@ -86,6 +86,7 @@ from pydantic import Field
 from passes._infra import NonMatch, Pass, PassContext, PassOptions, PassResult
 from passes._subgraphs import in_branches
 from passes.fusion import _gqa_rewrite as rewrite
+from passes.fusion import _kernel_fit as kernel_fit
 from passes.fusion import _key_transpose as key_transpose
 from passes.fusion import _score_mask_order as score_mask_order
 from passes.fusion._gqa_match import Site, match_sites
@@ -99,12 +100,7 @@ LEFT_PADDING = (
 )
 
 
-# bench/README.md "Stop 41": `python -m bench.mla_attention_ab` (MiniCPM3 at hidden 1024, 16 heads, one thread)
-MLA_SLOWER = (
-    "left unfused under attention='auto': on multi-head latent attention MultiHeadAttention takes the keys and "
-    "values flat, a transpose of each every call, and measured slower than the unfused graph (MiniCPM3 at "
-    "hidden 1024: 1.5% on a prefill of 64, 5-10% on a decode after 128 and 512); attention='mha' fuses it"
-)
+MLA_SLOWER = kernel_fit.LATENT_SLOWER  # fuse_transformer's SDPA rule and the report read the same measurement
 
 
 class FuseGqaOptions(PassOptions):

@@ -95,6 +95,7 @@ from passes._subgraphs import in_branches
 from passes.fusion import _attention_shapes as attention_shapes
 from passes.fusion import _fused_matmul as fused_matmul
 from passes.fusion import _fusion_families as fam
+from passes.fusion import _kernel_fit as kernel_fit
 from passes.fusion import _layer_reasons as layer_reasons
 from passes.fusion import _nan_guard as nan_guard
 from passes.fusion import _onnxscript_adapter as onnxscript_adapter
@@ -246,11 +247,11 @@ class FuseTransformer(Pass):
             candidates[engine] = report
             try:
                 if engine == "onnxscript":
-                    built[engine] = _onnxscript(work, report, attention)
+                    built[engine] = _onnxscript(work, report, attention, family)
                 elif engine == "ort":
                     built[engine] = _ort(work, family, heads, hidden, ort_failures)
                 else:
-                    first = outputs.get("onnxscript") or _onnxscript(work, report, attention)
+                    first = outputs.get("onnxscript") or _onnxscript(work, report, attention, family)
                     report["gemm"] = candidates.get("onnxscript", report).get("gemm", 0)
                     # ORT's two residual-norm fusions each run its symbolic shape inference over the whole
                     # graph (sympy: 0.7 s apiece on a bench-size wav2vec2's convolution lengths); where onnxscript
@@ -411,13 +412,19 @@ class FuseTransformer(Pass):
         return PassResult(result, True, counts, non_matches, notes), built[best]
 
 
+# Errors a library raises on its own mistake, not to say what it refused: their text alone names no cause
+# (ORT's simplified LayerNorm fusion indexing a NodeProto on Inkling 2: "'NodeProto' object is not subscriptable").
+_CRASHES = (TypeError, AttributeError, KeyError, IndexError, AssertionError, UnboundLocalError, ZeroDivisionError)
+
+
 def _failure(exc: Exception) -> str:
-    """A candidate's error as the report shows it; one raised without a message (ORT's optimizer asserts bare)
-    names the line that raised it."""
+    """A candidate's error as the report shows it; one raised without a message (ORT's optimizer asserts bare),
+    or by a crash inside the engine, names the line that raised it."""
     text = str(exc)[:400]
-    if not text and exc.__traceback__ is not None:
+    if (not text or isinstance(exc, _CRASHES)) and exc.__traceback__ is not None:
         frame = traceback.extract_tb(exc.__traceback__)[-1]
-        text = f"raised without a message at {Path(frame.filename).name}:{frame.lineno} ({frame.name}: {frame.line})"
+        where = f"{Path(frame.filename).name}:{frame.lineno} ({frame.name}: {frame.line})"
+        text = f"{text} (raised at {where})" if text else f"raised without a message at {where}"
     return f"{type(exc).__name__}: {text}"
 
 
@@ -574,7 +581,9 @@ def _unfold_fused_matmuls(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, int]
     return (ir.serde.serialize_model(model), unfolded) if unfolded else (proto, 0)
 
 
-def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode) -> onnx.ModelProto:
+def _onnxscript(
+    proto: onnx.ModelProto, report: dict[str, Any], attention: AttentionMode, family: str = ""
+) -> onnx.ModelProto:
     model = ir.serde.deserialize_model(symbolic_shapes.infer(proto, report))
     # Before any shape is read: the cache lengths ORT's inference guesses would let a crop be dropped.
     report["guessed_lengths_forgotten"] = slice_dims.forget_guesses(model)
@@ -598,7 +607,10 @@ def _onnxscript(proto: onnx.ModelProto, report: dict[str, Any], attention: Atten
     report["gemm"] = gemm_to_matmul(model)
     guarded = nan_guard.count_guards(model)
     report["nan_guards"] = nan_guard.rules.apply_to_model(model)
-    counts = onnxscript_adapter.fuse_for_ort(model, stop_before=attention)
+    # A decoder's attention with values narrower than its keys is multi-head latent attention: fuse_gqa's measured
+    # reason leaves it unfused, and so does this pass (_kernel_fit).
+    latent = family not in kernel_fit.DECODER_FAMILIES
+    counts = onnxscript_adapter.fuse_for_ort(model, stop_before=attention, latent_attention=latent)
     # onnxscript's SDPA rule drops the guard, and the fused ops return NaN for a query whose keys are all masked
     report["nan_guards_restored"] = nan_guard.guard_fused_attention(model) if guarded else 0
     report["onnxscript_counts"] = {k: v for k, v in counts.items() if v}

@@ -10,7 +10,9 @@ per-node metadata stripped; the .onnx files are committed so the tests need neit
 * ``heldout_round16 timesfm`` (``tests/passes/test_fuse_query_scale.py``: a query scaled per head dimension);
 * ``heldout_dec_round9 openai_privacy_filter`` (``tests/passes/test_fuse_rotary_stacked_pairs.py``): a decoder
   round's model without a cache, at hidden 32 with heads of 8 and the no-cache probe's vocabulary (its cached
-  form at these dims is the round's own ``--tiny``).
+  form at these dims is the round's own ``--tiny``);
+* ``heldout_dec_round10 inkling2`` (``tests/passes/test_heldout_inkling_attention.py``): per-token sinks and
+  attention over the layer blocks.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def test_check_api_resolves_every_unexported_name_when_onnxscript_in_pinned_rang
     names = adapter.check_api()
     assert "onnxscript.rewriter.ort_fusions.sdpa.sdpa_rules" in names
     assert "onnxscript.rewriter.ort_fusions.mha_bias.FuseBiasMHA" in names  # the class a stricter rule extends
-    assert len(names) == len(adapter._RULE_SETS) + len(adapter._RULE_CLASSES)
+    assert "onnxscript.rewriter.ort_fusions.sdpa.SDPA" in names  # the SDPA rule, with the kernels' fit checked
+    assert len(names) == len(adapter._RULE_SETS) + len(adapter._RULE_CLASSES) + 1
     assert adapter.VERSION in SpecifierSet(adapter.SUPPORTED_VERSIONS), (
         f"onnxscript {adapter.VERSION} is outside {adapter.SUPPORTED_VERSIONS}: re-read its ort_fusions and update "
         "passes/fusion/_onnxscript_adapter.py"

@@ -29,6 +29,7 @@ from passes._infra import PassContext, op_histogram
 from passes.fusion._gqa_match import match_sites
 from passes.fusion._key_transpose import split_permuted
 from passes.fusion.fuse_gqa import MLA_SLOWER, FuseGqa, FuseGqaOptions
+from passes.fusion.fuse_transformer import FuseTransformer, FuseTransformerOptions
 from tests.numerics import assert_equivalent
 from tests.passes._decoder_replay import assert_decodes_like_export, fast_upto
 
@@ -117,3 +118,24 @@ def test_a_key_transposed_from_another_layout_is_split_into_the_matchers_form_ex
     again.graph.node(0).attributes["perm"] = ir.AttrInt64s("perm", [0, 1, 3, 2])  # the form read as it is
     assert split_permuted(again) == 0
     assert np.array_equal(list(again.graph.node(0).attributes.get_ints("perm")), [0, 1, 3, 2])
+
+
+@pytest.fixture(scope="module", params=CASES)
+def transformed(request) -> tuple[str, ir.Model, dict[str, int], list[str]]:
+    """Through fuse_transformer, whose report is read off the pass itself (fast_upto keeps only the counts)."""
+    model, _ = fast_upto(HELDOUT / f"{request.param}.onnx", through="fuse_gqa")
+    result = FuseTransformer(FuseTransformerOptions())(model, PassContext())
+    return request.param, result.model, result.counts, [m.reason for m in result.non_matches]
+
+
+def test_fuse_transformer_leaves_latent_attention_as_fuse_gqa_does_and_keeps_its_other_fusions(transformed) -> None:
+    """onnxscript's rules fused MLA as MultiHeadAttention against fuse_gqa's measurement, and in a cached export gave
+    it 4-D values narrower than its keys, which ORT refused: the whole candidate was lost, its skip norms with it."""
+    name, model, counts, reasons = transformed
+    ops = op_histogram(model)
+    assert not counts["fused_attention"] and ops["Softmax"] == LAYERS
+    assert counts["fused_skip_layer_norm"] == 2 * LAYERS
+    per_layer = [r for r in reasons if "Softmax" in r and "attention layer" in r]
+    assert len(per_layer) == LAYERS and all(MLA_SLOWER in r for r in per_layer)
+    assert not any("rejected" in r for r in reasons)
+    assert_decodes_like_export(HELDOUT / f"{name}.onnx", model, batch=2, prompt=7)
