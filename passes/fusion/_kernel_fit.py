@@ -80,7 +80,7 @@ def operands(softmax: ir.Node) -> tuple[ir.Value, ir.Value] | None:
         return None
     probs = softmax.outputs[0]
     for _ in range(4):
-        readers = [u.node for u in probs.uses() if u.node.op_type != "Shape"]
+        readers = [u.node for u in probs.uses() if u.node.op_type not in ("Shape", "IsNaN")]  # IsNaN: the guard's
         if len(readers) != 1 or readers[0].domain not in _ONNX:
             return None
         reader = readers[0]

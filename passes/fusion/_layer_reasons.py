@@ -117,11 +117,11 @@ def _rejected_sites(model: ir.Model, original: ir.Model, family: str, groups: se
     return reasons
 
 
-def attention_by_design(model: ir.Model) -> dict[str, str]:
+def attention_by_design(model: ir.Model, family: str | None = None) -> dict[str, str]:
     """Softmax node name -> why that attention stays unfused by design, for each one the graph explains."""
     found = {}
     for node in model.graph:
-        if node.op_type == "Softmax" and node.domain in _ONNX and (why := _attention_left_by_design(node)):
+        if node.op_type == "Softmax" and node.domain in _ONNX and (why := _attention_left_by_design(node, family)):
             found[node.name or ""] = why
     return found
 

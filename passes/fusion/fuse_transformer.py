@@ -368,7 +368,7 @@ class FuseTransformer(Pass):
         explained = ir.serde.deserialize_model(as_built[best]) if best in as_built and missing else result
         if "attention" in missing:  # a shortfall the graph explains is not quoted as a rule's closest match
             short = expected["attention"] - achieved.get("attention", 0)
-            designed = layer_reasons.attention_by_design(explained)
+            designed = layer_reasons.attention_by_design(explained, family)
             if designed and len(designed) >= short:
                 why = "; ".join(f"{n} layer(s): {reason}" for reason, n in Counter(designed.values()).items())
                 missing["attention"] = (

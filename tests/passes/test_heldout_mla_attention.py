@@ -137,5 +137,7 @@ def test_fuse_transformer_leaves_latent_attention_as_fuse_gqa_does_and_keeps_its
     assert counts["fused_skip_layer_norm"] == 2 * LAYERS
     per_layer = [r for r in reasons if "Softmax" in r and "attention layer" in r]
     assert len(per_layer) == LAYERS and all(MLA_SLOWER in r for r in per_layer)
+    (summary,) = (r for r in reasons if r.startswith("attention: expected"))
+    assert "left unfused by design" in summary and MLA_SLOWER in summary
     assert not any("rejected" in r for r in reasons)
     assert_decodes_like_export(HELDOUT / f"{name}.onnx", model, batch=2, prompt=7)
