@@ -23,7 +23,10 @@
       settle the group (before the next non-groupable pass, and at the end): written once, checked, verified
       once against the reference and timed once against the accepted stage, as above for one pass
           ─> every check passes: all its passes applied (``latency.group`` names them)
-          ─> any check fails: each of its passes runs again alone (above), from the accepted stage
+          ─> any check fails: each of its passes runs again alone (above), from the accepted stage, and so
+             does each pass that failed or changed nothing on the model holding the group's changes (its
+             input was not the accepted stage: a refused rotary fusion had left fuse_transformer an op it
+             could not run)
     finalize: the last stage + provenance, verified (the stage's own verification stands for it when nothing it
     depends on changed since); if out of tolerance (an interaction of passes each verified alone), bisect the
     applied passes to name the first culprit, drop it, replay, re-check.
@@ -118,6 +121,9 @@ class Ledger:
         self._model: ir.Model | None = None
         self._print = ""
         self._pending: list[Member] = []
+        # Groupable passes that failed or changed nothing on the in-memory model while a group was pending: their
+        # input held that group's changes, so if the group falls back they run again on the accepted stage.
+        self._bystanders: list[Member] = []
         self._positions: dict[str, dict[str, Any]] = {}
         self._elsewhere_s = 0.0  # time inside a pass's turn spent settling the group before it
         # Each applied stage's verification and what it was verified against (``_verified_as``): the artifact
@@ -169,7 +175,7 @@ class Ledger:
         ``gate_times_last``: the caller's gate times the artifact against the upload and runs the ledger again
         pass by pass when it is slower, so a last group whose A would be the upload is verified, not timed."""
         self._accepted, self._accepted_p50 = self.setup.source, self.setup.baseline_p50
-        self._model, self._print, self._pending = None, "", []
+        self._model, self._print, self._pending, self._bystanders = None, "", [], []
         for index, p in enumerate(passes):
             self.setup.progress("passes", index / len(passes))
             grouped = self.setup.group_passes and groupable(p)
@@ -235,6 +241,8 @@ class Ledger:
         record.latency_ms_p50_before = self._accepted_p50
         self.ctx.side_files = dict(self.side_files)
         self._model = snapshot  # until the pass is known to have changed something valid
+        if self._pending:  # kept off the model below unless it joins the group (then _pending holds it)
+            self._bystanders.append(member)
         try:
             with timed(timing, "transform_s"):
                 result = self._call(p, model)
@@ -259,6 +267,8 @@ class Ledger:
             record.status = "no_change"
             record.reason = "did nothing because the model it returned is the one it received (same graph and tensors)"
             return
+        if self._bystanders and self._bystanders[-1] is member:
+            self._bystanders.pop()  # it changed the model: a member of the group from here on
         record.nodes_after = sum(after.values())
         record.op_histogram_delta = histogram_delta(before, after)
         if not result.valid_positions:
@@ -290,6 +300,7 @@ class Ledger:
         stage. Applied together, or (two or more passes, any check failing) run again one by one as alone.
         Returns whether the accepted stage is now the in-memory model the group was run on."""
         pending, self._pending = self._pending, []
+        bystanders, self._bystanders = self._bystanders, []
         positions = {**self.valid_positions, **self._positions}
         self._positions = {}
         if not pending:
@@ -361,15 +372,22 @@ class Ledger:
         self._model = None
         if len(pending) == 1:
             pending[0].record.status, pending[0].record.reason = "rolled_back", failure
-            return False
-        for m in pending:  # run again one by one, each verified and timed alone (the old per-pass ledger)
+        # Run again one by one, each verified and timed alone (the old per-pass ledger): the group's passes, and
+        # the passes that failed or changed nothing on a model holding the group's changes (TimesFM 2.5's rotary,
+        # refused here, had left fuse_transformer's candidates a RotaryEmbedding they could not run).
+        rerun = [m for m in pending if len(pending) > 1] + bystanders
+        for m in sorted(rerun, key=lambda m: m.index):
             record = m.record
             record.verification = record.latency = record.latency_ms_p50_after = None
             record.op_histogram_delta = {}
             again = time.perf_counter()
             candidate = self._try(m.index, m.p, record, m.timing, self._accepted, self._accepted_p50, work)
             m.timing.total_s += time.perf_counter() - again
-            record.reason = f"{record.reason} (run alone: the group {' + '.join(names)} {failure})"
+            group = " + ".join(names)
+            if m in bystanders:
+                record.reason = f"{record.reason} (run again: it had run on the group {group}, which {failure})"
+            else:
+                record.reason = f"{record.reason} (run alone: the group {group} {failure})"
             if candidate is not None:
                 self._accept([(m.index, m.p)], candidate, record.latency_ms_p50_after)
             self.setup.pool.retain([*self._references(), self._accepted])

@@ -15,7 +15,7 @@ import pytest
 
 from core.config import JobConfig
 from core.settings import PipelineSettings
-from passes._infra import Pass, PassContext, PassResult
+from passes._infra import NonMatch, Pass, PassContext, PassResult
 from tests.workers.conftest import (
     DropReluChain,
     FlipSign,
@@ -289,3 +289,52 @@ def test_passes_get_the_uploads_outputs_only_while_every_pass_before_them_is_exa
     names = [o.name for o in onnx.load(str(slow_mlp_path)).graph.output]
     assert first.seen == [(sets, names)] and second.seen == [(sets, names)]
     assert third.seen == [(0, [])]  # after test_not_exact
+
+
+class FlipSignMarked(FlipSign):
+    """WRONG, as FlipSign, and says so in the graph's metadata for the pass after it to read."""
+
+    name = "test_flip_sign_marked"
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        model.graph.metadata_props["test.flipped"] = "yes"
+        return super().call(model, ctx)
+
+
+class RefusesFlipped(DocString):
+    """Exact; changes nothing on a model a wrong pass before it changed (as fuse_transformer's candidates could not
+    run the RotaryEmbedding a refused fuse_rotary had left them), else documents the graph."""
+
+    name = "test_refuses_flipped"
+
+    def call(self, model: ir.Model, ctx: PassContext) -> PassResult:
+        if "test.flipped" in model.graph.metadata_props:
+            return PassResult(model, False, non_matches=[NonMatch("the model it received is flipped")])
+        return super().call(model, ctx)
+
+
+def test_a_pass_that_did_nothing_on_a_group_that_falls_back_runs_again_on_the_accepted_stage(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    result = _run(slow_mlp_path, tmp_path, fast_settings, DropReluChain(), FlipSignMarked(), RefusesFlipped())
+    records, _ = _by_name(result)
+    assert records["test_flip_sign_marked"]["status"] == "rolled_back"
+    again = records["test_refuses_flipped"]
+    assert again["status"] == "applied", again["reason"]
+    assert (
+        "run again: it had run on the group test_drop_relu_chain + test_flip_sign_marked, which broke"
+        in (again["reason"])
+    )
+    assert records["test_drop_relu_chain"]["status"] == "applied"
+    assert onnx.load(str(result.model_path)).graph.doc_string == "documented by a test pass"
+
+
+def test_a_pass_that_did_nothing_after_a_lone_pending_pass_that_is_rolled_back_runs_again(
+    tmp_path: Path, slow_mlp_path: Path, fast_settings: PipelineSettings
+) -> None:
+    result = _run(slow_mlp_path, tmp_path, fast_settings, FlipSignMarked(), Idle(), RefusesFlipped())
+    records, _ = _by_name(result)
+    assert records["test_flip_sign_marked"]["status"] == "rolled_back"
+    assert records["test_refuses_flipped"]["status"] == "applied", records["test_refuses_flipped"]["reason"]
+    assert records["test_idle"]["status"] == "no_change"  # run again too, and still idle
+    assert onnx.load(str(result.model_path)).graph.doc_string == "documented by a test pass"
