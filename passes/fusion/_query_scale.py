@@ -10,8 +10,19 @@ same query with no Mul between the head split and ``q @ k^T``, which the rules r
     Mul(Transpose(Reshape(p, [B, S, H, D]), [0, 2, 1, 3]), c[1, 1, 1, D])
     ==>  Transpose(Reshape(Mul(p, tile(c, H)), [B, S, H, D]), [0, 2, 1, 3])
 
-Moved only where the scaled query is what a scores MatMul multiplies (through a scalar Mul at most); a scale applied
-after a rope (TimesFM 2.5's) is not moved: the rope mixes dimensions the scale tells apart.
+Moved only where the scaled query is what a scores MatMul multiplies (through a scalar Mul at most).
+
+A scale applied after a rope and a norm (TimesFM 2.5's ``q_norm(rope(q)) * c``) cannot go before the head split: the
+rope mixes the dimensions the scale tells apart. It goes to the keys instead: the scores are sums over the head
+dimension, ``sum_d q_d c_d k_d``, the same with ``c`` on either operand (``move_head_dim_scales_to_keys``). The key
+is scaled where its head dimension is still the last axis, before the Transpose that puts it second to last for
+the product (``Transpose(k, [0, 1, 3, 2])``, or dynamo's ``Reshape(Transpose(k3, [0, 2, 1]))``)::
+
+    MatMul(Mul(q, c[1, 1, 1, D]) [* a], [b *] ... Transpose(k) ...)
+    ==>  MatMul(q [* a], [b *] ... Transpose(Mul(k, c[D])) ...)
+
+Only where each value on both paths is read by the next step alone, so neither the query nor the key (a cache's
+present output, say) changes for any other reader.
 """
 
 from __future__ import annotations
@@ -78,6 +89,76 @@ def move_head_dim_scales(model: ir.Model) -> int:
             graph.insert_before(reshape, scaled)
             reshape.replace_input_with(0, scaled.outputs[0])
             ir.convenience.replace_all_uses_with(mul.outputs[0], heads)
+            graph.remove(mul, safe=True)
+            moved += 1
+            break
+    return moved
+
+
+def _single(value: ir.Value) -> ir.Node | None:
+    """The one node reading ``value``, when it is also no graph output (a present cache, say)."""
+    uses = list(value.uses())
+    return uses[0].node if len(uses) == 1 and not value.is_graph_output() else None
+
+
+def _scalar_mul_operand(node: ir.Node | None) -> ir.Value | None:
+    """The non-scalar operand of ``Mul(x, scalar)`` (either order), else None."""
+    if node is None or node.op_type != "Mul" or node.domain not in _ONNX or len(node.inputs) != 2:
+        return None
+    for side in (0, 1):
+        if scalar(node.inputs[1 - side]) is not None:
+            return node.inputs[side]
+    return None
+
+
+def _key_transpose(value: ir.Value | None) -> ir.Node | None:
+    """The Transpose under a scores MatMul's key operand (through a scalar Mul and Reshapes, each read once) that
+    moves its input's last axis to the second to last: its input still has the head dimension last."""
+    for _ in range(4):
+        node = value.producer() if value is not None else None
+        if node is None or node.domain not in _ONNX or _single(node.outputs[0]) is None:
+            return None
+        if node.op_type == "Transpose":
+            perm = list(node.attributes.get_ints("perm", []))
+            return node if len(perm) >= 2 and perm[-2] == len(perm) - 1 else None
+        value = node.inputs[0] if node.op_type == "Reshape" else _scalar_mul_operand(node)
+    return None
+
+
+def move_head_dim_scales_to_keys(model: ir.Model) -> int:
+    """Each per-head-dimension query scale left after ``move_head_dim_scales`` moved onto the keys (module
+    docstring); returns how many."""
+    graph = model.graph
+    moved = 0
+    for mul in list(graph):
+        if mul.op_type != "Mul" or mul.domain not in _ONNX or len(mul.inputs) != 2:
+            continue
+        for side in (0, 1):
+            query, vector = mul.inputs[side], _vector(mul.inputs[1 - side])
+            if query is None or vector is None or query.shape is None or query.shape.rank() != 4:
+                continue
+            if query.shape[-1] != vector.size:
+                continue
+            via, reader = mul.outputs[0], _single(mul.outputs[0])
+            if reader is not None and _scalar_mul_operand(reader) is via:  # the attention's own scalar scale
+                via, reader = reader.outputs[0], _single(reader.outputs[0])
+            if reader is None or reader.op_type != "MatMul" or reader.domain not in _ONNX:
+                continue
+            if reader.inputs[0] is not via:
+                continue
+            transpose = _key_transpose(reader.inputs[1])
+            key = transpose.inputs[0] if transpose is not None else None
+            if key is None or key.dtype is None or key.dtype.numpy() != vector.dtype:
+                continue
+            if key.shape is None or key.shape[-1] != vector.size:  # the head dimension, last
+                continue
+            scale = ir.Value(name=f"{mul.name or 'query'}/scale_on_keys", const_value=ir.tensor(vector))
+            graph.register_initializer(scale)
+            scaled = ir.node("Mul", [key, scale], name=f"{mul.name or 'query'}/keys_scaled")
+            scaled.outputs[0].dtype, scaled.outputs[0].shape = key.dtype, key.shape
+            graph.insert_before(transpose, scaled)
+            transpose.replace_input_with(0, scaled.outputs[0])
+            ir.convenience.replace_all_uses_with(mul.outputs[0], query)
             graph.remove(mul, safe=True)
             moved += 1
             break

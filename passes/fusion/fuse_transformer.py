@@ -601,6 +601,7 @@ def _onnxscript(
     report["folded_transposes"] = transpose_through_folds(model)  # k^T through a fold (dynamo's SDPA decomposition)
     report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
     report["query_scales_moved"] = query_scale.move_head_dim_scales(model)  # TimesFM's per-dimension scale
+    report["query_scales_to_keys"] = query_scale.move_head_dim_scales_to_keys(model)  # TimesFM 2.5's, after rope
     report["softmax_forms"] = softmax_forms.apply(model)  # before the masks: XSoftmax's axis 3, PB-Relax
     report["attention_shapes"] = attention_shapes.read_at_origin(model)  # TorchScript sizes read off attention
     report["where_masks"] = where_mask.apply(model)

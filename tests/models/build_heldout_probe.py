@@ -7,7 +7,8 @@ per-node metadata stripped; the .onnx files are committed so the tests need neit
 
 * ``heldout_round9 conditional_detr`` (``tests/passes/test_heldout_conditional_detr.py``);
 * ``heldout_round11 fsmt`` (``tests/passes/test_fuse_3d_heads.py``: fairseq's attention);
-* ``heldout_round16 timesfm`` (``tests/passes/test_fuse_query_scale.py``: a query scaled per head dimension);
+* ``heldout_round16 timesfm`` and ``timesfm2_5`` (``tests/passes/test_fuse_query_scale.py``: a query scaled per head
+  dimension, before and after its rope; ``tests/workers/test_heldout_timesfm2_5.py``: rotary positions below 0);
 * ``heldout_dec_round9 openai_privacy_filter`` (``tests/passes/test_fuse_rotary_stacked_pairs.py``): a decoder
   round's model without a cache, at hidden 32 with heads of 8 and the no-cache probe's vocabulary (its cached
   form at these dims is the round's own ``--tiny``);
