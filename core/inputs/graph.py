@@ -199,11 +199,16 @@ def _nodes(graph: ir.Graph) -> ir.traversal.RecursiveGraphIterator:
     return ir.traversal.RecursiveGraphIterator(graph)
 
 
+# Ops whose output holds some of their data input's values (MusicGen's ``input_ids.view(-1, 2, S)[:, k]``: each
+# codebook's ids, selected before its own table): ids still, for the table they index.
+_SELECTING_OPS = frozenset({"Gather", "Slice"})
+
+
 def _aliases(graph: ir.Graph, names: set[str]) -> dict[str, str]:
-    """Tensor name -> the graph input it is a cast, reshape or transpose of."""
+    """Tensor name -> the graph input it is a cast, reshape or transpose of, or a selection of its elements."""
     out = {name: name for name in names}
     for node in _nodes(graph):  # topological order
-        if node.op_type in _ALIAS_OPS and node.inputs and node.inputs[0] is not None:
+        if node.op_type in _ALIAS_OPS | _SELECTING_OPS and node.inputs and node.inputs[0] is not None:
             source = out.get(node.inputs[0].name or "")
             if source is not None and node.outputs:
                 out[node.outputs[0].name or ""] = source
@@ -401,19 +406,71 @@ def _folded_rows(node: ir.Node) -> int:
         if divisor is not None and divisor.size == 1 and divisor.dtype.kind in "iu":
             return max(int(divisor.reshape(())), 1)
     if node.op_type == "Reshape":
-        data, target = node.inputs[0], const_array(node.inputs[1])
+        data = node.inputs[0]
         shape = data.shape if data is not None else None
-        if target is None or target.ndim != 1 or target.size < 2 or int(target[0]) != -1 or shape is None:
+        target = _reshape_target(node.inputs[1], data)
+        if target is None or len(target) < 2 or target[0] != -1 or shape is None or len(shape) < 2:
             return 1
-        rest, wanted = list(shape)[1:], [int(t) for t in target[1:]]
-        if len(shape) < 2 or isinstance(shape[0], int) or not all(isinstance(d, int) and d > 0 for d in rest):
+        if isinstance(shape[0], int):
             return 1
-        if not all(w > 0 for w in wanted):
+        # A size the target reads off the data's own axis (MusicGen's ``input_ids.view(-1, codebooks, S)``, the
+        # sequence S taken from the input) cancels against that axis: what is left is the rows folded.
+        rest = {axis: dim for axis, dim in enumerate(shape) if axis > 0}
+        wanted = []
+        for piece in target[1:]:
+            if isinstance(piece, tuple) and piece[1] in rest:
+                del rest[piece[1]]
+            elif isinstance(piece, int) and piece > 0:
+                wanted.append(piece)
+            else:
+                return 1
+        if not all(isinstance(d, int) and d > 0 for d in rest.values()):
             return 1
-        have, want = int(np.prod(rest)), int(np.prod(wanted))
+        have, want = int(np.prod(list(rest.values()))), int(np.prod(wanted))
         if want % have == 0:
             return want // have
     return 1
+
+
+def _reshape_target(value: ir.Value | None, data: ir.Value | None) -> list[int | tuple[str, int]] | None:
+    """A Reshape's target shape, each entry a constant or ``("axis", i)`` for a size read off ``data``'s axis i
+    (``Gather(Shape(data), i)`` or ``Shape(data, start=i, end=i + 1)``, through a Cast or an Unsqueeze), when the
+    target is a constant or a Concat of such pieces; else None."""
+    array = const_array(value)
+    if array is not None:
+        return [int(t) for t in array.reshape(-1)] if array.ndim == 1 else None
+    concat = value.producer() if value is not None else None
+    if concat is None or concat.op_type != "Concat" or concat.domain not in ("", "ai.onnx"):
+        return None
+    pieces: list[int | tuple[str, int]] = []
+    for part in concat.inputs:
+        constant = const_array(part)
+        if constant is not None:
+            pieces.extend(int(t) for t in constant.reshape(-1))
+            continue
+        axis = _axis_of(part, data)
+        if axis is None:
+            return None
+        pieces.append(("axis", axis))
+    return pieces
+
+
+def _axis_of(value: ir.Value | None, data: ir.Value | None) -> int | None:
+    """The axis of ``data`` whose size ``value`` is (one element), else None."""
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type in ("Cast", "Squeeze", "Unsqueeze") and node.inputs:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if node is None or data is None:
+        return None
+    if node.op_type == "Shape" and node.inputs[0] is data:
+        start, end = node.attributes.get_int("start", 0), node.attributes.get_int("end", 0)
+        return start if end == start + 1 and start >= 0 else None
+    if node.op_type == "Gather" and len(node.inputs) == 2 and node.inputs[0] is not None:
+        shape, index = node.inputs[0].producer(), const_array(node.inputs[1])
+        if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not data or index is None or index.size != 1:
+            return None
+        return int(index.reshape(())) + shape.attributes.get_int("start", 0)
+    return None
 
 
 def _leading_size(value: ir.Value | None) -> bool:

@@ -612,3 +612,63 @@ def test_a_mono_waveform_with_its_channel_axis_is_sized_for_its_strided_conv_sta
     assert sets[0].provenance["guess"] == "role-based"
     free = InputSynthesis(onnx.load(str(path))).free_dims()
     assert free["samples"] == {"role": "sequence", "min": role.min_length(1)}
+
+
+def _codebook_ids(target_from_input: bool) -> onnx.ModelProto:
+    """MusicGen's decoder input: ``input_ids [batch * 2, S]`` viewed as ``[-1, 2, S]`` (S read off the input when
+    ``target_from_input``, as both exporters write it; else a constant S of 8, a fixed length), each codebook's ids
+    selected by ``Gather(axis=1)`` and looked up in its own table of 65 rows."""
+    rng = np.random.default_rng(0)
+    nodes = []
+    if target_from_input:
+        nodes += [
+            helper.make_node("Shape", ["input_ids"], ["shape"]),
+            helper.make_node("Gather", ["shape", "one"], ["length"], axis=0),
+            helper.make_node("Unsqueeze", ["length", "zero_axis"], ["length_1d"]),
+            helper.make_node("Concat", ["minus_one", "two", "length_1d"], ["target"], axis=0),
+        ]
+    nodes += [
+        helper.make_node("Reshape", ["input_ids", "target"], ["codes"]),
+        helper.make_node("Gather", ["codes", "zero"], ["ids_0"], axis=1),
+        helper.make_node("Gather", ["codes", "one"], ["ids_1"], axis=1),
+        helper.make_node("Gather", ["table_0", "ids_0"], ["e0"]),
+        helper.make_node("Gather", ["table_1", "ids_1"], ["e1"]),
+        helper.make_node("Add", ["e0", "e1"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((65, 8)).astype(np.float32), "table_0"),
+        numpy_helper.from_array(rng.standard_normal((65, 8)).astype(np.float32), "table_1"),
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero_axis"),
+        numpy_helper.from_array(np.array([-1], np.int64), "minus_one"),
+        numpy_helper.from_array(np.array([2], np.int64), "two"),
+    ]
+    length: str | int = "sequence"
+    if not target_from_input:  # a constant view of a fixed length
+        inits.append(numpy_helper.from_array(np.array([-1, 2, 8], np.int64), "target"))
+        length = 8
+    graph = helper.make_graph(
+        nodes,
+        "codebooks",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_codebooks", length])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("target_from_input", [True, False])
+def test_codebook_ids_get_whole_row_groups_and_each_tables_vocabulary(tmp_path: Path, target_from_input: bool) -> None:
+    """MusicGen's jobs failed before any pass ran: the view's target, a Concat with the input's own length, hid
+    the row group, and ids selected per codebook (a Gather on axis 1) were no ids of a table (values up to 100)."""
+    model = _codebook_ids(target_from_input)
+    facts = analyze(model)
+    assert facts.row_group == 2
+    assert facts.roles["input_ids"].high == 65
+    path = tmp_path / "codebooks.onnx"
+    onnx.save(model, str(path))
+    sets = generate_input_sets(onnx.load(str(path)), 3)
+    Verifier(path, sets, Tolerance())  # the first set's batch of 1 is refused, its row-group guess runs
+    assert all(s.feeds["input_ids"].shape[0] % 2 == 0 for s in sets)
+    assert all(s.feeds["input_ids"].max() < 65 for s in sets)
