@@ -599,7 +599,9 @@ def _onnxscript(
     report["softmax_unfolded"] = softmax_before_fold(model)  # a Softmax on folded heads: after it, the folds go
     report["bmm_unfolded"] = unfold_batched_heads(model)
     report["folded_transposes"] = transpose_through_folds(model)  # k^T through a fold (dynamo's SDPA decomposition)
-    report["static_sizes"] = fold_static_sizes(model) if report["bmm_unfolded"] else 0
+    # A scale computed from a head size only the symbolic inference above knows (SAM's windowed attention reshapes
+    # q by Concat(windows, 4, 4, -1), which ONNX's inference leaves unknown) becomes the constant SDPA needs.
+    report["static_sizes"] = fold_static_sizes(model)
     report["query_scales_moved"] = query_scale.move_head_dim_scales(model)  # TimesFM's per-dimension scale
     report["query_scales_to_keys"] = query_scale.move_head_dim_scales_to_keys(model)  # TimesFM 2.5's, after rope
     report["softmax_forms"] = softmax_forms.apply(model)  # before the masks: XSoftmax's axis 3, PB-Relax

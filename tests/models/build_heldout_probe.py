@@ -12,6 +12,7 @@ per-node metadata stripped; the .onnx files are committed so the tests need neit
 * ``heldout_dec_round9 openai_privacy_filter`` (``tests/passes/test_fuse_rotary_stacked_pairs.py``): a decoder
   round's model without a cache, at hidden 32 with heads of 8 and the no-cache probe's vocabulary (its cached
   form at these dims is the round's own ``--tiny``);
+* ``heldout_round19 sam`` (``tests/passes/test_heldout_sam_prompts.py``; its TorchScript export only);
 * ``heldout_round18 musicgen`` (``tests/workers/test_heldout_musicgen.py``): ids of several codebooks in one input;
 * ``heldout_dec_round10 inkling2`` (``tests/passes/test_heldout_inkling_attention.py``): per-token sinks and
   attention over the layer blocks.
