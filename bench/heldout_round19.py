@@ -19,9 +19,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "out" / "heldout" / "round19"
-_RESNET = {"embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1]}
-_DETR = {"encoder_layers": 1, "decoder_layers": 1, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_queries": 8}  # fmt: skip
 
 
 def _models():
@@ -29,6 +26,7 @@ def _models():
     import transformers as tf
 
     from bench.heldout_round4 import _module
+    from bench.heldout_round18 import _DETR, _RESNET  # round 18's backbone and DETR sizes
 
     batch_axis = ((0, "batch"),)
 

@@ -79,20 +79,25 @@ def move_head_dim_scales(model: ir.Model) -> int:
                 continue
             if flat.dtype is not None and flat.dtype.numpy() != vector.dtype:  # type: ignore[union-attr]
                 continue
-            tiled = ir.Value(
-                name=f"{mul.name or 'query'}/scale_per_channel",
-                const_value=ir.tensor(np.tile(vector, width // vector.size)),
-            )
-            graph.register_initializer(tiled)
-            scaled = ir.node("Mul", [flat, tiled], name=f"{mul.name or 'query'}/scaled_before_heads")
-            scaled.outputs[0].dtype, scaled.outputs[0].shape = flat.dtype, flat.shape
-            graph.insert_before(reshape, scaled)
-            reshape.replace_input_with(0, scaled.outputs[0])
-            ir.convenience.replace_all_uses_with(mul.outputs[0], heads)
-            graph.remove(mul, safe=True)
+            _move(graph, mul, heads, reshape, scale=np.tile(vector, width // vector.size), what="scaled_before_heads")
             moved += 1
             break
     return moved
+
+
+def _move(graph: ir.Graph, mul: ir.Node, unscaled: ir.Value, at: ir.Node, *, scale: np.ndarray, what: str) -> None:
+    """``at``'s data input times ``scale`` (a Mul inserted before ``at``), and ``mul``'s readers given ``unscaled``."""
+    operand = at.inputs[0]
+    assert operand is not None  # the callers read its shape and type
+    name = mul.name or "query"
+    constant = ir.Value(name=f"{name}/{what}_scale", const_value=ir.tensor(scale))
+    graph.register_initializer(constant)
+    scaled = ir.node("Mul", [operand, constant], name=f"{name}/{what}")
+    scaled.outputs[0].dtype, scaled.outputs[0].shape = operand.dtype, operand.shape
+    graph.insert_before(at, scaled)
+    at.replace_input_with(0, scaled.outputs[0])
+    ir.convenience.replace_all_uses_with(mul.outputs[0], unscaled)
+    graph.remove(mul, safe=True)
 
 
 def _single(value: ir.Value) -> ir.Node | None:
@@ -152,14 +157,7 @@ def move_head_dim_scales_to_keys(model: ir.Model) -> int:
                 continue
             if key.shape is None or key.shape[-1] != vector.size:  # the head dimension, last
                 continue
-            scale = ir.Value(name=f"{mul.name or 'query'}/scale_on_keys", const_value=ir.tensor(vector))
-            graph.register_initializer(scale)
-            scaled = ir.node("Mul", [key, scale], name=f"{mul.name or 'query'}/keys_scaled")
-            scaled.outputs[0].dtype, scaled.outputs[0].shape = key.dtype, key.shape
-            graph.insert_before(transpose, scaled)
-            transpose.replace_input_with(0, scaled.outputs[0])
-            ir.convenience.replace_all_uses_with(mul.outputs[0], query)
-            graph.remove(mul, safe=True)
+            _move(graph, mul, query, transpose, scale=vector, what="keys_scaled")  # type: ignore[arg-type]
             moved += 1
             break
     return moved

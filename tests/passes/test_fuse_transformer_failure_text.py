@@ -1,4 +1,5 @@
-"""A fuse_transformer candidate that fails without a message still says where (issue 17, held-out round 7).
+"""A fuse_transformer candidate that fails without a message, or by a crash inside an engine, still says where
+(issue 17, held-out round 7 and decoder round 10).
 
 ORT's transformers optimizer rejected ViTDet's exports with a bare ``assert``; the report read "candidate ort
 rejected: AssertionError: " and nothing else. The line that raised is named now.
@@ -40,3 +41,18 @@ def test_ort_candidate_runs_when_the_head_count_is_unknown_but_the_hidden_size_i
     for heads, hidden in ((0, 32), (3, 32)):  # unknown, and a count that does not divide the width
         fused = _ort(proto, "bert", heads, hidden, Counter())
         assert len(fused.graph.node) > 0
+
+
+def test_an_engines_crash_names_the_line_it_raised_at() -> None:
+    def crash() -> None:
+        node = object()
+        node[0]  # type: ignore[index]  # ORT's fusion_simplified_layernorm indexing a NodeProto, in miniature
+
+    try:
+        crash()
+    except TypeError as exc:
+        text = _failure(exc)
+    assert text.startswith(
+        "TypeError: 'object' object is not subscriptable (raised at test_fuse_transformer_failure_text.py:"
+    )
+    assert "(crash: node[0]" in text
