@@ -13,6 +13,14 @@ report (issues 17/19), so that fuse_gqa, fuse_transformer and the per-layer reas
   export laid the narrower values out ``[B, N, T, H]`` beside wider keys, which ORT refuses. In the decoder
   families the SDPA rule now refuses it with fuse_gqa's reason; an encoder with narrower values (LeViT's
   attention) keeps its fusion, measured faster there.
+* **Keys laid out [B, S, H, d].** The SDPA rule records a key read as ``Transpose(k, [0, 2, 3, 1])`` as
+  ``key_format="BSHd"``; onnxscript's MultiHeadAttention rules read that tag on self-attention, but the
+  cross-attention rule transposes the key as if it were ``[B, H, S, d]``, trusting a shape check that a key with
+  as many positions as heads passes (DAB-DETR's 2 x 2 image tokens and 4 heads: wrong keys, refused by
+  verification, no attention fused). ``keys_heads_first`` gives such an SDPA the key ``Transpose(k, [0, 2, 1, 3])``
+  and the ``BHSd`` tag: the same product, in the layout every MHA rule reads right. A key that is a
+  ``[B, S, H, d]`` view of a ``[B, S, D]`` projection (BERT's, GPT-2's) is left: the self-attention rule takes it,
+  and reads the tag.
 """
 
 from __future__ import annotations
@@ -99,3 +107,34 @@ def mark(softmax: ir.Node, why: str) -> None:
 def marked(softmax: ir.Node) -> str | None:
     """Why the SDPA rule refused the attention ``softmax`` normalizes, if it did (``mark``)."""
     return softmax.metadata_props.get(_MARK)
+
+
+def keys_heads_first(model: ir.Model) -> int:
+    """Each onnxscript SDPA with a ``BSHd`` key given it heads first (module docstring); returns how many."""
+    done = 0
+    for node in list(model.graph):
+        if node.op_type != "SDPA" or node.domain != "ai.onnxruntime._fusion" or len(node.inputs) < 2:
+            continue
+        key = node.inputs[1]
+        if key is None or node.attributes.get_string("key_format", "BHSd") != "BSHd":
+            continue
+        if _head_view(key):  # self-attention's form: its rule reads the tag
+            continue
+        turned = ir.node("Transpose", [key], {"perm": [0, 2, 1, 3]}, name=f"{node.name or 'sdpa'}/key_heads_first")
+        turned.outputs[0].dtype = key.dtype
+        if key.shape is not None and key.shape.rank() == 4:
+            turned.outputs[0].shape = ir.Shape([key.shape[0], key.shape[2], key.shape[1], key.shape[3]])
+        model.graph.insert_before(node, turned)
+        node.replace_input_with(1, turned.outputs[0])
+        node.attributes["key_format"] = ir.AttrString("key_format", "BHSd")
+        done += 1
+    return done
+
+
+def _head_view(key: ir.Value) -> bool:
+    """``key`` is a Reshape of a rank-3 tensor: the ``[B, S, D]`` projection the self-attention MHA rule reads."""
+    reshape = key.producer()
+    if reshape is None or reshape.op_type != "Reshape" or not reshape.inputs or reshape.inputs[0] is None:
+        return False
+    shape = reshape.inputs[0].shape
+    return shape is not None and shape.rank() == 3

@@ -278,6 +278,10 @@ def fuse_for_ort(
     # reads; here, after the optimizer, which would fold the pair away (_key_transpose).
     counts["key_transposes_exposed"] = 0 if "sdpa" in cut else key_transpose.expose(model)
     fuse("sdpa", shape_inference=True)
+    # Ours: onnxscript's cross-attention MHA rule transposes SDPA's key as [B, H, S, d] whatever its key_format
+    # says; a [B, S, H, d] key (DAB-DETR's) whose S equals H passed its shape check and fused wrong (refused by
+    # verification): each such key is given heads first, explicitly, as every MHA rule reads it (_kernel_fit).
+    counts["sdpa_keys_heads_first"] = 0 if "sdpa" in cut else kernel_fit.keys_heads_first(model)
     # onnxscript's GQA rewrite computes seqlens_k as the row maximum of the RotaryEmbedding's [batch, sequence]
     # position_ids; fuse_rotary gives a rotation whose table is cut to the sequence the kernel's one-element
     # start instead, on which that ReduceMax is invalid (the candidate failed to load): MultiHeadAttention there.

@@ -10,6 +10,7 @@ MultiHeadAttention as ``[B, N, T, H]`` keys and values of different widths, whic
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper
@@ -78,4 +79,54 @@ def test_values_narrower_than_keys_stay_flat_for_multi_head_attention_and_run_ex
     assert mha.inputs[1].shape.rank() == mha.inputs[2].shape.rank() == 3  # flat: ORT takes two widths so
     shapes = [{"q": (2, 2, 5, 16), "k": (2, 2, 5, 16), "v": (2, 2, 5, 8)}]
     shapes.append({"q": (1, 2, 11, 16), "k": (1, 2, 11, 16), "v": (1, 2, 11, 8)})
+    assert_equivalent(proto, model, shapes, rtol=1e-5, atol=1e-5)
+
+
+def _cross_attention_keys_sequence_first() -> onnx.ModelProto:
+    """Cross attention whose keys, per-head halves joined on the last axis, stay ``[B, T, H, d]`` until
+    ``Transpose(k, [0, 2, 3, 1])`` gives k^T, with as many keys as heads (T = H = 4: DAB-DETR's 2 x 2 image tokens),
+    values ``[B, H, T, d]``."""
+    rng = np.random.default_rng(0)
+    weights = {n: rng.standard_normal((16, 16)).astype(np.float32) / 4 for n in ("wq", "wk", "wv")}
+    shapes = {"q4": [0, 0, 4, 4], "k4": [0, 0, 4, 4], "k_half": [0, 0, 4, 2], "halves": [8, 8], "out3": [0, 0, 16]}
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"]),
+        helper.make_node("Reshape", ["q", "q4"], ["q_heads"]),
+        helper.make_node("Transpose", ["q_heads"], ["qh"], perm=[0, 2, 1, 3]),
+        # [B, T, H, d] from per-head content and position halves (DAB-DETR's), never transposed to heads first
+        helper.make_node("MatMul", ["memory", "wk"], ["k"]),
+        helper.make_node("Split", ["k", "halves"], ["k_content", "k_position"], axis=2),
+        helper.make_node("Reshape", ["k_content", "k_half"], ["k_content_heads"]),
+        helper.make_node("Reshape", ["k_position", "k_half"], ["k_position_heads"]),
+        helper.make_node("Concat", ["k_content_heads", "k_position_heads"], ["k_heads"], axis=3),
+        helper.make_node("Transpose", ["k_heads"], ["kt"], perm=[0, 2, 3, 1]),
+        helper.make_node("MatMul", ["memory", "wv"], ["v"]),
+        helper.make_node("Reshape", ["v", "k4"], ["v_heads"]),
+        helper.make_node("Transpose", ["v_heads"], ["vh"], perm=[0, 2, 1, 3]),
+        helper.make_node("MatMul", ["qh", "kt"], ["qk"]),
+        helper.make_node("Mul", ["qk", "scale"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "vh"], ["context"]),
+        helper.make_node("Transpose", ["context"], ["merged"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["merged", "out3"], ["out"]),
+    ]
+    inits = [helper.make_tensor("scale", F, [], [0.5])]
+    inits += [helper.make_tensor(n, F, list(w.shape), w.reshape(-1)) for n, w in weights.items()]
+    inits += [helper.make_tensor(n, TensorProto.INT64, [len(v)], v) for n, v in shapes.items()]
+    inputs = [
+        helper.make_tensor_value_info("x", F, ["batch", "queries", 16]),
+        helper.make_tensor_value_info("memory", F, ["batch", 4, 16]),
+    ]
+    graph = helper.make_graph(nodes, "cross", inputs, [helper.make_tensor_value_info("out", F, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_cross_attention_keys_sequence_first_fuse_right_when_as_many_as_the_heads() -> None:
+    proto = _cross_attention_keys_sequence_first()
+    model = ir.serde.deserialize_model(proto)
+    ir.passes.common.ShapeInferencePass()(model)
+    counts = adapter.fuse_for_ort(model, stop_before="mha")
+    assert counts["sdpa_keys_heads_first"] == 1
+    assert op_histogram(model)["com.microsoft::MultiHeadAttention"] == 1
+    shapes = [{"x": (2, 3, 16), "memory": (2, 4, 16)}, {"x": (1, 7, 16), "memory": (1, 4, 16)}]
     assert_equivalent(proto, model, shapes, rtol=1e-5, atol=1e-5)

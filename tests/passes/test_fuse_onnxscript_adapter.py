@@ -68,6 +68,7 @@ OURS = (
     "folded_heads_mha",
     "scores_scale_copied",
     "key_transposes_exposed",
+    "sdpa_keys_heads_first",
     "tanh_gelu",
     "erf_gelu_half_first",
     "noop_bias_expands",
