@@ -455,48 +455,33 @@ def _reshape_target(value: ir.Value | None, data: ir.Value | None) -> list[int |
     return pieces
 
 
-def _axis_of(value: ir.Value | None, data: ir.Value | None) -> int | None:
-    """The axis of ``data`` whose size ``value`` is (one element), else None."""
+def _axis_of(value: ir.Value | None, data: ir.Value | None = None) -> int | None:
+    """The axis of ``data`` (of any tensor, without ``data``) whose size ``value`` is, one element read as
+    ``Gather(Shape(x), i)`` or ``Shape(x, start=i, end=i + 1)`` through a Cast, Squeeze or Unsqueeze; else None.
+    A negative index is not resolved (None)."""
     node = value.producer() if value is not None else None
     while node is not None and node.op_type in ("Cast", "Squeeze", "Unsqueeze") and node.inputs:
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if node is None or data is None:
+    if node is None:
         return None
-    if node.op_type == "Shape" and node.inputs[0] is data:
+    if node.op_type == "Shape" and (data is None or node.inputs[0] is data):
         start, end = node.attributes.get_int("start", 0), node.attributes.get_int("end", 0)
         return start if end == start + 1 and start >= 0 else None
     if node.op_type == "Gather" and len(node.inputs) == 2 and node.inputs[0] is not None:
         shape, index = node.inputs[0].producer(), const_array(node.inputs[1])
-        if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not data or index is None or index.size != 1:
+        if shape is None or shape.op_type != "Shape" or (data is not None and shape.inputs[0] is not data):
             return None
-        return int(index.reshape(())) + shape.attributes.get_int("start", 0)
+        start = shape.attributes.get_int("start", 0)
+        if index is None or index.size != 1 or int(index.reshape(())) < 0 or start < 0:
+            return None
+        return int(index.reshape(())) + start
     return None
 
 
 def _leading_size(value: ir.Value | None) -> bool:
     """Whether ``value`` is a tensor's leading size: ``Gather(Shape(x), 0)`` or ``Shape(x, start=0, end=1)``
     (through a Cast or a Squeeze)."""
-    node = value.producer() if value is not None else None
-    while node is not None and node.op_type in ("Cast", "Squeeze", "Unsqueeze") and node.inputs:
-        node = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if node is None:
-        return False
-    if node.op_type == "Shape":
-        start = node.attributes.get_int("start", 0)
-        end = node.attributes.get_int("end", 0)
-        return start == 0 and end == 1
-    if node.op_type == "Gather" and len(node.inputs) == 2 and node.inputs[0] is not None:
-        shape = node.inputs[0].producer()
-        index = const_array(node.inputs[1])
-        return (
-            shape is not None
-            and shape.op_type == "Shape"
-            and shape.attributes.get_int("start", 0) == 0
-            and index is not None
-            and index.size == 1
-            and int(index.reshape(())) == 0
-        )
-    return False
+    return _axis_of(value) == 0
 
 
 CAUSAL_LM_MASK = (

@@ -146,20 +146,17 @@ def _attention_left_by_design(softmax: ir.Node, family: str | None = None) -> st
             "cross-covariance attention, EdgeNeXt's and XCiT's), and the fused attention kernels take one scalar "
             "scale"
         )
-    if sink_column.is_sink_column(softmax) and sink_column.sink_computed(softmax):
-        return (
-            "its scores take an attention sink as a softmax column computed per token (a projection of the states, "
-            "not one learned logit per head): GroupQueryAttention's head_sink is one constant per head and "
-            "MultiHeadAttention has no sink input; written as one more key with a zero value and the sink in the "
-            "bias it fuses exactly but measured slower than unfused (1.45x at 128 tokens, 1.55x at 512: "
-            "bench/sink_attention_ab.py), so this layer stays unfused"
-        )
     if sink_column.is_sink_column(softmax):
+        gqa = (
+            " computed per token (a projection of the states, not one learned logit per head): GroupQueryAttention's "
+            "head_sink is one constant per head"
+            if sink_column.sink_computed(softmax)
+            else ": GroupQueryAttention takes sinks only causal (fuse_gqa's reason for this layer says why not here)"
+        )
         return (
-            "its scores take an attention sink as a softmax column: GroupQueryAttention takes sinks only causal "
-            "(fuse_gqa's reason for this layer says why not here) and MultiHeadAttention has no sink input; written "
-            "as one more key with a zero value and the sink in the bias it fuses exactly but measured slower than "
-            "unfused (1.45x at 128 tokens, 1.55x at 512: bench/sink_attention_ab.py), so this layer stays unfused"
+            f"its scores take an attention sink as a softmax column{gqa} and MultiHeadAttention has no sink input; "
+            "written as one more key with a zero value and the sink in the bias it fuses exactly but measured slower "
+            "than unfused (1.45x at 128 tokens, 1.55x at 512: bench/sink_attention_ab.py), so this layer stays unfused"
         )
     if (why := kernel_fit.marked(softmax)) is not None:
         return why

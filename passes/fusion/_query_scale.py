@@ -43,6 +43,14 @@ def _vector(value: ir.Value | None) -> np.ndarray | None:
     return array.reshape(-1)
 
 
+def _vector_operands(mul: ir.Node) -> list[tuple[ir.Value, np.ndarray]]:
+    """Each (operand, vector) reading of an ONNX ``Mul`` of two inputs whose other input is a ``_vector``."""
+    if mul.op_type != "Mul" or mul.domain not in _ONNX or len(mul.inputs) != 2:
+        return []
+    readings = ((mul.inputs[side], _vector(mul.inputs[1 - side])) for side in (0, 1))
+    return [(operand, vector) for operand, vector in readings if operand is not None and vector is not None]
+
+
 def _reaches_scores(value: ir.Value) -> bool:
     """``value`` is the first operand of a MatMul, directly or through one Mul by a scalar constant."""
     for use in value.uses():
@@ -61,12 +69,9 @@ def move_head_dim_scales(model: ir.Model) -> int:
     graph = model.graph
     moved = 0
     for mul in list(graph):
-        if mul.op_type != "Mul" or mul.domain not in _ONNX or len(mul.inputs) != 2:
-            continue
-        for side in (0, 1):
-            heads, vector = mul.inputs[side], _vector(mul.inputs[1 - side])
-            transpose = heads.producer() if heads is not None else None
-            if vector is None or transpose is None or transpose.op_type != "Transpose":
+        for heads, vector in _vector_operands(mul):
+            transpose = heads.producer()
+            if transpose is None or transpose.op_type != "Transpose":
                 continue
             if list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3] or len(list(heads.uses())) != 1:
                 continue
@@ -136,11 +141,8 @@ def move_head_dim_scales_to_keys(model: ir.Model) -> int:
     graph = model.graph
     moved = 0
     for mul in list(graph):
-        if mul.op_type != "Mul" or mul.domain not in _ONNX or len(mul.inputs) != 2:
-            continue
-        for side in (0, 1):
-            query, vector = mul.inputs[side], _vector(mul.inputs[1 - side])
-            if query is None or vector is None or query.shape is None or query.shape.rank() != 4:
+        for query, vector in _vector_operands(mul):
+            if query.shape is None or query.shape.rank() != 4:
                 continue
             if query.shape[-1] != vector.size:
                 continue
